@@ -1,0 +1,32 @@
+"""mpickpt: consistent global checkpoints for PyTorch jobs launched with MPI."""
+
+from .checkpointer import Checkpointer, RestoreInfo, SaveHandle, SaveResult
+from .errors import (
+    CheckpointError,
+    CollectiveTimeout,
+    ManifestError,
+    SaveAborted,
+    ShardError,
+    StateMismatchError,
+    StateTreeError,
+    WorldSizeMismatchError,
+)
+from .state_tree import RNGState
+
+__version__ = "0.1.0"
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CollectiveTimeout",
+    "ManifestError",
+    "RNGState",
+    "RestoreInfo",
+    "SaveAborted",
+    "SaveHandle",
+    "SaveResult",
+    "ShardError",
+    "StateMismatchError",
+    "StateTreeError",
+    "WorldSizeMismatchError",
+    "__version__",
+]

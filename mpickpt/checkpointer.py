@@ -1,0 +1,406 @@
+"""The Checkpointer: consistent global checkpoints by two-phase commit, and coordinated restore.
+
+save: every rank writes its shard into ``step-XXXXXXXX.partial-<run>/`` and fsyncs it (prepare);
+an allreduce MIN of success flags decides (vote); rank 0 then writes MANIFEST.json (temp, fsync,
+rename), renames the directory to ``step-XXXXXXXX`` and fsyncs ROOT (commit), and tells every rank.
+If any rank failed, every rank learns which and why, the partial directory is removed, and the
+older checkpoints stay as they were (abort).
+
+restore: rank 0 lists the checkpoints newest first and broadcasts each manifest; every rank checks
+that the checkpoint fits its state, reads its shard and verifies sizes and checksums; an allreduce
+decides. Only when every rank succeeded is anything copied into the state; otherwise all ranks move
+to the next older checkpoint, and the report names the rank, the file and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from . import faults, layout, log, snapshot, state_tree
+from .checksum import DEFAULT_BLOCK
+from .errors import (
+    CheckpointError,
+    CollectiveTimeout,
+    ManifestError,
+    SaveAborted,
+    ShardError,
+    StateMismatchError,
+    StateTreeError,
+    WorldSizeMismatchError,
+)
+from .manifest import NAME as MANIFEST
+from .manifest import Manifest, RankEntry, shard_name
+from .protocol import DEFAULT_TIMEOUT, Protocol
+from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord, read_shard
+
+T = TypeVar("T")
+# the job is aborted with this code when a collective misses its deadline
+EXIT_COLLECTIVE_TIMEOUT = 75
+
+# restore verdicts, combined with MAX over ranks
+_OK, _CORRUPT, _MISMATCH = 0, 1, 2
+
+
+@dataclass
+class SaveResult:
+    """What became of one save; the same on every rank."""
+
+    step: int
+    committed: bool
+    path: str | None = None
+    error: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """Returned by :meth:`Checkpointer.save`; ``wait()`` gives the :class:`SaveResult`."""
+
+    def __init__(self, result: SaveResult, raise_on_error: bool) -> None:
+        self._result = result
+        self._raise = raise_on_error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        if self._raise and not self._result.committed:
+            raise SaveAborted(self._result.error)
+        return self._result
+
+
+@dataclass
+class RestoreInfo:
+    """What :meth:`Checkpointer.restore` loaded, and which newer checkpoints it skipped and why."""
+
+    step: int | None
+    path: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Save and restore consistent global checkpoints of every rank's state under ``root``.
+
+    Collective over ``comm`` (``MPI.COMM_WORLD`` by default): every rank constructs it, calls
+    ``save`` with the same steps and ``restore`` together. ``keep`` committed checkpoints are kept
+    (all when None). A failed save is reported on every rank and training goes on
+    (``on_error="warn"``), or raises :class:`SaveAborted` from ``wait()`` (``on_error="raise"``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        comm: Any = None,
+        keep: int | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        io_threads: int = 4,
+        alignment: int = DEFAULT_ALIGNMENT,
+        checksum_block: int = DEFAULT_BLOCK,
+        on_error: str = "warn",
+    ) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep = keep
+        self.io_threads = io_threads
+        self.alignment = alignment
+        self.block = checksum_block
+        self.on_error = on_error
+        self._proto = Protocol(comm, timeout)
+        self.rank, self.world_size = self._proto.rank, self._proto.size
+        self.log = log.setup(self.rank)
+        self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
+        self.restore_info: RestoreInfo | None = None
+        self._closed = False
+        self._collective(self._prepare_root, "init", root_only=True)
+
+    # ---------------------------------------------------------------------------------- plumbing
+
+    def _collective(self, fn: Callable[[], T], phase: str, root_only: bool = False) -> T:
+        """Run ``fn`` (on rank 0 only, or on all ranks) and raise on every rank if it failed
+        anywhere; with ``root_only`` every rank gets rank 0's result."""
+        value, err = None, None
+        if self.rank == 0 or not root_only:
+            try:
+                value = fn()
+            except Exception as e:
+                err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        try:
+            if root_only:
+                value, err = self._proto.bcast((value, err), phase)
+            elif not self._proto.all_ok(err is None, phase):
+                raise CheckpointError("; ".join(filter(None, self._proto.allgather(err, phase))))
+        except CollectiveTimeout as e:
+            self._timed_out(e)
+        if err is not None:
+            raise CheckpointError(f"{phase} failed: {err}")
+        return value  # type: ignore[return-value]
+
+    def _timed_out(self, e: CollectiveTimeout) -> None:
+        self.log.error("%s; aborting the job (exit code %d), the last committed checkpoint stays "
+                       "loadable", e, EXIT_COLLECTIVE_TIMEOUT)
+        self._proto.abort(EXIT_COLLECTIVE_TIMEOUT)
+
+    def _prepare_root(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        for path in layout.leftovers(self.root, self.run_id):
+            self.log.info("removing %s, left by an earlier run that did not finish its save", path)
+            layout.remove(path, self.run_id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+
+    # -------------------------------------------------------------------------------------- save
+
+    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None = None
+             ) -> SaveHandle:
+        """Checkpoint ``state`` as ``step`` on every rank, all or nothing; collective."""
+        self._check_open()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        t0 = time.perf_counter()
+        partial = os.path.join(self.root, layout.partial_name(step, self.run_id))
+        entry, err, user_error = None, None, None
+        stats: dict[str, float] = {}
+        try:
+            faults.hit("before-snapshot", self.rank, step)
+            json.dumps(metadata or {}, allow_nan=False)
+            tree, tensors = state_tree.flatten(state)
+            host = snapshot.to_host(tensors)
+            stats["snapshot_s"] = time.perf_counter() - t0
+            os.makedirs(partial, exist_ok=True)
+            entry = self._write_shard(partial, step, tree, host)
+            stats["write_s"] = time.perf_counter() - t0 - stats["snapshot_s"]
+            faults.hit("after-fsync-before-vote", self.rank, step)
+        except StateTreeError as e:
+            err, user_error = str(e), e
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        try:
+            result = self._vote_and_commit(step, partial, entry, err, metadata or {}, stats)
+        except CollectiveTimeout as e:
+            self._timed_out(e)
+            raise
+        stats["total_s"] = time.perf_counter() - t0
+        if user_error is not None:
+            raise user_error
+        if result.committed:
+            self._after_commit(result)
+        else:
+            self.log.error("checkpoint of step %d aborted on all ranks: %s; the previous "
+                           "checkpoints are untouched and training goes on", step, result.error)
+        return SaveHandle(result, self.on_error == "raise")
+
+    def _write_shard(self, partial: str, step: int, tree: dict[str, Any],
+                     host: dict[str, Any]) -> RankEntry:
+        path = os.path.join(partial, shard_name(self.rank))
+        writer = ShardWriter(
+            path, host,
+            {"rank": self.rank, "step": step, "world_size": self.world_size,
+             "tree": json.dumps(tree, allow_nan=False)},
+            alignment=self.alignment,
+        )
+        try:
+            writer.write(host, block=self.block, threads=self.io_threads,
+                         on_block=lambda: faults.hit("mid-write", self.rank, step))
+            size = writer.seal()
+        except BaseException:
+            writer.close()
+            raise
+        return RankEntry(self.rank, shard_name(self.rank), size, tree, writer.records)
+
+    def _vote_and_commit(self, step: int, partial: str, entry: RankEntry | None,
+                         err: str | None, metadata: dict[str, Any],
+                         stats: dict[str, float]) -> SaveResult:
+        if not self._proto.all_ok(err is None, "vote"):
+            reasons = self._proto.allgather(err, "abort")
+            why = "; ".join(f"rank {r}: {m}" for r, m in enumerate(reasons) if m)
+            if self.rank == 0:
+                self._discard(partial)
+            return SaveResult(step, False, error=why, stats=stats)
+        entries = self._proto.gather(asdict(entry) if entry else None, "gather")
+        outcome: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
+            t = time.perf_counter()
+            try:
+                faults.hit("after-vote-before-manifest", 0, step)
+                ranks = [RankEntry(**{**e, "tensors": [TensorRecord(**r) for r in e["tensors"]]})
+                         for e in entries or []]
+                manifest = Manifest(step, self.world_size, self.run_id, ranks, metadata,
+                                    checksum_block=self.block)
+                outcome = (self._commit(partial, manifest), None)
+                stats["commit_s"] = time.perf_counter() - t
+                stats["bytes"] = manifest.total_bytes
+            except Exception as e:
+                outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}")
+                self._discard(partial)
+        path, error = self._proto.bcast(outcome, "commit")
+        return SaveResult(step, error is None, path=path, error=error, stats=stats)
+
+    def _commit(self, partial: str, manifest: Manifest) -> str:
+        """Publish: manifest into the partial directory, then the directory into place."""
+        layout.atomic_write(
+            os.path.join(partial, MANIFEST), manifest.to_json().encode(),
+            on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
+        )
+        final = os.path.join(self.root, layout.step_name(manifest.step))
+        if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
+            layout.remove(final, self.run_id)
+        os.rename(partial, final)
+        layout.fsync_dir(self.root)
+        return final
+
+    def _discard(self, partial: str) -> None:
+        try:
+            if os.path.lexists(partial):
+                layout.remove(partial, self.run_id)
+        except OSError as e:
+            self.log.warning("could not remove %s (%s); it is removed at the next start",
+                             partial, e)
+
+    def _after_commit(self, result: SaveResult) -> None:
+        if self.rank != 0:
+            return
+        s = result.stats
+        gb = s.get("bytes", 0) / 1e9
+        self.log.info("checkpoint step %d committed: %.3f GB in %.2f s (%.2f GB/s) -> %s",
+                      result.step, gb, s["total_s"], gb / max(s["total_s"], 1e-9), result.path)
+        with open(os.path.join(self.root, "stats.jsonl"), "a") as f:
+            f.write(json.dumps({"step": result.step, "time": time.time(), **s}) + "\n")
+        faults.hit("after-commit-before-retention", 0, result.step)
+        if self.keep is None:
+            return
+        for step, path in layout.committed(self.root)[self.keep:]:
+            if step != result.step:
+                self.log.info("retention (keep=%d): removing step %d", self.keep, step)
+                layout.remove(path, self.run_id)
+
+    # ----------------------------------------------------------------------------------- restore
+
+    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
+        """Load the newest checkpoint that every rank can load (or ``step``) into ``state`` in
+        place; return its step, or None when there is none. Collective.
+
+        Details, including skipped checkpoints and the user metadata, are in ``restore_info``.
+        """
+        self._check_open()
+        candidates = self._collective(
+            lambda: layout.committed(self.root, require_manifest=False), "list", root_only=True)
+        if step is not None:
+            candidates = [c for c in candidates if c[0] == step]
+            if not candidates:
+                raise CheckpointError(f"no checkpoint of step {step} under {self.root}")
+        info = RestoreInfo(None)
+        for cand_step, path in candidates:
+            try:
+                verdict, loaded = self._try_restore(state, path)
+            except CollectiveTimeout as e:
+                self._timed_out(e)
+                raise
+            if verdict is None:
+                info.step, info.path, info.metadata = cand_step, path, loaded
+                break
+            info.skipped.append((cand_step, verdict))
+            if self.rank == 0:
+                self.log.warning("checkpoint step %d cannot be restored, falling back: %s",
+                                 cand_step, verdict)
+            if step is not None:
+                raise CheckpointError(f"checkpoint step {step} cannot be restored: {verdict}")
+        self.restore_info = info
+        if self.rank == 0:
+            if info.step is None:
+                self.log.info("no loadable checkpoint under %s: fresh start%s", self.root,
+                              f" ({len(info.skipped)} skipped)" if info.skipped else "")
+            else:
+                self.log.info("restored step %d from %s", info.step, info.path)
+        return info.step
+
+    def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
+        """(text, None) or (None, reason), on rank 0."""
+        mpath = os.path.join(path, MANIFEST)
+        try:
+            fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            return None, f"{mpath}: cannot open: {e.strerror}"
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size > (1 << 30):
+                return None, f"{mpath}: {size} bytes is too large for a manifest"
+            return f.read().decode("utf-8", errors="replace"), None
+
+    def _try_restore(self, state: dict[str, Any], path: str
+                     ) -> tuple[str | None, dict[str, Any]]:
+        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be."""
+        text, reason = self._proto.bcast(
+            self._read_manifest(path) if self.rank == 0 else None, "manifest")
+        if text is None:
+            return reason, {}
+        try:
+            manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
+        except ManifestError as e:
+            return str(e), {}
+        if manifest.world_size != self.world_size:
+            raise WorldSizeMismatchError(
+                f"{path} was written by {manifest.world_size} ranks, this job has "
+                f"{self.world_size}; restore it with the same number of ranks"
+            )
+        entry = manifest.ranks[self.rank]
+        shard_path = os.path.join(path, entry.file)
+        verdict, err, arrays = _OK, None, {}
+        try:
+            specs = {r.name: state_tree.ArraySpec(r.dtype, tuple(r.shape)) for r in entry.tensors}
+            state_tree.apply(entry.tree, state, specs, dry_run=True)
+            arrays = read_shard(
+                self.rank, shard_path, entry.tensors, entry.bytes,
+                block=manifest.checksum_block, threads=self.io_threads,
+                on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
+            )
+        except StateMismatchError as e:
+            verdict, err = _MISMATCH, f"rank {self.rank}: {shard_path}: {e}"
+        except ShardError as e:
+            verdict, err = _CORRUPT, str(e)
+        except Exception as e:
+            verdict, err = _CORRUPT, f"rank {self.rank}: {shard_path}: {type(e).__name__}: {e}"
+        verdict = self._proto.max(verdict, "verify")
+        if verdict != _OK:
+            arrays.clear()
+            reasons = "; ".join(filter(None, self._proto.allgather(err, "verify-report")))
+            if verdict == _MISMATCH:
+                raise StateMismatchError(
+                    f"checkpoint {path} does not fit the state being restored: {reasons}")
+            return reasons, {}
+        err = None
+        try:
+            state_tree.apply(entry.tree, state, arrays)
+        except Exception as e:
+            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        if not self._proto.all_ok(err is None, "apply"):
+            reasons = "; ".join(filter(None, self._proto.allgather(err, "apply-report")))
+            raise StateMismatchError(
+                f"loading {path} into the state failed after verification; the state is only "
+                f"partly restored, restart the job: {reasons}")
+        return None, manifest.metadata
+
+    # ------------------------------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Wait for the last save and release the private communicator. Collective."""
+        if not self._closed:
+            self._closed = True
+            self._proto.free()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,58 @@
+"""Fault injection for tests: ``MPICKPT_FAULT="phase:rank:action[:step],..."``.
+
+Phases: before-snapshot, mid-write, after-fsync-before-vote, after-vote-before-manifest,
+mid-manifest-write, after-commit-before-retention, mid-restore-read. Rank ``*`` means every rank;
+step, when given, limits the fault to the save or restore of that step. Actions:
+``kill`` (SIGKILL self), ``raise`` (:class:`~mpickpt.errors.FaultInjected`), ``hang`` (sleep
+forever), ``exit`` (``os._exit(17)``). Unset, :func:`hit` is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from .errors import FaultInjected
+
+PHASES = (
+    "before-snapshot", "mid-write", "after-fsync-before-vote", "after-vote-before-manifest",
+    "mid-manifest-write", "after-commit-before-retention", "mid-restore-read",
+)
+ACTIONS = ("kill", "raise", "hang", "exit")
+EXIT_CODE = 17
+
+
+def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
+    out: dict[str, list[tuple[str, str, int | None]]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in PHASES or parts[2] not in ACTIONS:
+            raise ValueError(
+                f"MPICKPT_FAULT item {item!r} is not phase:rank:action[:step] with phase in "
+                f"{PHASES} and action in {ACTIONS}"
+            )
+        step = int(parts[3]) if len(parts) == 4 else None
+        out.setdefault(parts[0], []).append((parts[1], parts[2], step))
+    return out
+
+
+_FAULTS = _parse(os.environ.get("MPICKPT_FAULT", ""))
+
+
+def hit(phase: str, rank: int, step: int | None = None) -> None:
+    """Carry out the fault configured for this phase, rank and step, if any."""
+    if not _FAULTS:
+        return
+    for who, action, at in _FAULTS.get(phase, ()):
+        if who not in ("*", str(rank)) or (at is not None and at != step):
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "raise":
+            raise FaultInjected(f"injected fault at {phase} on rank {rank}")
+        elif action == "hang":
+            while True:
+                time.sleep(3600)
+        elif action == "exit":
+            os._exit(EXIT_CODE)

@@ -1,0 +1,140 @@
+"""MANIFEST.json: the record that makes a checkpoint exist.
+
+Rules, in one place:
+
+* A checkpoint exists if and only if ``ROOT/step-XXXXXXXX/MANIFEST.json`` is there; it is written
+  into the partial directory (temp file, fsync, rename) before that directory is renamed into place.
+* ``version`` is checked exactly: a manifest of another format or version is refused.
+* Rank ``r``'s shard is the file ``rank-{r:05d}.h5`` beside the manifest; any other name (a path,
+  ``..``, an absolute path) is refused, so a manifest cannot point outside its directory.
+* ``bytes`` is the exact size of the shard; every tensor record must fit in it (see
+  :func:`mpickpt.shard.check_records`), and its ``checksums`` cover ``checksum_block``-byte blocks.
+* ``tree`` is the rank's state tree (see :mod:`mpickpt.state_tree`), plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import checksum
+from .errors import ManifestError
+from .shard import TensorRecord
+
+NAME = "MANIFEST.json"
+FORMAT = "mpickpt"
+VERSION = 1
+MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.h5"
+
+
+@dataclass
+class RankEntry:
+    """One rank's shard: file name, exact byte size, state tree and tensor records."""
+
+    rank: int
+    file: str
+    bytes: int
+    tree: dict[str, Any]
+    tensors: list[TensorRecord]
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    run_id: str
+    ranks: list[RankEntry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    checksum_algorithm: str = checksum.ALGORITHM
+    checksum_block: int = checksum.DEFAULT_BLOCK
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.ranks)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        return json.dumps(d, indent=1, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> Manifest:
+        """Parse and validate; every problem is a :class:`ManifestError` naming ``where``."""
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        try:
+            return _parse(d)
+        except _Bad as e:
+            raise ManifestError(f"{where}: {e}") from None
+
+
+class _Bad(Exception):
+    pass
+
+
+def _get(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise _Bad(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise _Bad(f"{where}: field {key!r} has type {type(v).__name__}")
+    return v
+
+
+def _parse(d: Any) -> Manifest:
+    fmt = _get(d, "format", str, "manifest")
+    version = _get(d, "version", int, "manifest")
+    if fmt != FORMAT or version != VERSION:
+        raise _Bad(f"format {fmt!r} version {version} is not {FORMAT!r} version {VERSION}; "
+                   "use the mpickpt release that wrote it")
+    world = _get(d, "world_size", int, "manifest")
+    block = _get(d, "checksum_block", int, "manifest")
+    algo = _get(d, "checksum_algorithm", str, "manifest")
+    if algo != checksum.ALGORITHM or block <= 0:
+        raise _Bad(f"checksum {algo!r} with block {block} is not supported")
+    ranks_raw = _get(d, "ranks", list, "manifest")
+    if world <= 0 or len(ranks_raw) != world:
+        raise _Bad(f"world_size {world} but {len(ranks_raw)} rank entries")
+    ranks = []
+    for i, r in enumerate(ranks_raw):
+        w = f"rank entry {i}"
+        if _get(r, "rank", int, w) != i:
+            raise _Bad(f"{w}: rank field is {r['rank']}")
+        name = _get(r, "file", str, w)
+        if name != shard_name(i):
+            raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r}")
+        size = _get(r, "bytes", int, w)
+        if size < 0:
+            raise _Bad(f"{w}: negative size")
+        tensors = []
+        for j, t in enumerate(_get(r, "tensors", list, w)):
+            tw = f"{w} tensor {j}"
+            shape = _get(t, "shape", list, tw)
+            sums = _get(t, "checksums", list, tw)
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+                raise _Bad(f"{tw}: shape {shape!r} is not a list of integers")
+            if not all(isinstance(x, str) for x in sums):
+                raise _Bad(f"{tw}: checksums are not strings")
+            tensors.append(TensorRecord(
+                _get(t, "name", str, tw), _get(t, "dtype", str, tw), shape,
+                _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
+            ))
+        ranks.append(RankEntry(i, name, size, _get(r, "tree", dict, w), tensors))
+    created = _get(d, "created", (int, float), "manifest")
+    return Manifest(
+        step=_get(d, "step", int, "manifest"), world_size=world,
+        run_id=_get(d, "run_id", str, "manifest"), ranks=ranks,
+        metadata=_get(d, "metadata", dict, "manifest"), created=float(created),
+        checksum_algorithm=algo, checksum_block=block,
+    )

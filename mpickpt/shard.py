@@ -1,0 +1,262 @@
+"""The shard file: one HDF5 file per rank, one contiguous aligned dataset per tensor.
+
+h5py lays the file out (datasets allocated early, never filled, aligned to ``alignment`` bytes) and
+reports each dataset's byte offset; the tensor bytes are then written with plain ``pwrite`` at those
+offsets by several threads, hashing each block on the way, so HDF5 costs no bandwidth. The file
+stays an ordinary HDF5 file: ``h5py``/``h5dump`` read it, with attributes ``torch_dtype``, ``shape``
+and ``xxh3_64`` on each dataset and the JSON tree on the root.
+
+Reading never goes through HDF5: the manifest's records (offset, size, checksums) drive positional
+reads, checked against the real file size first, so a hostile file cannot make the reader allocate
+more than it holds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+import torch
+
+from . import checksum, dtypes
+from .errors import ShardError
+
+FORMAT = "mpickpt-shard"
+VERSION = 1
+DEFAULT_ALIGNMENT = 1 << 20
+TENSORS_GROUP = "tensors"
+
+
+@dataclass
+class TensorRecord:
+    """Where one tensor lies in its shard, and the checksums of its blocks."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    checksums: list[str] = field(default_factory=list)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _dataset_path(name: str) -> str:
+    return f"{TENSORS_GROUP}/{name}"
+
+
+def _io_tasks(records: Iterable[TensorRecord], block: int) -> list[tuple[int, int]]:
+    """(record index, block index) for every block of every record, largest tensors first."""
+    order = sorted(enumerate(records), key=lambda r: -r[1].nbytes)
+    return [(i, b) for i, r in order for b in range(checksum.block_count(r.nbytes, block))]
+
+
+def _run(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], threads: int) -> None:
+    """Run ``fn(*task)`` for every task on ``threads`` threads; the first error cancels the rest."""
+    if threads <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            fn(*t)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="mpickpt-io") as pool:
+        futures = [pool.submit(fn, *t) for t in tasks]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+class ShardWriter:
+    """Create a shard's layout, fill it from host tensors, then seal it (checksums, fsync)."""
+
+    def __init__(
+        self,
+        path: str,
+        tensors: Mapping[str, torch.Tensor],
+        attrs: Mapping[str, str | int],
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
+        self.path = path
+        self.records: list[TensorRecord] = []
+        self._h5 = h5py.File(
+            path, "w", libver=("v108", "v110"),
+            alignment_threshold=alignment, alignment_interval=alignment,
+        )
+        try:
+            self._layout(tensors, attrs)
+            self._fd = os.open(path, os.O_WRONLY)
+        except BaseException:
+            self._h5.close()
+            raise
+
+    def _layout(self, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str | int]) -> None:
+        f = self._h5
+        f.attrs["mpickpt_format"] = FORMAT
+        f.attrs["mpickpt_version"] = VERSION
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        lcpl.set_create_intermediate_group(True)
+        for name, t in tensors.items():
+            dname = dtypes.name_of(t.dtype)
+            shape = tuple(t.shape)
+            space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+            tid = h5py.h5t.py_create(dtypes.storage_dtype(dname))
+            ds = h5py.h5d.create(
+                f.id, _dataset_path(name).encode(), tid, space, dcpl=dcpl, lcpl=lcpl
+            )
+            nbytes = t.numel() * t.element_size()
+            offset = ds.get_offset() if nbytes else 0
+            if offset is None:
+                raise OSError(f"{self.path}: HDF5 gave no offset for dataset {name!r}")
+            dset = f[_dataset_path(name)]
+            dset.attrs["torch_dtype"] = dname
+            dset.attrs["shape"] = np.asarray(shape, dtype=np.int64)
+            self.records.append(TensorRecord(name, dname, list(shape), int(offset), nbytes))
+
+    def write(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        block: int = checksum.DEFAULT_BLOCK,
+        threads: int = 4,
+        on_block: Callable[[], None] | None = None,
+    ) -> None:
+        """Write every tensor's bytes at its offset and hash each block; ``tensors`` must be the
+        contiguous CPU tensors named as in the layout."""
+        views = [byte_view(tensors[r.name]) for r in self.records]
+        for r in self.records:
+            r.checksums = [""] * checksum.block_count(r.nbytes, block)
+
+        def task(i: int, b: int) -> None:
+            r, lo = self.records[i], b * block
+            buf = views[i][lo : lo + block]
+            r.checksums[b] = checksum.digest(buf)
+            _pwrite_all(self._fd, buf, r.offset + lo)
+            if on_block is not None:
+                on_block()
+
+        _run(_io_tasks(self.records, block), task, threads)
+
+    def seal(self) -> int:
+        """Record checksums as attributes, close HDF5, fsync; return the file's size in bytes."""
+        try:
+            for r in self.records:
+                self._h5[_dataset_path(r.name)].attrs["xxh3_64"] = ",".join(r.checksums)
+            self._h5.close()
+            os.fsync(self._fd)
+            return os.fstat(self._fd).st_size
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the file without sealing it (after an error)."""
+        if self._h5.id.valid:
+            self._h5.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def check_records(
+    rank: int, path: str, records: list[TensorRecord], file_bytes: int, block: int
+) -> None:
+    """Refuse records that cannot describe a real file of ``file_bytes`` bytes."""
+    total = 0
+    for r in records:
+        def bad(reason: str, r: TensorRecord = r) -> ShardError:
+            return ShardError(rank, path, reason, tensor=r.name)
+
+        try:
+            size = dtypes.itemsize(r.dtype)
+        except KeyError:
+            raise bad(f"unknown dtype {r.dtype!r}") from None
+        if any(d < 0 for d in r.shape) or len(r.shape) > 64:
+            raise bad(f"impossible shape {r.shape}")
+        if r.nbytes != math.prod(r.shape) * size:
+            raise bad(f"{r.nbytes} bytes recorded, but {r.dtype}{r.shape} needs "
+                      f"{math.prod(r.shape) * size}")
+        if r.offset < 0 or r.offset + r.nbytes > file_bytes:
+            raise bad(f"bytes {r.offset}..{r.offset + r.nbytes} lie outside the "
+                      f"{file_bytes}-byte file")
+        if len(r.checksums) != checksum.block_count(r.nbytes, block):
+            raise bad(f"{len(r.checksums)} checksums recorded for "
+                      f"{checksum.block_count(r.nbytes, block)} blocks")
+        total += r.nbytes
+    if total > file_bytes:
+        raise ShardError(rank, path, f"records claim {total} bytes, the file has {file_bytes}")
+
+
+def read_shard(
+    rank: int,
+    path: str,
+    records: list[TensorRecord],
+    file_bytes: int,
+    *,
+    block: int = checksum.DEFAULT_BLOCK,
+    threads: int = 4,
+    pin_memory: bool = False,
+    on_block: Callable[[], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read and verify every tensor of a shard into new CPU tensors; raise :class:`ShardError`
+    naming the file and tensor at the first size or checksum mismatch."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != file_bytes:
+            raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
+                             "(truncated or replaced)")
+        check_records(rank, path, records, file_bytes, block)
+        out = {
+            r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype), pin_memory=pin_memory)
+            for r in records
+        }
+        views = [byte_view(out[r.name]) for r in records]
+
+        def task(i: int, b: int) -> None:
+            r, lo = records[i], b * block
+            buf = views[i][lo : lo + block]
+            got = os.preadv(fd, [buf], r.offset + lo) if len(buf) else 0
+            while got < len(buf):
+                n = os.preadv(fd, [buf[got:]], r.offset + lo + got)
+                if n == 0:
+                    raise ShardError(rank, path, "unexpected end of file", tensor=r.name)
+                got += n
+            if checksum.digest(buf) != r.checksums[b]:
+                raise ShardError(
+                    rank, path,
+                    f"checksum mismatch in block {b} (bytes {r.offset + lo}.."
+                    f"{r.offset + lo + len(buf)}): the data is corrupt",
+                    tensor=r.name,
+                )
+            if on_block is not None:
+                on_block()
+
+        _run(_io_tasks(records, block), task, threads)
+        return out
+    finally:
+        os.close(fd)

@@ -1,0 +1,395 @@
+"""Flatten a user's state into named tensors plus a JSON tree; apply a stored tree back in place.
+
+The tree is plain JSON (no pickle): each node is ``{"type": ..., ...}``. Containers keep their key
+types and order (``dict`` items are ``[key, node]`` pairs, so integer keys of an optimizer's state
+stay integers). Leaves are either values written in the node (int, float, bool, str, None, bytes as
+hex, torch dtypes) or references by name to an array in the shard (``tensor``, ``ndarray``,
+``torch_generator``). Objects with ``state_dict()``/``load_state_dict()`` become ``stateful`` nodes
+holding the tree of their state dict; only their class name is recorded, never imported.
+
+Applying is two-pass: :func:`apply` with ``dry_run=True`` checks the whole tree against the live
+state and changes nothing, so a restore that would not fit fails before any tensor is touched; the
+real pass then copies into existing tensors in place and calls ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .errors import StateMismatchError, StateTreeError
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape and dtype name of a stored array, known before its bytes are read."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _escape(key: Any) -> str:
+    s = str(key).replace("%", "%25").replace("/", "%2F")
+    if s in ("", ".", ".."):  # not valid as an HDF5 path component
+        return "%" + s.replace(".", "%2E")
+    return s
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "/".join(_escape(k) for k in path) or "<root>"
+
+
+class RNGState:
+    """The process-wide RNG states (Python ``random``, NumPy's legacy global, torch CPU and CUDA).
+
+    Put an instance in the state (``state["rng"] = mpickpt.RNGState()``) to make a resumed run draw
+    the same random numbers as an uninterrupted one.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {
+            "python": _py_state(random.getstate()),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state_all()
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        random.setstate(_py_unstate(sd["python"]))
+        np.random.set_state(tuple(sd["numpy"]))
+        torch.set_rng_state(sd["torch"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(sd["cuda"]))
+
+
+def _py_state(state: tuple[Any, ...]) -> dict[str, Any]:
+    """``random.getstate()`` with its 625 words as one uint32 array instead of 625 JSON nodes."""
+    version, words, gauss = state
+    return {"version": version, "words": np.asarray(words, dtype=np.uint32), "gauss": gauss}
+
+
+def _py_unstate(d: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (int(d["version"]), tuple(int(w) for w in d["words"]), d["gauss"])
+
+
+# ------------------------------------------------------------------------------------- flatten
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.arrays: dict[str, torch.Tensor] = {}
+
+    def name(self, path: tuple[Any, ...]) -> str:
+        base = _path_str(path)
+        name, n = base, 1
+        while name in self.arrays:
+            name, n = f"{base}~{n}", n + 1
+        return name
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> str:
+        if t.layout != torch.strided or t.is_meta or t.is_quantized:
+            raise StateTreeError(
+                f"state[{_path_str(path)}]: tensor with layout {t.layout} on {t.device} cannot be "
+                "saved; only dense (strided) tensors with data are supported"
+            )
+        if type(t).__name__ == "DTensor":
+            raise StateTreeError(
+                f"state[{_path_str(path)}]: DTensor is not supported yet; save t.to_local() instead"
+            )
+        try:
+            dtypes.name_of(t.dtype)
+        except ValueError as e:
+            raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
+        name = self.name(path)
+        self.arrays[name] = t.detach()
+        return name
+
+    def node(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        # bool before int: bool is a subclass of int
+        if x is None:
+            return {"type": "none"}
+        if isinstance(x, bool):
+            return {"type": "bool", "value": x}
+        if isinstance(x, int):
+            return {"type": "int", "value": int(x)}
+        if isinstance(x, float):
+            v = float(x)
+            return {"type": "float", "value": v if math.isfinite(v) else repr(v)}
+        if isinstance(x, str):
+            return {"type": "str", "value": str(x)}
+        if isinstance(x, bytes):
+            return {"type": "bytes", "value": x.hex()}
+        if isinstance(x, torch.dtype):
+            try:
+                return {"type": "torch_dtype", "value": dtypes.name_of(x)}
+            except ValueError as e:
+                raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
+        if isinstance(x, torch.Tensor):
+            return {"type": "tensor", "name": self.tensor(x, path), "device": str(x.device)}
+        if isinstance(x, np.ndarray):
+            return self.ndarray(x, path)
+        if isinstance(x, np.generic):
+            return self.ndarray(np.asarray(x), path) | {"scalar": True}
+        if isinstance(x, torch.Generator):
+            return {
+                "type": "torch_generator",
+                "name": self.tensor(x.get_state(), path),
+                "device": str(x.device),
+            }
+        if isinstance(x, np.random.Generator):
+            return {"type": "np_generator", "state": self.node(x.bit_generator.state, path)}
+        if isinstance(x, random.Random):
+            return {"type": "py_random", "state": self.node(_py_state(x.getstate()), path)}
+        if isinstance(x, Mapping):
+            return {
+                "type": "dict",
+                "items": [[self.key(k, path), self.node(v, (*path, k))] for k, v in x.items()],
+            }
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            return {
+                "type": type(x).__name__,
+                "items": [self.node(v, (*path, i)) for i, v in enumerate(x)],
+            }
+        if callable(getattr(x, "state_dict", None)) and callable(
+            getattr(x, "load_state_dict", None)
+        ):
+            cls = type(x)
+            return {
+                "type": "stateful",
+                "class": f"{cls.__module__}.{cls.__qualname__}",
+                "state": self.node(x.state_dict(), path),
+            }
+        raise StateTreeError(
+            f"state[{_path_str(path)}]: cannot save an object of type {type(x).__qualname__}; "
+            "use tensors, numpy arrays, numbers, strings, None, lists, tuples, dicts, or an "
+            "object with state_dict()/load_state_dict()"
+        )
+
+    def key(self, k: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(k, (str, int, float, bool)) or k is None:
+            return k
+        raise StateTreeError(
+            f"state[{_path_str(path)}]: dict key {k!r} of type {type(k).__qualname__} cannot be "
+            "saved; keys must be str, int, float, bool or None"
+        )
+
+    def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> dict[str, Any]:
+        if not a.dtype.isnative and a.dtype.itemsize > 1:
+            a = a.astype(a.dtype.newbyteorder("="))
+        try:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+        except TypeError:
+            raise StateTreeError(
+                f"state[{_path_str(path)}]: numpy array of dtype {a.dtype} cannot be saved"
+            ) from None
+        return {"type": "ndarray", "name": self.tensor(t, path)}
+
+
+def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split ``state`` into a JSON-able tree and a table of tensors referenced from it by name.
+
+    The tensors are the user's own (detached, not copied); callers snapshot them as they need.
+    """
+    f = _Flattener()
+    tree = f.node(state, ())
+    return tree, f.arrays
+
+
+# --------------------------------------------------------------------------------------- apply
+
+
+_SCALARS: dict[str, Callable[[Any], Any]] = {
+    "none": lambda v: None,
+    "bool": bool,
+    "int": int,
+    "str": str,
+    "float": float,
+    "bytes": bytes.fromhex,
+    "torch_dtype": dtypes.torch_dtype,
+}
+
+
+class _Applier:
+    """Walks a stored tree against the live state. ``arrays`` maps names to loaded tensors, or to
+    :class:`ArraySpec` in a dry run."""
+
+    def __init__(self, arrays: Mapping[str, torch.Tensor | ArraySpec], dry_run: bool) -> None:
+        self.arrays = arrays
+        self.dry = dry_run
+        # Keys present in the state but absent from the checkpoint are an error, except inside the
+        # state dict of a stateful object that is not a Module (an optimizer's state may be empty
+        # before its first step; its load_state_dict() replaces it whole).
+        self.strict = True
+
+    def fail(self, path: tuple[Any, ...], msg: str) -> StateMismatchError:
+        return StateMismatchError(f"state[{_path_str(path)}]: {msg}")
+
+    def array(self, node: Mapping[str, Any], path: tuple[Any, ...]) -> torch.Tensor | ArraySpec:
+        name = node.get("name")
+        if name not in self.arrays:
+            raise self.fail(path, f"the checkpoint references array {name!r} that it does not hold")
+        return self.arrays[name]
+
+    def node(self, node: Any, live: Any, path: tuple[Any, ...]) -> Any:
+        if not isinstance(node, Mapping) or not isinstance(node.get("type"), str):
+            raise self.fail(path, "malformed tree node in the checkpoint")
+        kind = node["type"]
+        handler = getattr(self, "n_" + kind, None)
+        if handler is not None:
+            return handler(node, live, path)
+        if kind in _SCALARS:
+            value = node.get("value")
+            try:
+                return _SCALARS[kind](value)
+            except (TypeError, ValueError) as e:
+                raise self.fail(path, f"bad {kind} value {value!r}: {e}") from None
+        raise self.fail(path, f"unknown node type {kind!r} in the checkpoint")
+
+    def n_dict(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise self.fail(path, "malformed dict node in the checkpoint")
+        if live is not None and not isinstance(live, Mapping):
+            raise self.fail(path, f"checkpoint holds a dict, the state a {type(live).__name__}")
+        stored_keys = [it[0] for it in items]
+        if live is not None and self.strict:
+            missing = [k for k in live if k not in stored_keys]
+            if missing:
+                raise self.fail(path, f"keys {missing!r} are in the state, not in the checkpoint")
+        out = live if (live is not None and hasattr(live, "__setitem__")) else {}
+        for key, child in items:
+            cur = live.get(key) if live is not None else None
+            value = self.node(child, cur, (*path, key))
+            if not self.dry:
+                out[key] = value
+        return out
+
+    def _seq(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> list[Any]:
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise self.fail(path, "malformed list node in the checkpoint")
+        if not isinstance(live, (list, tuple)) or len(live) != len(items):
+            live = [None] * len(items)
+        pairs = enumerate(zip(items, live, strict=True))
+        return [self.node(c, cur, (*path, i)) for i, (c, cur) in pairs]
+
+    def n_list(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        values = self._seq(node, live, path)
+        if isinstance(live, list) and len(live) == len(values):
+            if not self.dry:
+                live[:] = values
+            return live
+        return values
+
+    def n_tuple(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        return tuple(self._seq(node, live, path))
+
+    def n_tensor(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        src = self.array(node, path)
+        if isinstance(live, torch.Tensor):
+            want = ArraySpec(dtypes.name_of(live.dtype), tuple(live.shape))
+            have = src if isinstance(src, ArraySpec) else _spec(src)
+            if want != have:
+                raise self.fail(
+                    path,
+                    f"checkpoint holds {have.dtype}{list(have.shape)}, "
+                    f"the state {want.dtype}{list(want.shape)}",
+                )
+            if not self.dry:
+                with torch.no_grad():
+                    live.copy_(src)
+            return live
+        return src
+
+    def n_ndarray(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        src = self.array(node, path)
+        if self.dry:
+            return src
+        arr = src.numpy()
+        if node.get("scalar"):
+            return arr[()]
+        if (
+            isinstance(live, np.ndarray)
+            and live.shape == arr.shape
+            and live.dtype == arr.dtype
+            and live.flags.writeable
+        ):
+            np.copyto(live, arr)
+            return live
+        return arr
+
+    def n_torch_generator(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        src = self.array(node, path)
+        gen = live if isinstance(live, torch.Generator) else None
+        if not self.dry:
+            if gen is None:
+                gen = torch.Generator(device=node.get("device", "cpu"))
+            gen.set_state(src)
+        return gen
+
+    def n_np_generator(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        state = self.node(node.get("state"), None, path)
+        if self.dry:
+            return live
+        gen = live if isinstance(live, np.random.Generator) else None
+        if gen is None:
+            bitgen = getattr(np.random, str(state.get("bit_generator")), None)
+            if not (isinstance(bitgen, type) and issubclass(bitgen, np.random.BitGenerator)):
+                raise self.fail(path, f"unknown numpy bit generator {state.get('bit_generator')!r}")
+            gen = np.random.Generator(bitgen())
+        gen.bit_generator.state = state
+        return gen
+
+    def n_py_random(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        state = self.node(node.get("state"), None, path)
+        gen = live if isinstance(live, random.Random) else random.Random()
+        if not self.dry:
+            gen.setstate(_py_unstate(state))
+        return gen
+
+    def n_stateful(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
+        load = getattr(live, "load_state_dict", None)
+        if not callable(load):
+            raise self.fail(
+                path,
+                f"checkpoint holds the state of a {node.get('class')}, "
+                f"the state has {type(live).__qualname__} without load_state_dict()",
+            )
+        outer, self.strict = self.strict, isinstance(live, torch.nn.Module)
+        try:
+            sd = self.node(node.get("state"), live.state_dict(), path)
+        finally:
+            self.strict = outer
+        if not self.dry:
+            load(sd)
+        return live
+
+
+def _spec(t: torch.Tensor) -> ArraySpec:
+    return ArraySpec(dtypes.name_of(t.dtype), tuple(t.shape))
+
+
+def apply(
+    tree: Mapping[str, Any],
+    state: Any,
+    arrays: Mapping[str, torch.Tensor | ArraySpec],
+    *,
+    dry_run: bool = False,
+) -> Any:
+    """Restore ``tree`` into ``state`` in place, taking arrays by name from ``arrays``.
+
+    With ``dry_run`` nothing changes and ``arrays`` may hold :class:`ArraySpec` s: every mismatch
+    that the real pass would hit is raised as :class:`StateMismatchError` naming the key path.
+    """
+    if not isinstance(state, dict):
+        raise StateMismatchError(f"the state to restore into must be a dict, not {type(state)}")
+    return _Applier(arrays, dry_run).node(tree, state, ())
