@@ -186,7 +186,7 @@ class _Flattener:
         if not a.dtype.isnative and a.dtype.itemsize > 1:
             a = a.astype(a.dtype.newbyteorder("="))
         try:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+            t = torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
         except TypeError:
             raise StateTreeError(
                 f"state[{_path_str(path)}]: numpy array of dtype {a.dtype} cannot be saved"
