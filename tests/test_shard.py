@@ -1,0 +1,108 @@
+"""mpickpt.shard: layout with h5py, positional writes, verification on read."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from mpickpt import shard
+from mpickpt.errors import ShardError
+
+BLOCK = 1 << 16
+
+
+def write(path, tensors, alignment=1 << 20):
+    w = shard.ShardWriter(str(path), tensors, {"tree": "{}"}, alignment=alignment)
+    w.write(tensors, block=BLOCK, threads=3)
+    return w.records, w.seal()
+
+
+@pytest.fixture
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(300_000, generator=g),
+        "bf16": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "grp/nested": torch.arange(10, dtype=torch.int64),
+        "f8": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+    }
+
+
+def test_large_tensors_are_aligned_and_h5py_reads_them(tmp_path, tensors):
+    records, size = write(tmp_path / "s.h5", tensors)
+    by = {r.name: r for r in records}
+    assert by["big"].offset % (1 << 20) == 0
+    assert len(by["big"].checksums) == -(-by["big"].nbytes // BLOCK)
+    with h5py.File(tmp_path / "s.h5") as f:
+        np.testing.assert_array_equal(f["tensors/big"][:], tensors["big"].numpy())
+        np.testing.assert_array_equal(f["tensors/grp/nested"][:], np.arange(10))
+        assert f["tensors/bf16"].attrs["torch_dtype"] == "bfloat16"
+        raw = torch.from_numpy(f["tensors/bf16"][:]).view(torch.bfloat16)
+        assert torch.equal(raw, tensors["bf16"])
+        assert f["tensors/scalar"][()] == 2.5
+        assert f["tensors/big"].attrs["xxh3_64"] == ",".join(by["big"].checksums)
+    assert size == (tmp_path / "s.h5").stat().st_size
+
+
+@pytest.mark.skipif(shutil.which("h5dump") is None, reason="h5dump (hdf5-tools) not installed")
+def test_h5dump_reads_the_shard(tmp_path, tensors):
+    write(tmp_path / "s.h5", tensors)
+    out = subprocess.run(["h5dump", "-d", "/tensors/grp/nested", str(tmp_path / "s.h5")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "0, 1, 2, 3, 4, 5, 6, 7, 8, 9" in out
+
+
+def test_read_back_is_bit_exact(tmp_path, tensors):
+    records, size = write(tmp_path / "s.h5", tensors)
+    out = shard.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3)
+    for k, t in tensors.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape
+        assert torch.equal(out[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_flipped_byte_names_file_tensor_and_block(tmp_path, tensors):
+    records, size = write(tmp_path / "s.h5", tensors)
+    big = next(r for r in records if r.name == "big")
+    with open(tmp_path / "s.h5", "r+b") as f:
+        f.seek(big.offset + 3 * BLOCK + 5)
+        b = f.read(1)
+        f.seek(big.offset + 3 * BLOCK + 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    msg = r"rank 3: .*s\.h5: tensor 'big': checksum mismatch in block 3"
+    with pytest.raises(ShardError, match=msg):
+        shard.read_shard(3, str(tmp_path / "s.h5"), records, size, block=BLOCK)
+
+
+def test_truncated_file_is_refused_by_size(tmp_path, tensors):
+    records, size = write(tmp_path / "s.h5", tensors)
+    with open(tmp_path / "s.h5", "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ShardError, match="truncated"):
+        shard.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK)
+
+
+def test_lying_records_never_allocate_beyond_the_file(tmp_path, tensors):
+    _, size = write(tmp_path / "s.h5", tensors)
+    liar = shard.TensorRecord("huge", "float32", [1 << 40], 0, 4 << 40, ["0"])
+    with pytest.raises(ShardError, match="outside"):
+        shard.read_shard(0, str(tmp_path / "s.h5"), [liar], size, block=BLOCK)
+    wrong = shard.TensorRecord("x", "float32", [10], 0, 8, ["0"])
+    with pytest.raises(ShardError, match="needs 40"):
+        shard.read_shard(0, str(tmp_path / "s.h5"), [wrong], size, block=BLOCK)
+    odd = shard.TensorRecord("x", "pickle", [1], 0, 1, ["0"])
+    with pytest.raises(ShardError, match="unknown dtype"):
+        shard.read_shard(0, str(tmp_path / "s.h5"), [odd], size, block=BLOCK)
+
+
+def test_symlinked_shard_is_refused(tmp_path, tensors):
+    records, size = write(tmp_path / "s.h5", tensors)
+    (tmp_path / "link.h5").symlink_to(tmp_path / "s.h5")
+    with pytest.raises(ShardError, match="cannot open"):
+        shard.read_shard(0, str(tmp_path / "link.h5"), records, size, block=BLOCK)

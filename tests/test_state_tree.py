@@ -1,0 +1,112 @@
+"""mpickpt.state_tree: flatten to JSON + tensors, and apply back in place."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mpickpt import RNGState, state_tree
+from mpickpt.errors import StateMismatchError, StateTreeError
+
+
+def roundtrip(saved: dict, into: dict) -> dict:
+    tree, arrays = state_tree.flatten(saved)
+    tree = json.loads(json.dumps(tree, allow_nan=False))  # it must survive strict JSON
+    copies = {k: v.clone() for k, v in arrays.items()}
+    state_tree.apply(tree, into, copies)
+    return tree
+
+
+def test_tree_is_strict_json_and_names_tensors_by_key_path():
+    tree, arrays = state_tree.flatten({"a": {"b/c": torch.ones(2), 3: torch.zeros(1)},
+                                       "f": float("nan"), ".": torch.ones(1)})
+    json.dumps(tree, allow_nan=False)
+    assert set(arrays) == {"a/b%2Fc", "a/3", "%%2E"}
+
+
+def test_key_collisions_get_distinct_names():
+    _, arrays = state_tree.flatten({"k": {0: torch.ones(1), "0": torch.zeros(1)}})
+    assert sorted(arrays) == ["k/0", "k/0~1"]
+
+
+def test_tensors_restore_in_place_and_scalars_by_assignment():
+    live_t = torch.zeros(3)
+    live = {"t": live_t, "n": 0, "s": "old", "tup": (0, 0), "l": [1, 2]}
+    roundtrip({"t": torch.arange(3.0), "n": 5, "s": "new", "tup": (1, 2), "l": [3, 4]}, live)
+    assert live["t"] is live_t and torch.equal(live_t, torch.arange(3.0))
+    assert live == {"t": live_t, "n": 5, "s": "new", "tup": (1, 2), "l": [3, 4]}
+
+
+def test_int_dict_keys_survive():
+    live = {"d": {}}
+    roundtrip({"d": {1: "a", 2.5: "b", None: "c", False: "d"}}, live)
+    assert live["d"] == {1: "a", 2.5: "b", None: "c", False: "d"}
+
+
+def test_module_optimizer_and_scheduler_restore():
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(4, 2)
+        o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        return {"m": m, "o": o, "s": torch.optim.lr_scheduler.StepLR(o, 1)}
+
+    a, b = make(0), make(1)
+    a["m"](torch.ones(1, 4)).sum().backward()
+    a["o"].step()
+    a["s"].step()
+    roundtrip(a, b)
+    assert torch.equal(a["m"].weight, b["m"].weight)
+    assert b["o"].state_dict()["param_groups"][0]["lr"] == pytest.approx(0.01)
+    ma = a["o"].state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(ma, b["o"].state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_rng_state_restores_future_draws():
+    rng = RNGState()
+    saved = {"rng": rng}
+    tree, arrays = state_tree.flatten(saved)
+    arrays = {k: v.clone() for k, v in arrays.items()}
+    expected = (torch.rand(3), np.random.rand(2))
+    state_tree.apply(tree, {"rng": RNGState()}, arrays)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(2), expected[1])
+
+
+def test_unsupported_object_names_the_key_path():
+    with pytest.raises(StateTreeError, match=r"state\[model/weird\].*object"):
+        state_tree.flatten({"model": {"weird": object()}})
+
+
+def test_unsupported_key_type_is_refused():
+    with pytest.raises(StateTreeError, match="dict key"):
+        state_tree.flatten({"d": {(1, 2): 3}})
+
+
+def test_sparse_tensor_is_refused():
+    with pytest.raises(StateTreeError, match="layout"):
+        state_tree.flatten({"s": torch.eye(2).to_sparse()})
+
+
+def test_shape_mismatch_is_found_by_dry_run_before_anything_changes():
+    tree, arrays = state_tree.flatten({"a": torch.ones(2), "b": torch.ones(3)})
+    live = {"a": torch.zeros(2), "b": torch.zeros(4)}
+    specs = {k: state_tree.ArraySpec("float32", tuple(v.shape)) for k, v in arrays.items()}
+    with pytest.raises(StateMismatchError, match=r"state\[b\].*float32\[3\].*float32\[4\]"):
+        state_tree.apply(tree, live, specs, dry_run=True)
+    assert torch.equal(live["a"], torch.zeros(2))
+
+
+def test_key_missing_from_checkpoint_is_a_mismatch():
+    tree, arrays = state_tree.flatten({"a": 1})
+    with pytest.raises(StateMismatchError, match="'extra'"):
+        state_tree.apply(tree, {"a": 0, "extra": 2}, arrays, dry_run=True)
+
+
+def test_malformed_tree_is_a_clear_error_not_a_crash():
+    for bad in [{"type": "eval", "value": "1"}, {"nope": 1}, {"type": "dict", "items": 3},
+                {"type": "int", "value": "x"}, {"type": "tensor", "name": "missing"}]:
+        with pytest.raises(StateMismatchError):
+            state_tree.apply({"type": "dict", "items": [["k", bad]]}, {"k": None}, {})
