@@ -1,0 +1,50 @@
+"""Helpers shared by the fault tests: what is on disk under ROOT, and what a job reported."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps of the committed checkpoints (``step-XXXXXXXX/MANIFEST.json`` present), ascending."""
+    return sorted(
+        int(m.group(1)) for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / "MANIFEST.json").is_file()
+    )
+
+
+def step_dirs(root: Path) -> list[str]:
+    """Names of every ``step-...`` entry under ROOT: committed, partial, or on its way out."""
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+def partials(root: Path, step: int | None = None) -> list[Path]:
+    prefix = f"step-{step:08d}.partial-" if step is not None else "step-"
+    return sorted(p for p in root.iterdir() if p.name.startswith(prefix) and ".partial-" in p.name)
+
+
+def manifest(root: Path, step: int) -> dict:
+    return json.loads((step_dir(root, step) / "MANIFEST.json").read_text())
+
+
+def starts(out: Path, n: int) -> list[int]:
+    """The step each rank of examples/train.py resumed from (0 for a fresh start)."""
+    return [json.loads((out / f"rank-{r}.json").read_text())["start"] for r in range(n)]
+
+
+def losses(out: Path, n: int) -> list[list[float]]:
+    return [json.loads((out / f"rank-{r}.json").read_text())["losses"] for r in range(n)]
+
+
+def json_lines(stdout: str) -> dict[int, dict]:
+    """The one-line JSON reports of a scenario, by rank."""
+    reports = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return {r["rank"]: r for r in reports}
