@@ -1,0 +1,155 @@
+"""Damaged checkpoints on disk: a flipped data byte, a truncated or deleted shard, a deleted or
+garbled manifest. Restore must detect the damage before any tensor is used, fall back to the older
+checkpoint, say which file is damaged, and the resumed run must end bit-identical to an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import SCENARIOS, assert_same_final, run_mpi, train
+from faultkit import json_lines, losses, manifest, starts, step_dir
+
+N, STEPS, EVERY = 2, 20, 5
+NEWEST, OLDER = 20, 15
+RESUMED_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints 10, 15 and 20 of a 2-rank run; every test damages its own copy."""
+    root = tmp_path_factory.mktemp("pristine") / "ckpt"
+    job = train(N, root, STEPS, every=EVERY, keep=3)
+    assert job.returncode == 0, job.output
+    return root
+
+
+@pytest.fixture
+def root(tmp_path: Path, pristine: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(pristine, dst)
+    return dst
+
+
+def shard(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}.h5"
+
+
+def flip_data_byte(root: Path, step: int, rank: int) -> tuple[Path, str]:
+    """Flip every bit of one byte in the middle of the largest tensor's data; return the shard
+    and the tensor's name."""
+    entry = manifest(root, step)["ranks"][rank]
+    rec = max(entry["tensors"], key=lambda t: t["nbytes"])
+    assert rec["nbytes"] > 0
+    path = shard(root, step, rank)
+    where = rec["offset"] + rec["nbytes"] // 2
+    with open(path, "r+b") as f:
+        f.seek(where)
+        old = f.read(1)
+        f.seek(where)
+        f.write(bytes([old[0] ^ 0xFF]))
+    assert path.stat().st_size == entry["bytes"]  # same size: only the checksum can tell
+    return path, rec["name"]
+
+
+def check_fallback(root: Path, tmp_path: Path, damaged: Path, why: str, reference_runs) -> None:
+    """Restore skips the newest checkpoint naming ``damaged`` and ``why``, loads the older one,
+    and training resumed from it ends exactly like the uninterrupted run."""
+    probe = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root)], timeout=90)
+    assert probe.returncode == 0, probe.output
+    reports = json_lines(probe.stdout)
+    assert sorted(reports) == list(range(N)), probe.output
+    for r, rep in reports.items():
+        assert rep["error"] is None, rep
+        assert rep["step"] == OLDER, rep
+        assert [s[0] for s in rep["skipped"]] == [NEWEST], rep
+        reason = rep["skipped"][0][1]
+        assert str(damaged) in reason and why in reason, f"rank {r}: {reason}"
+    assert f"checkpoint step {NEWEST} cannot be restored, falling back" in probe.stderr
+    assert str(damaged) in probe.stderr, probe.output
+
+    out = tmp_path / "out"
+    resumed = train(N, root, RESUMED_STEPS, out, every=EVERY, keep=3, timeout=90)
+    assert resumed.returncode == 0, resumed.output
+    assert starts(out, N) == [OLDER] * N, resumed.output
+    assert str(damaged) in resumed.stderr and why in resumed.stderr, resumed.output
+    assert f"restored step {OLDER} from" in resumed.stderr, resumed.output
+    ref = reference_runs[(N, RESUMED_STEPS)]
+    assert_same_final(out, ref, N)
+    assert losses(out, N) == losses(ref, N)
+
+
+def test_flipped_data_byte_falls_back(root, tmp_path, reference_runs):
+    damaged, tensor = flip_data_byte(root, NEWEST, rank=1)
+    check_fallback(root, tmp_path, damaged, f"tensor {tensor!r}: checksum mismatch",
+                   reference_runs)
+
+
+def test_truncated_shard_falls_back(root, tmp_path, reference_runs):
+    damaged = shard(root, NEWEST, rank=0)
+    size = damaged.stat().st_size
+    os.truncate(damaged, size // 2)
+    check_fallback(root, tmp_path, damaged,
+                   f"size is {size // 2} bytes, the manifest says {size}", reference_runs)
+
+
+def test_deleted_shard_falls_back(root, tmp_path, reference_runs):
+    damaged = shard(root, NEWEST, rank=1)
+    damaged.unlink()
+    check_fallback(root, tmp_path, damaged, "cannot open", reference_runs)
+
+
+def test_deleted_manifest_falls_back(root, tmp_path, reference_runs):
+    damaged = step_dir(root, NEWEST) / "MANIFEST.json"
+    damaged.unlink()
+    check_fallback(root, tmp_path, damaged, "cannot open", reference_runs)
+
+
+def test_garbled_manifest_falls_back(root, tmp_path, reference_runs):
+    damaged = step_dir(root, NEWEST) / "MANIFEST.json"
+    text = damaged.read_bytes()
+    mid = len(text) // 2
+    damaged.write_bytes(text[:mid] + b"\x00\xff garbage }{" + text[mid + 16:])
+    check_fallback(root, tmp_path, damaged, "not valid JSON", reference_runs)
+
+
+def test_nothing_is_loaded_until_every_rank_verified(root):
+    """Rank 1's shard of the newest checkpoint is corrupt, rank 0's is intact: restoring that
+    step explicitly fails on both ranks, and rank 0 has not copied a single tensor."""
+    damaged, _ = flip_data_byte(root, NEWEST, rank=1)
+    probe = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root), "--step", str(NEWEST)],
+                    timeout=90)
+    assert probe.returncode == 0, probe.output
+    reports = json_lines(probe.stdout)
+    assert sorted(reports) == list(range(N)), probe.output
+    for rep in reports.values():
+        assert rep["step"] is None, rep
+        assert rep["error"] and f"checkpoint step {NEWEST} cannot be restored" in rep["error"], rep
+        assert str(damaged) in rep["error"], rep
+        assert rep["untouched"], f"rank {rep['rank']}: the state was modified by a failed restore"
+
+
+def test_every_candidate_corrupt_leaves_state_untouched(root):
+    """All three checkpoints damaged in different ways: restore returns None, reports each one,
+    and the state keeps its initial values on every rank."""
+    flip_data_byte(root, 20, rank=0)
+    os.truncate(shard(root, 15, rank=1), 100)
+    (step_dir(root, 10) / "MANIFEST.json").unlink()
+    probe = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root)], timeout=90)
+    assert probe.returncode == 0, probe.output
+    reports = json_lines(probe.stdout)
+    assert sorted(reports) == list(range(N)), probe.output
+    for rep in reports.values():
+        assert rep["error"] is None, rep
+        assert rep["step"] is None, rep
+        assert [s[0] for s in rep["skipped"]] == [20, 15, 10], rep
+        r20, r15, r10 = (s[1] for s in rep["skipped"])
+        assert str(shard(root, 20, 0)) in r20 and "checksum mismatch" in r20, r20
+        assert str(shard(root, 15, 1)) in r15 and "size is 100 bytes" in r15, r15
+        assert str(step_dir(root, 10) / "MANIFEST.json") in r10, r10
+        assert rep["untouched"], f"rank {rep['rank']}: the state was modified by a failed restore"
+    assert "no loadable checkpoint" in probe.stderr and "3 skipped" in probe.stderr, probe.output

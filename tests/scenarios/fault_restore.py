@@ -1,0 +1,75 @@
+"""Restore examples/train.py's state from ROOT into a fresh state and report what happened.
+
+Usage: fault_restore.py ROOT [--step S] [--width W]
+
+Each rank prints one JSON line: rank, the restored step (null when none), restore_info.skipped,
+the error raised by restore (if any), and whether the fresh state is still bit-identical to its
+initial values ("untouched": model, optimizer, scheduler, data generator, global RNG, losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpickpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from train import make_state
+
+
+def canon(x: object) -> object:
+    """A comparable, exact image of a state dict: tensors and arrays as dtype, shape and bytes."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().contiguous().reshape(-1)
+        return ("tensor", str(x.dtype), tuple(x.shape), t.view(torch.uint8).numpy().tobytes())
+    if isinstance(x, np.ndarray):
+        return ("ndarray", str(x.dtype), x.shape, x.tobytes())
+    if isinstance(x, dict):
+        return ("dict", [(repr(k), canon(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [canon(v) for v in x])
+    return ("value", repr(x))
+
+
+def image(state: dict) -> object:
+    return canon({
+        "model": state["model"].state_dict(), "optim": state["optim"].state_dict(),
+        "sched": state["sched"].state_dict(), "data": state["data"].get_state(),
+        "rng": torch.get_rng_state(), "losses": state["losses"],
+    })
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--step", type=int)
+    ap.add_argument("--width", type=int, default=64)
+    args = ap.parse_args()
+
+    rank = MPI.COMM_WORLD.rank
+    state = make_state(rank, args.width)
+    before = image(state)
+    ck = mpickpt.Checkpointer(args.root)
+    step, error = None, None
+    try:
+        step = ck.restore(state, step=args.step)
+    except mpickpt.CheckpointError as e:
+        error = f"{type(e).__name__}: {e}"
+    info = ck.restore_info
+    ck.close()
+    print(json.dumps({
+        "rank": rank, "step": step, "error": error,
+        "skipped": [list(s) for s in info.skipped] if info is not None else None,
+        "untouched": image(state) == before,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
