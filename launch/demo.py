@@ -390,7 +390,7 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
     shard = partial[0] / f"rank-{victim:05d}.h5"
     others = [p.stat().st_size for p in partial[0].glob("rank-*.h5") if p != shard]
     detail = ""
-    if shard.is_file() and others:
+    if shard.is_file() and others and shard.stat().st_size < min(others):
         detail = (f" Rank {victim}'s shard there has {shard.stat().st_size:,} bytes where the "
                   f"others' have {max(others):,}: it was cut off mid-write.")
     say(("Saved before the crash: " + (
@@ -453,7 +453,8 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
         print(f"    {line}", flush=True)
     print(f"\nRESULT: the resumed run matches the uninterrupted run bit for bit "
           f"({args.ranks} ranks, {n} steps; rank {victim} killed while saving step {kstep}, "
-          f"resumed from step {last_good})", flush=True)
+          + (f"resumed from step {last_good})" if last_good else
+             "no checkpoint had committed, restarted from step 0)"), flush=True)
     return True
 
 
