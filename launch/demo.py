@@ -421,9 +421,9 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
     if starts != {last_good}:
         raise DemoFailed(f"the restarted ranks began at steps {sorted(starts)}, expected all at "
                          f"{last_good} (the last committed checkpoint)")
-    if last_good and (restored_line is None
-                      or not lines[restored_line].rstrip().endswith(f"step-{last_good:08d}")):
-        raise DemoFailed(f"mpickpt did not report restoring step-{last_good:08d}")
+    if restored_line is not None and not lines[restored_line].rstrip().endswith(
+            f"step-{last_good:08d}"):
+        raise DemoFailed(f"mpickpt reported restoring something else than step-{last_good:08d}")
     if any(partial[0].name in s for s in lines if "restored" in s) or partial[0].exists():
         raise DemoFailed(f"{partial[0].name} was not cleaned up as expected")
     say(f"-> done in {secs:.1f} s. What the restart found and did:", "  ")
