@@ -1,6 +1,8 @@
 """The Checkpointer: consistent global checkpoints by two-phase commit, and coordinated restore.
 
-save: every rank writes its shard into ``step-XXXXXXXX.partial-<run>/`` and fsyncs it (prepare);
+save: the training thread only snapshots the state into a reusable host buffer (asynchronous for
+CUDA tensors, see :mod:`mpickpt.snapshot`) and returns a handle; a background thread then writes
+the rank's shard into ``step-XXXXXXXX.partial-<run>/`` and fsyncs it (prepare);
 an allreduce MIN of success flags decides (vote); rank 0 then writes MANIFEST.json (temp, fsync,
 rename), renames the directory to ``step-XXXXXXXX`` and fsyncs ROOT (commit), and tells every rank.
 If any rank failed, every rank learns which and why, the partial directory is removed, and the
@@ -16,13 +18,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from . import faults, layout, log, snapshot, state_tree
+import torch
+
+from . import faults, layout, log, state_tree
 from .checksum import DEFAULT_BLOCK
 from .errors import (
     CheckpointError,
@@ -36,8 +43,10 @@ from .errors import (
 )
 from .manifest import NAME as MANIFEST
 from .manifest import Manifest, RankEntry, shard_name
+from .pinned_pool import HostPool
 from .protocol import DEFAULT_TIMEOUT, Protocol
 from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord, read_shard
+from .snapshot import Snapshot, Snapshotter
 
 T = TypeVar("T")
 # the job is aborted with this code when a collective misses its deadline
@@ -45,6 +54,18 @@ EXIT_COLLECTIVE_TIMEOUT = 75
 
 # restore verdicts, combined with MAX over ranks
 _OK, _CORRUPT, _MISMATCH = 0, 1, 2
+
+
+def _collect(x: Any, out: list[Any]) -> None:
+    """The optimizers and modules in a state (not inside modules)."""
+    if isinstance(x, (torch.optim.Optimizer, torch.nn.Module)):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect(v, out)
 
 
 @dataclass
@@ -59,19 +80,24 @@ class SaveResult:
 
 
 class SaveHandle:
-    """Returned by :meth:`Checkpointer.save`; ``wait()`` gives the :class:`SaveResult`."""
+    """Returned by :meth:`Checkpointer.save`: ``done()`` polls, ``wait()`` gives the
+    :class:`SaveResult` once the checkpoint is committed or aborted on every rank."""
 
-    def __init__(self, result: SaveResult, raise_on_error: bool) -> None:
-        self._result = result
+    def __init__(self, step: int, future: Future[SaveResult], raise_on_error: bool) -> None:
+        self.step = step
+        self._future = future
         self._raise = raise_on_error
+        self.reported = False  # whether the caller has seen the outcome through wait()
 
     def done(self) -> bool:
-        return True
+        return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        if self._raise and not self._result.committed:
-            raise SaveAborted(self._result.error)
-        return self._result
+        result = self._future.result(timeout)
+        self.reported = True
+        if self._raise and not result.committed:
+            raise SaveAborted(f"checkpoint of step {result.step} aborted: {result.error}")
+        return result
 
 
 @dataclass
@@ -90,7 +116,16 @@ class Checkpointer:
     Collective over ``comm`` (``MPI.COMM_WORLD`` by default): every rank constructs it, calls
     ``save`` with the same steps and ``restore`` together. ``keep`` committed checkpoints are kept
     (all when None). A failed save is reported on every rank and training goes on
-    (``on_error="warn"``), or raises :class:`SaveAborted` from ``wait()`` (``on_error="raise"``).
+    (``on_error="warn"``), or raises :class:`SaveAborted` from ``wait()`` and from the next
+    ``save()`` (``on_error="raise"``).
+
+    ``save`` returns once the state is snapshotted; writing, voting and committing run on a
+    background thread. ``max_in_flight`` snapshots may be held at once: a save requested while
+    that many are still persisting waits for the oldest. Snapshots live in host buffers allocated
+    once and reused, page-locked when CUDA is present, within ``pinned_budget`` bytes per node
+    (shared by the node's ranks; half the node's memory by default). ``device_staging`` lets a
+    CUDA snapshot go through a GPU staging buffer when GPU memory allows, so the next optimizer
+    step waits only for a device-to-device copy.
     """
 
     def __init__(
@@ -104,6 +139,9 @@ class Checkpointer:
         alignment: int = DEFAULT_ALIGNMENT,
         checksum_block: int = DEFAULT_BLOCK,
         on_error: str = "warn",
+        max_in_flight: int = 1,
+        pinned_budget: int | None = None,
+        device_staging: bool = True,
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
@@ -118,6 +156,15 @@ class Checkpointer:
         self._proto = Protocol(comm, timeout)
         self.rank, self.world_size = self._proto.rank, self._proto.size
         self.log = log.setup(self.rank)
+        if pinned_budget is None:
+            pinned_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        self.pinned_budget = pinned_budget
+        self._pool = HostPool(pinned_budget // self._proto.local_size(), max_in_flight)
+        self._snapshotter = Snapshotter(self._pool, device_staging)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
+        self._pending: list[SaveHandle] = []
+        self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._hook_lock = threading.Lock()
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
@@ -164,42 +211,124 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None = None
              ) -> SaveHandle:
-        """Checkpoint ``state`` as ``step`` on every rank, all or nothing; collective."""
+        """Checkpoint ``state`` as ``step`` on every rank, all or nothing; collective.
+
+        Returns once the state is snapshotted (the training thread's whole cost); the write, the
+        vote and the commit go on in the background. A state mpickpt cannot save raises
+        :class:`StateTreeError` here, on every rank, after the others have aborted the save too.
+        """
         self._check_open()
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self._report_finished()
         t0 = time.perf_counter()
-        partial = os.path.join(self.root, layout.partial_name(step, self.run_id))
-        entry, err, user_error = None, None, None
-        stats: dict[str, float] = {}
+        snap, tree, err, user_error = None, None, None, None
         try:
             faults.hit("before-snapshot", self.rank, step)
             json.dumps(metadata or {}, allow_nan=False)
             tree, tensors = state_tree.flatten(state)
-            host = snapshot.to_host(tensors)
-            stats["snapshot_s"] = time.perf_counter() - t0
-            os.makedirs(partial, exist_ok=True)
-            entry = self._write_shard(partial, step, tree, host)
-            stats["write_s"] = time.perf_counter() - t0 - stats["snapshot_s"]
-            faults.hit("after-fsync-before-vote", self.rank, step)
+            self._hook(state)
+            if self._pool.in_flight() >= self._pool.slots:
+                self.log.info("save of step %d waits for an earlier save to finish persisting "
+                              "(max_in_flight=%d)", step, self._pool.slots)
+            snap = self._snapshotter.take(tensors)
         except StateTreeError as e:
             err, user_error = str(e), e
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
+        stats: dict[str, float] = {"stall_s": time.perf_counter() - t0}
+        if snap is not None:
+            stats["snapshot_bytes"] = snap.nbytes
+            stats["waited_for_buffer_s"] = self._pool.waited_s
+        future = self._worker.submit(self._persist, step, snap, tree, err, metadata or {}, stats)
+        handle = SaveHandle(step, future, self.on_error == "raise")
+        self._pending.append(handle)
+        if user_error is not None:
+            handle.wait()
+            raise user_error
+        return handle
+
+    def _persist(self, step: int, snap: Snapshot | None, tree: dict[str, Any] | None,
+                 err: str | None, metadata: dict[str, Any], stats: dict[str, float]
+                 ) -> SaveResult:
+        """Background thread: write, fsync, vote, commit (or abort), retention."""
+        t0 = time.perf_counter()
+        partial = os.path.join(self.root, layout.partial_name(step, self.run_id))
+        entry = None
         try:
-            result = self._vote_and_commit(step, partial, entry, err, metadata or {}, stats)
+            if snap is not None and tree is not None:
+                snap.wait()
+                stats["copy_s"] = snap.copy_s or stats["stall_s"]
+                os.makedirs(partial, exist_ok=True)
+                entry = self._write_shard(partial, step, tree, snap.tensors)
+                stats["persist_s"] = time.perf_counter() - t0
+                stats["persist_GBps"] = entry.bytes / max(stats["persist_s"], 1e-9) / 1e9
+                faults.hit("after-fsync-before-vote", self.rank, step)
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        finally:
+            if snap is not None:
+                self._pool.release(snap.buffer)
+        try:
+            result = self._vote_and_commit(step, partial, entry, err, metadata, stats)
         except CollectiveTimeout as e:
             self._timed_out(e)
             raise
-        stats["total_s"] = time.perf_counter() - t0
-        if user_error is not None:
-            raise user_error
         if result.committed:
             self._after_commit(result)
         else:
             self.log.error("checkpoint of step %d aborted on all ranks: %s; the previous "
                            "checkpoints are untouched and training goes on", step, result.error)
-        return SaveHandle(result, self.on_error == "raise")
+        return result
+
+    def _report_finished(self) -> None:
+        """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
+        still, failed = [], None
+        for h in self._pending:
+            if not h.done():
+                still.append(h)
+            elif not h.reported and not h._future.result().committed:
+                failed = failed or h
+        self._pending = still
+        if failed is not None and self.on_error == "raise":
+            failed.wait()
+
+    def wait(self) -> list[SaveResult]:
+        """Block until every save in flight is committed or aborted; their results."""
+        results = [h._future.result() for h in self._pending]
+        self._report_finished()
+        return results
+
+    def wait_snapshot(self) -> None:
+        """Block until the last snapshot no longer reads the state's tensors.
+
+        Optimizer steps and forward passes of modules in the state wait for it by themselves
+        (on the GPU); call this before changing a checkpointed tensor any other way.
+        """
+        self._snapshotter.wait_snapshot()
+
+    def _hook(self, state: Any) -> None:
+        """Make the optimizers and modules in ``state`` wait for the snapshot before they change
+        the tensors it copies: a GPU-side stream wait, nothing on the CPU."""
+        if not torch.cuda.is_available():
+            return
+        fence = self._snapshotter.fence
+        found: list[Any] = []
+        _collect(state, found)
+        with self._hook_lock:
+            for obj in found:
+                if obj in self._hooked:
+                    continue
+                if isinstance(obj, torch.optim.Optimizer):
+                    obj.register_step_pre_hook(lambda *_: fence())
+                else:
+                    obj.register_forward_pre_hook(lambda *_: fence())
+                self._hooked.add(obj)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host buffer memory this rank holds for snapshots."""
+        return self._pool.allocated_bytes
 
     def _write_shard(self, partial: str, step: int, tree: dict[str, Any],
                      host: dict[str, Any]) -> RankEntry:
@@ -272,9 +401,10 @@ class Checkpointer:
         if self.rank != 0:
             return
         s = result.stats
-        gb = s.get("bytes", 0) / 1e9
-        self.log.info("checkpoint step %d committed: %.3f GB in %.2f s (%.2f GB/s) -> %s",
-                      result.step, gb, s["total_s"], gb / max(s["total_s"], 1e-9), result.path)
+        self.log.info("checkpoint step %d committed: %.3f GB, stall %.3f s, persist %.2f GB/s "
+                      "(rank 0), commit %.0f ms -> %s", result.step, s.get("bytes", 0) / 1e9,
+                      s["stall_s"], s.get("persist_GBps", 0), s.get("commit_s", 0) * 1e3,
+                      result.path)
         with open(os.path.join(self.root, "stats.jsonl"), "a") as f:
             f.write(json.dumps({"step": result.step, "time": time.time(), **s}) + "\n")
         faults.hit("after-commit-before-retention", 0, result.step)
@@ -294,6 +424,7 @@ class Checkpointer:
         Details, including skipped checkpoints and the user metadata, are in ``restore_info``.
         """
         self._check_open()
+        self.wait()
         candidates = self._collective(
             lambda: layout.committed(self.root, require_manifest=False), "list", root_only=True)
         if step is not None:
@@ -356,13 +487,18 @@ class Checkpointer:
             )
         entry = manifest.ranks[self.rank]
         shard_path = os.path.join(path, entry.file)
-        verdict, err, arrays = _OK, None, {}
+        verdict, err, arrays, held = _OK, None, {}, []
+
+        def buffer(nbytes: int) -> torch.Tensor:
+            held.append(self._pool.acquire(nbytes))
+            return held[-1]
+
         try:
             specs = {r.name: state_tree.ArraySpec(r.dtype, tuple(r.shape)) for r in entry.tensors}
             state_tree.apply(entry.tree, state, specs, dry_run=True)
             arrays = read_shard(
                 self.rank, shard_path, entry.tensors, entry.bytes,
-                block=manifest.checksum_block, threads=self.io_threads,
+                block=manifest.checksum_block, threads=self.io_threads, buffer=buffer,
                 on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
             )
         except StateMismatchError as e:
@@ -371,9 +507,18 @@ class Checkpointer:
             verdict, err = _CORRUPT, str(e)
         except Exception as e:
             verdict, err = _CORRUPT, f"rank {self.rank}: {shard_path}: {type(e).__name__}: {e}"
+        try:
+            return self._agree_and_apply(path, manifest, entry, state, arrays, verdict, err)
+        finally:
+            arrays.clear()
+            for buf in held:
+                self._pool.release(buf)
+
+    def _agree_and_apply(self, path: str, manifest: Manifest, entry: RankEntry,
+                         state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
+                         err: str | None) -> tuple[str | None, dict[str, Any]]:
         verdict = self._proto.max(verdict, "verify")
         if verdict != _OK:
-            arrays.clear()
             reasons = "; ".join(filter(None, self._proto.allgather(err, "verify-report")))
             if verdict == _MISMATCH:
                 raise StateMismatchError(
@@ -381,7 +526,9 @@ class Checkpointer:
             return reasons, {}
         err = None
         try:
-            state_tree.apply(entry.tree, state, arrays)
+            state_tree.apply(entry.tree, state, arrays, borrowed=True)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the host->device copies read the reused buffer
         except Exception as e:
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
         if not self._proto.all_ok(err is None, "apply"):
@@ -394,8 +541,10 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
-        """Wait for the last save and release the private communicator. Collective."""
+        """Wait for the saves in flight and release the private communicator. Collective."""
         if not self._closed:
+            self.wait()
+            self._worker.shutdown()
             self._closed = True
             self._proto.free()
 

@@ -4,7 +4,8 @@ Phases: before-snapshot, mid-write, after-fsync-before-vote, after-vote-before-m
 mid-manifest-write, after-commit-before-retention, mid-restore-read. Rank ``*`` means every rank;
 step, when given, limits the fault to the save or restore of that step. Actions:
 ``kill`` (SIGKILL self), ``raise`` (:class:`~mpickpt.errors.FaultInjected`), ``hang`` (sleep
-forever), ``exit`` (``os._exit(17)``). Unset, :func:`hit` is one dictionary lookup.
+forever), ``exit`` (``os._exit(17)``), ``delay`` (sleep one second, then go on). Unset, :func:`hit`
+is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ PHASES = (
     "before-snapshot", "mid-write", "after-fsync-before-vote", "after-vote-before-manifest",
     "mid-manifest-write", "after-commit-before-retention", "mid-restore-read",
 )
-ACTIONS = ("kill", "raise", "hang", "exit")
+ACTIONS = ("kill", "raise", "hang", "exit", "delay")
 EXIT_CODE = 17
 
 
@@ -40,6 +41,12 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
 _FAULTS = _parse(os.environ.get("MPICKPT_FAULT", ""))
 
 
+def configure(spec: str) -> None:
+    """Replace the faults in force (read from MPICKPT_FAULT at import) by ``spec``."""
+    global _FAULTS
+    _FAULTS = _parse(spec)
+
+
 def hit(phase: str, rank: int, step: int | None = None) -> None:
     """Carry out the fault configured for this phase, rank and step, if any."""
     if not _FAULTS:
@@ -56,3 +63,5 @@ def hit(phase: str, rank: int, step: int | None = None) -> None:
                 time.sleep(3600)
         elif action == "exit":
             os._exit(EXIT_CODE)
+        elif action == "delay":
+            time.sleep(1.0)

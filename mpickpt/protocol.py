@@ -29,6 +29,14 @@ class Protocol:
         self.size: int = self.comm.Get_size()
         self.timeout = timeout
 
+    def local_size(self) -> int:
+        """How many ranks of this communicator share this rank's node."""
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return local.Get_size()
+        finally:
+            local.Free()
+
     def _wait(self, req: MPI.Request, phase: str) -> None:
         deadline = time.monotonic() + self.timeout
         spins = 0

@@ -25,6 +25,7 @@ import torch
 
 from . import checksum, dtypes
 from .errors import ShardError
+from .pinned_pool import align
 
 FORMAT = "mpickpt-shard"
 VERSION = 1
@@ -216,11 +217,14 @@ def read_shard(
     *,
     block: int = checksum.DEFAULT_BLOCK,
     threads: int = 4,
-    pin_memory: bool = False,
+    buffer: Callable[[int], torch.Tensor] | None = None,
     on_block: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read and verify every tensor of a shard into new CPU tensors; raise :class:`ShardError`
-    naming the file and tensor at the first size or checksum mismatch."""
+    """Read and verify every tensor of a shard into CPU tensors; raise :class:`ShardError`
+    naming the file and tensor at the first size or checksum mismatch.
+
+    ``buffer(nbytes)``, when given, supplies one (pinned, reusable) host buffer that the tensors
+    are laid out in, page-aligned; otherwise each tensor is a new allocation."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
@@ -231,10 +235,17 @@ def read_shard(
             raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
                              "(truncated or replaced)")
         check_records(rank, path, records, file_bytes, block)
-        out = {
-            r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype), pin_memory=pin_memory)
-            for r in records
-        }
+        if buffer is None:
+            out = {r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype))
+                   for r in records}
+        else:
+            offsets, pos = [], 0
+            for r in records:
+                offsets.append(pos)
+                pos = align(pos + r.nbytes)
+            buf = buffer(pos)
+            out = {r.name: buf[o : o + r.nbytes].view(dtypes.torch_dtype(r.dtype)).view(r.shape)
+                   for r, o in zip(records, offsets, strict=True)}
         views = [byte_view(out[r.name]) for r in records]
 
         def task(i: int, b: int) -> None:

@@ -1,22 +1,152 @@
-"""Snapshot: bring every tensor of a flattened state to contiguous host memory.
+"""Snapshot: copy every tensor of a flattened state into a reusable host buffer, asynchronously.
 
-Synchronous for now: contiguous CPU tensors are used as they are (the save writes them before it
-returns), others are copied. The asynchronous CUDA-stream snapshotter into a pinned pool replaces
-this behind the same function.
+CUDA tensors: an event recorded on the current stream orders a dedicated copy stream after the
+work already queued; on that stream the tensors are copied into a device staging buffer (when GPU
+memory allows: a device-to-device copy at HBM speed) and from it to the page-locked host buffer in
+one transfer, or straight to the host buffer otherwise. ``take`` returns once the copies are
+queued. The next mutation must not race them: :meth:`Snapshotter.fence` (called by an optimizer
+pre-step hook and a module forward pre-hook) makes the current stream wait for the copy out of the
+user's tensors to finish, a GPU-side wait that costs the Python thread nothing. The user's tensors
+are kept alive until then.
+
+CPU tensors are copied on the spot (``copy_`` is multi-threaded), so mutating them after ``take``
+returns is safe.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
+from .pinned_pool import HostPool, align
 
-def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors with the same names and values."""
-    out = {}
-    for name, t in tensors.items():
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        out[name] = t.contiguous()
-    return out
+
+@dataclass
+class Snapshot:
+    """One checkpoint's host copy; the tensors are valid after :meth:`wait`."""
+
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    buffer: torch.Tensor
+    stall_s: float = 0.0  # time take() spent on the training thread
+    _done: list[torch.cuda.Event] = field(default_factory=list)
+    _start: list[torch.cuda.Event] = field(default_factory=list)
+    _keep: list[torch.Tensor] = field(default_factory=list)
+    copy_s: float = 0.0
+
+    def wait(self) -> None:
+        """Block until every copy has landed in host memory; release the user's tensors."""
+        for ev in self._done:
+            ev.synchronize()
+        if self._done:
+            self.copy_s = max(s.elapsed_time(d) for s, d in zip(self._start, self._done,
+                                                                strict=True)) / 1e3
+        self._keep.clear()
+
+
+class Snapshotter:
+    """Takes snapshots into ``pool``; ``device_staging`` allows a GPU-side staging copy."""
+
+    def __init__(self, pool: HostPool, device_staging: bool = True) -> None:
+        self.pool = pool
+        self.device_staging = device_staging
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._staging: dict[torch.device, torch.Tensor] = {}
+        self._safe: dict[torch.device, torch.cuda.Event] = {}
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
+        t0 = time.perf_counter()
+        by_device: dict[torch.device, list[str]] = {}
+        for name, t in tensors.items():
+            by_device.setdefault(t.device, []).append(name)
+        # layout: each device's tensors form one contiguous range of the buffer, CPU last
+        order = sorted(by_device, key=lambda d: (d.type == "cpu", str(d)))
+        offsets: dict[str, int] = {}
+        ranges: dict[torch.device, tuple[int, int]] = {}
+        pos = 0
+        for dev in order:
+            start = pos
+            for name in by_device[dev]:
+                offsets[name] = pos
+                pos = align(pos + tensors[name].numel() * tensors[name].element_size())
+            ranges[dev] = (start, pos)
+        buf = self.pool.acquire(pos)
+        views = {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
+        snap = Snapshot(views, pos, buf)
+        for dev in order:
+            names = by_device[dev]
+            if dev.type == "cuda":
+                self._copy_cuda(dev, [tensors[n] for n in names], [views[n] for n in names],
+                                [offsets[n] for n in names], buf, ranges[dev], snap)
+            else:
+                with torch.no_grad():
+                    for n in names:
+                        views[n].copy_(tensors[n])
+        snap.stall_s = time.perf_counter() - t0
+        return snap
+
+    def _copy_cuda(self, dev: torch.device, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
+                   offs: list[int], buf: torch.Tensor, rng: tuple[int, int],
+                   snap: Snapshot) -> None:
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(dev))
+        stream.wait_event(start)
+        lo, hi = rng
+        staging = self._staging_buffer(dev, hi - lo)
+        safe = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream), torch.no_grad():
+            if staging is not None:
+                stage_views = [_view(staging, o - lo, s) for o, s in zip(offs, srcs, strict=True)]
+                torch._foreach_copy_(stage_views, srcs, non_blocking=True)
+                safe.record(stream)
+                buf[lo:hi].copy_(staging[: hi - lo], non_blocking=True)
+            else:
+                for d, s in zip(dsts, srcs, strict=True):
+                    d.copy_(s, non_blocking=True)
+                safe.record(stream)
+            done.record(stream)
+        self._safe[dev] = safe
+        snap._start.append(start)
+        snap._done.append(done)
+        snap._keep.extend(srcs)
+
+    def _staging_buffer(self, dev: torch.device, nbytes: int) -> torch.Tensor | None:
+        if not self.device_staging:
+            return None
+        cur = self._staging.get(dev)
+        if cur is not None and cur.numel() >= nbytes:
+            return cur
+        free, _ = torch.cuda.mem_get_info(dev)
+        if nbytes > free * 0.9:
+            return None  # not enough GPU memory: copy straight to the host buffer
+        self._staging[dev] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        return self._staging[dev]
+
+    def fence(self) -> None:
+        """Make the current stream of each device wait until the last snapshot no longer reads
+        the user's tensors (GPU-side; returns at once)."""
+        for dev, ev in list(self._safe.items()):
+            if ev.query():
+                del self._safe[dev]
+            else:
+                torch.cuda.current_stream(dev).wait_event(ev)
+
+    def wait_snapshot(self) -> None:
+        """Block the calling thread until the last snapshot no longer reads the user's tensors."""
+        for ev in list(self._safe.values()):
+            ev.synchronize()
+        self._safe.clear()
+
+
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s dtype and shape over ``buf[offset:]``."""
+    n = like.numel() * like.element_size()
+    return buf[offset : offset + n].view(like.dtype).view(like.shape)
+

@@ -222,9 +222,11 @@ class _Applier:
     """Walks a stored tree against the live state. ``arrays`` maps names to loaded tensors, or to
     :class:`ArraySpec` in a dry run."""
 
-    def __init__(self, arrays: Mapping[str, torch.Tensor | ArraySpec], dry_run: bool) -> None:
+    def __init__(self, arrays: Mapping[str, torch.Tensor | ArraySpec], dry_run: bool,
+                 borrowed: bool) -> None:
         self.arrays = arrays
         self.dry = dry_run
+        self.borrowed = borrowed  # arrays live in a reused buffer: copy what the state keeps
         # Keys present in the state but absent from the checkpoint are an error, except inside the
         # state dict of a stateful object that is not a Module (an optimizer's state may be empty
         # before its first step; its load_state_dict() replaces it whole).
@@ -306,15 +308,17 @@ class _Applier:
                 )
             if not self.dry:
                 with torch.no_grad():
-                    live.copy_(src)
+                    live.copy_(src, non_blocking=True)
             return live
-        return src
+        return src.clone() if self.borrowed and not self.dry else src
 
     def n_ndarray(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
         src = self.array(node, path)
         if self.dry:
             return src
         arr = src.numpy()
+        if self.borrowed:
+            arr = arr.copy()
         if node.get("scalar"):
             return arr[()]
         if (
@@ -333,7 +337,7 @@ class _Applier:
         if not self.dry:
             if gen is None:
                 gen = torch.Generator(device=node.get("device", "cpu"))
-            gen.set_state(src)
+            gen.set_state(src.clone())  # set_state ignores a view's storage offset
         return gen
 
     def n_np_generator(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
@@ -384,12 +388,16 @@ def apply(
     arrays: Mapping[str, torch.Tensor | ArraySpec],
     *,
     dry_run: bool = False,
+    borrowed: bool = False,
 ) -> Any:
     """Restore ``tree`` into ``state`` in place, taking arrays by name from ``arrays``.
 
     With ``dry_run`` nothing changes and ``arrays`` may hold :class:`ArraySpec` s: every mismatch
     that the real pass would hit is raised as :class:`StateMismatchError` naming the key path.
+    ``borrowed`` arrays live in a buffer that will be reused: values the state keeps (rather than
+    copies into its own tensors) are copied out. Copies to CUDA tensors are queued without
+    waiting; synchronize before reusing the arrays.
     """
     if not isinstance(state, dict):
         raise StateMismatchError(f"the state to restore into must be a dict, not {type(state)}")
-    return _Applier(arrays, dry_run).node(tree, state, ())
+    return _Applier(arrays, dry_run, borrowed).node(tree, state, ())

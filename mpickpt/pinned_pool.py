@@ -1,0 +1,111 @@
+"""Host buffers for snapshots: page-locked when CUDA is present, allocated once and reused.
+
+The pool holds at most ``slots`` buffers (``max_in_flight``). A snapshot takes a free buffer that
+is large enough, or allocates one while the budget allows; otherwise it waits until a save in
+flight releases one. A snapshot larger than the budget is refused with :class:`PinnedBudgetError`
+before anything is allocated, and so is one that would not fit in the memory the machine has
+available: a clear error, never an OOM kill.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from .errors import CheckpointError
+
+ALIGN = 4096  # every tensor in a buffer starts on a page boundary (O_DIRECT-friendly)
+
+
+class PinnedBudgetError(CheckpointError):
+    """A snapshot does not fit the host memory budget."""
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class HostPool:
+    """At most ``slots`` reusable host buffers within ``budget`` bytes for this rank."""
+
+    def __init__(self, budget: int, slots: int = 1, pin: bool | None = None) -> None:
+        if slots < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.budget = budget
+        self.slots = slots
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._free: list[torch.Tensor] = []
+        self._allocated: list[torch.Tensor] = []
+        self._cond = threading.Condition()
+        self.waited_s = 0.0  # time the last acquire() spent waiting for a buffer
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() for b in self._allocated)
+
+    def _check(self, nbytes: int) -> None:
+        if nbytes > self.budget:
+            raise PinnedBudgetError(
+                f"a snapshot of {nbytes / 1e9:.3f} GB does not fit this rank's host buffer budget "
+                f"of {self.budget / 1e9:.3f} GB; raise Checkpointer(pinned_budget=...) (bytes per "
+                "node, shared by its ranks) or checkpoint less state per rank")
+        avail = available_memory()
+        if avail is not None and nbytes > avail * 0.9:
+            raise PinnedBudgetError(
+                f"a snapshot of {nbytes / 1e9:.3f} GB would not fit in the "
+                f"{avail / 1e9:.3f} GB of memory this machine has available; refusing rather "
+                "than being killed for lack of memory")
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        self._check(nbytes)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self._allocated.append(buf)
+        return buf
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; waits for a release when all slots are in flight."""
+        nbytes = align(max(nbytes, 1))
+        self._check(nbytes)
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                fits = [b for b in self._free if b.numel() >= nbytes]
+                if fits:
+                    buf = min(fits, key=lambda b: b.numel())
+                    self._free.remove(buf)
+                    break
+                in_use = self.allocated_bytes - sum(b.numel() for b in self._free)
+                if len(self._allocated) < self.slots and in_use + nbytes <= self.budget:
+                    buf = self._allocate(nbytes)
+                    break
+                if self._free:  # a free buffer too small: replace it (the state grew)
+                    old = self._free.pop()
+                    self._allocated.remove(old)
+                    del old
+                    continue
+                self._cond.wait()
+        self.waited_s = time.perf_counter() - t0
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify_all()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._allocated) - len(self._free)

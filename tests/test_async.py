@@ -1,0 +1,109 @@
+"""The asynchronous save path on CPU tensors, in one process (MPI world of one)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+import mpickpt
+from mpickpt import faults
+
+
+@pytest.fixture
+def fault():
+    yield faults.configure
+    faults.configure("")
+
+
+def big_state(mb: int = 64) -> dict:
+    return {"w": torch.arange(mb << 18, dtype=torch.float32), "step": 0}
+
+
+def test_save_returns_a_handle_with_stats_and_appends_stats_jsonl(tmp_path):
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(1, big_state(8))
+        r = h.wait()
+        assert h.done() and r.committed
+        for key in ("stall_s", "persist_s", "persist_GBps", "commit_s", "bytes", "copy_s"):
+            assert r.stats[key] > 0, key
+    line = json.loads((tmp_path / "stats.jsonl").read_text().splitlines()[-1])
+    assert line["step"] == 1 and line["bytes"] == r.stats["bytes"]
+
+
+def test_mutating_right_after_save_does_not_reach_the_checkpoint(tmp_path, fault):
+    fault("after-fsync-before-vote:0:delay")  # the write is surely still in flight
+    state = big_state(16)
+    expected = state["w"].clone()
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(1, state)
+        state["w"].add_(1.0)  # the training loop goes on at once
+        assert not h.done()
+        assert h.wait().committed
+        fresh = {"w": torch.zeros_like(expected), "step": -1}
+        assert ck.restore(fresh) == 1
+    assert torch.equal(fresh["w"], expected)
+
+
+def test_one_in_flight_makes_the_next_save_wait_and_says_so(tmp_path, fault, caplog):
+    fault("after-fsync-before-vote:0:delay")
+    caplog.set_level(logging.INFO, logger="mpickpt")
+    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+        ck.save(1, big_state())
+        h2 = ck.save(2, big_state())
+        assert h2.wait().stats["waited_for_buffer_s"] > 0.5
+        assert ck.pinned_bytes == 64 << 20
+    assert "save of step 2 waits for an earlier save to finish persisting" in caplog.text
+
+
+def test_two_in_flight_use_a_second_buffer_without_waiting(tmp_path, fault):
+    fault("after-fsync-before-vote:0:delay")
+    with mpickpt.Checkpointer(tmp_path, max_in_flight=2) as ck:
+        h1 = ck.save(1, big_state())
+        h2 = ck.save(2, big_state())
+        assert not h1.done()
+        assert h2.wait().stats["waited_for_buffer_s"] < 0.5
+        assert h1.wait().committed and h2.wait().committed
+        assert ck.pinned_bytes == 2 * (64 << 20)
+
+
+def test_buffers_are_reused_not_grown(tmp_path):
+    with mpickpt.Checkpointer(tmp_path, keep=2) as ck:
+        for step in range(5):
+            ck.save(step, big_state(4)).wait()
+        assert ck.pinned_bytes == 4 << 20
+
+
+def test_snapshot_over_the_budget_aborts_with_a_clear_error(tmp_path):
+    with mpickpt.Checkpointer(tmp_path, pinned_budget=1 << 20) as ck:
+        r = ck.save(1, big_state(4)).wait()
+    assert not r.committed
+    assert "does not fit this rank's host buffer budget" in r.error
+    assert not list(tmp_path.glob("step-*"))
+
+
+def test_background_failure_raises_on_the_next_save_with_on_error_raise(tmp_path, fault):
+    fault("mid-write:0:raise:1")
+    with mpickpt.Checkpointer(tmp_path, on_error="raise") as ck:
+        h = ck.save(1, big_state(1))  # fails in the background; nobody waits for it
+        while not h.done():
+            time.sleep(0.01)
+        with pytest.raises(mpickpt.SaveAborted, match=r"step 1 aborted.*injected fault"):
+            ck.save(2, big_state(1))
+
+
+def test_background_failure_with_on_error_warn_is_logged_and_training_goes_on(
+        tmp_path, fault, caplog):
+    fault("mid-write:0:raise:1")
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        assert not ck.save(1, big_state(1)).wait().committed
+        assert ck.save(2, big_state(1)).wait().committed
+    assert "checkpoint of step 1 aborted on all ranks" in caplog.text
+
+
+def test_unsupported_state_raises_at_save(tmp_path):
+    with mpickpt.Checkpointer(tmp_path) as ck, pytest.raises(mpickpt.StateTreeError):
+        ck.save(1, {"bad": object()})
