@@ -44,7 +44,7 @@ def losses(out: Path, n: int) -> list[list[float]]:
     return [json.loads((out / f"rank-{r}.json").read_text())["losses"] for r in range(n)]
 
 
-def json_lines(stdout: str) -> dict[int, dict]:
-    """The one-line JSON reports of a scenario, by rank."""
-    reports = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return {r["rank"]: r for r in reports}
+def reports(where: Path) -> dict[int, dict]:
+    """The reports a scenario's ranks wrote to ``where``/rank-R.json, by rank."""
+    found = [json.loads(p.read_text()) for p in where.glob("rank-*.json")] if where.exists() else []
+    return {r["rank"]: r for r in found}

@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, assert_same_final, run_mpi, train
-from faultkit import json_lines, losses, manifest, starts, step_dir
+from conftest import SCENARIOS, Job, assert_same_final, run_mpi, train
+from faultkit import losses, manifest, reports, starts, step_dir
 
 N, STEPS, EVERY = 2, 20, 5
 NEWEST, OLDER = 20, 15
@@ -56,14 +56,21 @@ def flip_data_byte(root: Path, step: int, rank: int) -> tuple[Path, str]:
     return path, rec["name"]
 
 
+def probe_restore(root: Path, reports_dir: Path, *extra: str) -> tuple[Job, dict[int, dict]]:
+    """Restore ROOT into a fresh state on every rank (tests/scenarios/fault_restore.py)."""
+    job = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root), str(reports_dir), *extra],
+                  timeout=90)
+    assert job.returncode == 0, job.output
+    found = reports(reports_dir)
+    assert sorted(found) == list(range(N)), job.output
+    return job, found
+
+
 def check_fallback(root: Path, tmp_path: Path, damaged: Path, why: str, reference_runs) -> None:
     """Restore skips the newest checkpoint naming ``damaged`` and ``why``, loads the older one,
     and training resumed from it ends exactly like the uninterrupted run."""
-    probe = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root)], timeout=90)
-    assert probe.returncode == 0, probe.output
-    reports = json_lines(probe.stdout)
-    assert sorted(reports) == list(range(N)), probe.output
-    for r, rep in reports.items():
+    probe, found = probe_restore(root, tmp_path / "reports")
+    for r, rep in found.items():
         assert rep["error"] is None, rep
         assert rep["step"] == OLDER, rep
         assert [s[0] for s in rep["skipped"]] == [NEWEST], rep
@@ -117,33 +124,26 @@ def test_garbled_manifest_falls_back(root, tmp_path, reference_runs):
     check_fallback(root, tmp_path, damaged, "not valid JSON", reference_runs)
 
 
-def test_nothing_is_loaded_until_every_rank_verified(root):
+def test_nothing_is_loaded_until_every_rank_verified(root, tmp_path):
     """Rank 1's shard of the newest checkpoint is corrupt, rank 0's is intact: restoring that
     step explicitly fails on both ranks, and rank 0 has not copied a single tensor."""
     damaged, _ = flip_data_byte(root, NEWEST, rank=1)
-    probe = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root), "--step", str(NEWEST)],
-                    timeout=90)
-    assert probe.returncode == 0, probe.output
-    reports = json_lines(probe.stdout)
-    assert sorted(reports) == list(range(N)), probe.output
-    for rep in reports.values():
+    _, found = probe_restore(root, tmp_path / "reports", "--step", str(NEWEST))
+    for rep in found.values():
         assert rep["step"] is None, rep
         assert rep["error"] and f"checkpoint step {NEWEST} cannot be restored" in rep["error"], rep
         assert str(damaged) in rep["error"], rep
         assert rep["untouched"], f"rank {rep['rank']}: the state was modified by a failed restore"
 
 
-def test_every_candidate_corrupt_leaves_state_untouched(root):
+def test_every_candidate_corrupt_leaves_state_untouched(root, tmp_path):
     """All three checkpoints damaged in different ways: restore returns None, reports each one,
     and the state keeps its initial values on every rank."""
     flip_data_byte(root, 20, rank=0)
     os.truncate(shard(root, 15, rank=1), 100)
     (step_dir(root, 10) / "MANIFEST.json").unlink()
-    probe = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root)], timeout=90)
-    assert probe.returncode == 0, probe.output
-    reports = json_lines(probe.stdout)
-    assert sorted(reports) == list(range(N)), probe.output
-    for rep in reports.values():
+    probe, found = probe_restore(root, tmp_path / "reports")
+    for rep in found.values():
         assert rep["error"] is None, rep
         assert rep["step"] is None, rep
         assert [s[0] for s in rep["skipped"]] == [20, 15, 10], rep

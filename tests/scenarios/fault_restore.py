@@ -1,8 +1,8 @@
 """Restore examples/train.py's state from ROOT into a fresh state and report what happened.
 
-Usage: fault_restore.py ROOT [--step S] [--width W]
+Usage: fault_restore.py ROOT REPORTS [--step S] [--width W]
 
-Each rank prints one JSON line: rank, the restored step (null when none), restore_info.skipped,
+Each rank writes REPORTS/rank-R.json: the restored step (null when none), restore_info.skipped,
 the error raised by restore (if any), and whether the fresh state is still bit-identical to its
 initial values ("untouched": model, optimizer, scheduler, data generator, global RNG, losses).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,9 +47,17 @@ def image(state: dict) -> object:
     })
 
 
+def report(reports: str, data: dict) -> None:
+    """Write this rank's report (a file: lines printed by several ranks may interleave)."""
+    os.makedirs(reports, exist_ok=True)
+    with open(os.path.join(reports, f"rank-{data['rank']}.json"), "w") as f:
+        json.dump(data, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
+    ap.add_argument("reports")
     ap.add_argument("--step", type=int)
     ap.add_argument("--width", type=int, default=64)
     args = ap.parse_args()
@@ -64,11 +73,11 @@ def main() -> None:
         error = f"{type(e).__name__}: {e}"
     info = ck.restore_info
     ck.close()
-    print(json.dumps({
+    report(args.reports, {
         "rank": rank, "step": step, "error": error,
         "skipped": [list(s) for s in info.skipped] if info is not None else None,
         "untouched": image(state) == before,
-    }), flush=True)
+    })
 
 
 if __name__ == "__main__":
