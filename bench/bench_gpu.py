@@ -228,7 +228,8 @@ def main() -> None:
 
     def verify(name: str) -> None:
         torch.cuda.synchronize()
-        bad = sum(not torch.equal(a, b) for a, b in zip(job.tensors(), ref, strict=True))
+        bad = sum(not torch.equal(a.to(b.device), b)
+                  for a, b in zip(job.tensors(), ref, strict=True))
         if bad:
             raise SystemExit(f"{name}: {bad} tensors differ after restore")
 

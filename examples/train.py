@@ -73,7 +73,7 @@ def main() -> None:
         restored = ckpt.restore(state)
         start = restored or 0
     if comm.rank == 0:
-        print(f"training steps {start}..{args.steps} on {comm.size} ranks", flush=True)
+        print(f"training steps {start + 1}..{args.steps} on {comm.size} ranks", flush=True)
     for step in range(start, args.steps):
         loss = train_step(state, comm)
         done = step + 1

@@ -56,7 +56,7 @@ def test_optimizer_step_right_after_save_does_not_race_the_copy(tmp_path, stagin
             got = values(m2, opt2)
             assert len(got) == len(expected)
             for a, b in zip(got, expected, strict=True):
-                assert a.device.type == "cuda" and torch.equal(a, b)
+                assert a.device == b.device and torch.equal(a, b)  # Adam's step stays on CPU
 
 
 def test_save_returns_before_the_copy_finishes(tmp_path):
