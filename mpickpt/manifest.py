@@ -10,6 +10,9 @@ Rules, in one place:
 * ``bytes`` is the exact size of the shard; every tensor record must fit in it (see
   :func:`mpickpt.shard.check_records`), and its ``checksums`` cover ``checksum_block``-byte blocks.
 * ``tree`` is the rank's state tree (see :mod:`mpickpt.state_tree`), plain JSON.
+* ``manifest_checksum`` covers every other field (canonical JSON, xxh3-64), so damage that leaves
+  the file valid JSON (a flipped digit of a shape, a letter of a key) is refused as corruption
+  instead of passing for a checkpoint that does not fit the state.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ NAME = "MANIFEST.json"
 FORMAT = "mpickpt"
 VERSION = 1
 MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
+CHECKSUM_FIELD = "manifest_checksum"
 
 
 def shard_name(rank: int) -> str:
@@ -64,6 +68,7 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        d[CHECKSUM_FIELD] = _digest(d)
         return json.dumps(d, indent=1, allow_nan=False)
 
     @classmethod
@@ -74,13 +79,22 @@ class Manifest:
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from None
         try:
-            return _parse(d)
+            manifest = _parse(d)
+            if _get(d, CHECKSUM_FIELD, str, "manifest") != _digest(d):
+                raise _Bad("checksum mismatch: the manifest is corrupt")
+            return manifest
         except _Bad as e:
             raise ManifestError(f"{where}: {e}") from None
 
 
 class _Bad(Exception):
     pass
+
+
+def _digest(d: dict[str, Any]) -> str:
+    """xxh3-64 of every field of a manifest but its own checksum, serialized canonically."""
+    body = {k: v for k, v in d.items() if k != CHECKSUM_FIELD}
+    return checksum.digest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _get(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:

@@ -6,6 +6,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -122,6 +123,30 @@ def test_garbled_manifest_falls_back(root, tmp_path, reference_runs):
     mid = len(text) // 2
     damaged.write_bytes(text[:mid] + b"\x00\xff garbage }{" + text[mid + 16:])
     check_fallback(root, tmp_path, damaged, "not valid JSON", reference_runs)
+
+
+def flip_bit_at(path: Path, where: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("target", ["shape", "tree-key"])
+def test_manifest_bit_flip_that_stays_valid_json_falls_back(root, tmp_path, reference_runs,
+                                                             target):
+    """One flipped bit in MANIFEST.json that leaves it valid JSON: in a tensor's shape (64 -> 74)
+    or in a state key of the tree ("0.weight" -> "0.weighu"). Either is corruption of the
+    checkpoint, not a state that does not fit: restore must fall back, not give up."""
+    damaged = step_dir(root, NEWEST) / "MANIFEST.json"
+    text = damaged.read_text()
+    if target == "shape":
+        i = text.index('"shape": [')
+        where = i + next(k for k, c in enumerate(text[i:]) if c.isdigit())
+    else:
+        where = text.index('"0.weight",') + len('"0.weigh')
+    flip_bit_at(damaged, where)
+    json.loads(damaged.read_text())  # still valid JSON
+    check_fallback(root, tmp_path, damaged, "checksum mismatch", reference_runs)
 
 
 def test_nothing_is_loaded_until_every_rank_verified(root, tmp_path):
