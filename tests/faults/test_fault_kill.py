@@ -2,14 +2,17 @@
 
 The job must die (non-zero exit, no hang); a restarted job must restore the previous committed
 step, never the torn one, clean up the dead run's partial directory, and end bit-identical to an
-uninterrupted run.
+uninterrupted run. A rank that hangs instead makes the others miss a collective's deadline: the
+job aborts with EXIT_COLLECTIVE_TIMEOUT and the previous checkpoint stays loadable.
 """
 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_same_final, train
-from faultkit import committed_steps, losses, partials, starts, step_dir, step_dirs
+from conftest import SCENARIOS, assert_same_final, run_mpi, train
+from faultkit import committed_steps, losses, partials, reports, starts, step_dir, step_dirs
+
+from mpickpt.checkpointer import EXIT_COLLECTIVE_TIMEOUT
 
 STEPS, EVERY, KILLED = 20, 5, 15
 
@@ -55,3 +58,29 @@ def test_kill_during_save_restores_previous_checkpoint(tmp_path, reference_runs,
     ref = reference_runs[(n, STEPS)]
     assert_same_final(out, ref, n)
     assert losses(out, n) == losses(ref, n)
+
+
+@pytest.mark.parametrize(
+    ("fault", "waiting_rank", "phase"),
+    [("mid-write:1:hang:10", 0, "vote"), ("after-vote-before-manifest:0:hang:10", 1, "commit")],
+    ids=["rank1-hangs-mid-write", "rank0-hangs-before-manifest"],
+)
+def test_hang_during_save_aborts_job_at_deadline(tmp_path, fault, waiting_rank, phase):
+    root = tmp_path / "ckpt"
+    deadline = 3
+    hung = run_mpi(2, [str(SCENARIOS / "fault_hang.py"), str(root), "15", str(deadline)],
+                   env={"MPICKPT_FAULT": fault}, timeout=60)
+    assert hung.returncode == EXIT_COLLECTIVE_TIMEOUT, hung.output
+    assert "finished" not in hung.stdout, hung.output
+    assert (f"[mpickpt rank {waiting_rank}] ERROR rank {waiting_rank}: the other ranks did not "
+            f"all reach phase {phase!r} within {deadline} s") in hung.stderr, hung.output
+    assert committed_steps(root) == [5], step_dirs(root)
+    left = partials(root, 10)
+    assert len(left) == 1, step_dirs(root)
+
+    probe = run_mpi(2, [str(SCENARIOS / "fault_restore.py"), str(root), str(tmp_path / "rep")],
+                    timeout=60)
+    assert probe.returncode == 0, probe.output
+    found = reports(tmp_path / "rep")
+    assert [(r["step"], r["skipped"]) for r in found.values()] == [(5, [])] * 2, found
+    assert not left[0].exists(), step_dirs(root)

@@ -1,0 +1,34 @@
+"""Train examples/train.py's model for STEPS steps with a save every 5 and a collective deadline of
+TIMEOUT seconds; meant to run with MPICKPT_FAULT making one rank hang in a save.
+
+Usage: fault_hang.py ROOT STEPS TIMEOUT
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mpi4py import MPI
+
+import mpickpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from train import make_state, train_step
+
+
+def main() -> None:
+    root, steps, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    comm = MPI.COMM_WORLD
+    state = make_state(comm.rank, 64)
+    ck = mpickpt.Checkpointer(root, timeout=timeout)
+    for step in range(steps):
+        train_step(state, comm)
+        if (step + 1) % 5 == 0:
+            ck.save(step + 1, state).wait()
+    ck.close()
+    print(f"rank {comm.rank}: finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
