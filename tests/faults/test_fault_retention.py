@@ -51,12 +51,14 @@ def test_kill_between_commit_and_retention_keeps_both(tmp_path, reference_runs):
                  timeout=90)
     assert dead.returncode != 0, dead.output
     assert committed_steps(root) == [10, 15], step_dirs(root)
-    assert partials(root) == [], step_dirs(root)
+    # saves are asynchronous: rank 1 may have started writing step 20 before the job died
+    assert set(step_dirs(root)) - {"step-00000010", "step-00000015"} \
+        == {p.name for p in partials(root, 20)}, step_dirs(root)
 
     resumed = train(N, root, 20, out, every=5, keep=1, timeout=90)
     assert resumed.returncode == 0, resumed.output
     assert starts(out, N) == [15] * N, resumed.output
-    assert step_dirs(root) == ["step-00000020"]
+    assert step_dirs(root) == ["step-00000020"]  # the surplus and any partial are gone
     ref = reference_runs[(N, 20)]
     assert_same_final(out, ref, N)
     assert losses(out, N) == losses(ref, N)
