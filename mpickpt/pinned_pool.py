@@ -72,7 +72,9 @@ class HostPool:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         self._check(nbytes)
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        start = -raw.data_ptr() % ALIGN  # page-aligned, so whole pages can bypass the page cache
+        buf = raw[start : start + nbytes]
         self._allocated.append(buf)
         return buf
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -106,3 +107,26 @@ def test_symlinked_shard_is_refused(tmp_path, tensors):
     (tmp_path / "link.h5").symlink_to(tmp_path / "s.h5")
     with pytest.raises(ShardError, match="cannot open"):
         shard.read_shard(0, str(tmp_path / "link.h5"), records, size, block=BLOCK)
+
+
+def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
+    from mpickpt.pinned_pool import HostPool
+
+    pool = HostPool(64 << 20, slots=2)
+    src = pool.acquire(16 << 20)
+    assert src.data_ptr() % shard.DIRECT_ALIGN == 0
+    g = torch.Generator().manual_seed(1)
+    src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8, generator=g))
+    # an odd-sized tensor at the start of the buffer: its whole pages go O_DIRECT, its tail not
+    tensors = {"odd": src[: (3 << 20) + 100], "tiny": src[8 << 20 : (8 << 20) + 7]}
+    fd = shard._open_direct(str(tmp_path / "probe"), os.O_WRONLY | os.O_CREAT)
+    if fd < 0:
+        pytest.skip("this file system has no O_DIRECT")
+    os.close(fd)
+    assert shard._direct_len(0, src.data_ptr(), 1 << 20, (3 << 20) + 100) == 3 << 20
+    records, size = write(tmp_path / "s.h5", tensors)
+    dst = pool.acquire(16 << 20)
+    out = shard.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3,
+                           buffer=lambda n: dst[:n])
+    for k, t in tensors.items():
+        assert torch.equal(out[k], t), k
