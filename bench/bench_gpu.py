@@ -195,6 +195,7 @@ def main() -> None:
     ap.add_argument("--min-steps", type=int, default=20)
     ap.add_argument("--methods", default="dd,torch.save,dcp.save,dcp.async_save,"
                     "dcp.async_save+pinned,mpickpt")
+    ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads")
     ap.add_argument("--soak", type=int, default=0, help="N consecutive mpickpt checkpoints")
     ap.add_argument("--json", default="bench/results/gpu.json")
     ap.add_argument("--png", default="bench/results/gpu.png")
@@ -305,7 +306,7 @@ def bench_method(m: str, job: Job, base: float, d: str, args: argparse.Namespace
                 return fut.done
         elif m == "mpickpt":
             if ck is None:
-                ck = mpickpt.Checkpointer(path, keep=2)
+                ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
                 ck.save(0, {"model": job.model, "optim": job.opt}).wait()  # allocates the pool
 
             def call(ck: mpickpt.Checkpointer = ck, step: int = rep + 1) -> Callable[[], bool]:

@@ -135,7 +135,7 @@ class Checkpointer:
         keep: int | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT,
-        io_threads: int = 4,
+        io_threads: int = 8,
         alignment: int = DEFAULT_ALIGNMENT,
         checksum_block: int = DEFAULT_BLOCK,
         on_error: str = "warn",
