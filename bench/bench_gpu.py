@@ -127,7 +127,7 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
     c0 = time.perf_counter()
     done = call()
     call_s = time.perf_counter() - c0
-    steps, during = 1, []
+    steps, during, trace = 1, [], []
     persisted_at = None
     while True:
         if persisted_at is None and done():
@@ -136,8 +136,10 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
             break
         t = time.perf_counter()
         job.step()
+        dt = time.perf_counter() - t
+        trace.append((round(t - c0, 4), round(dt - base, 4)))
         if persisted_at is None:
-            during.append(time.perf_counter() - t)
+            during.append(dt)
         steps += 1
     wall = time.perf_counter() - t0
     return {
@@ -146,6 +148,7 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
         "persist_s": persisted_at - c0,
         "steps_during_persist": len(during),
         "step_during_persist_s": statistics.median(during) if during else float("nan"),
+        "slowest_steps": sorted(trace, key=lambda x: -x[1])[:8],  # (start after call, extra s)
     }
 
 
@@ -355,6 +358,7 @@ def bench_method(m: str, job: Job, base: float, d: str, args: argparse.Namespace
         os.unlink(path + ".pt")
     out: dict[str, Any] = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
     out["stall_s_all"] = [r["stall_s"] for r in reps]
+    out["slowest_steps"] = [r["slowest_steps"] for r in reps]
     out["persist_GBps"] = nbytes / out["persist_s"] / 1e9
     out["bytes_on_disk"] = size
     out.update(restore)

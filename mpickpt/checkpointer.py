@@ -260,7 +260,7 @@ class Checkpointer:
                 snap.wait()
                 stats["copy_s"] = snap.copy_s or stats["stall_s"]
                 os.makedirs(partial, exist_ok=True)
-                entry = self._write_shard(partial, step, tree, snap.tensors)
+                entry = self._write_shard(partial, step, tree, snap.tensors, stats)
                 stats["persist_s"] = time.perf_counter() - t0
                 stats["persist_GBps"] = entry.bytes / max(stats["persist_s"], 1e-9) / 1e9
                 faults.hit("after-fsync-before-vote", self.rank, step)
@@ -331,8 +331,9 @@ class Checkpointer:
         return self._pool.allocated_bytes
 
     def _write_shard(self, partial: str, step: int, tree: dict[str, Any],
-                     host: dict[str, Any]) -> RankEntry:
+                     host: dict[str, Any], stats: dict[str, float]) -> RankEntry:
         path = os.path.join(partial, shard_name(self.rank))
+        t0 = time.perf_counter()
         writer = ShardWriter(
             path, host,
             {"rank": self.rank, "step": step, "world_size": self.world_size,
@@ -340,9 +341,12 @@ class Checkpointer:
             alignment=self.alignment,
         )
         try:
+            t1 = time.perf_counter()
             writer.write(host, block=self.block, threads=self.io_threads,
                          on_block=lambda: faults.hit("mid-write", self.rank, step))
+            t2 = time.perf_counter()
             size = writer.seal()
+            stats.update(layout_s=t1 - t0, data_s=t2 - t1, seal_s=time.perf_counter() - t2)
         except BaseException:
             writer.close()
             raise
