@@ -23,6 +23,10 @@ import torch
 
 from .pinned_pool import HostPool, align
 
+# The staging->host transfer is cut in pieces of this size, so that the training loop's own small
+# device->host copies (loss.item()) wait for one piece on the copy engine, not for the whole state.
+D2H_CHUNK = 32 << 20
+
 
 @dataclass
 class Snapshot:
@@ -106,7 +110,9 @@ class Snapshotter:
                 stage_views = [_view(staging, o - lo, s) for o, s in zip(offs, srcs, strict=True)]
                 torch._foreach_copy_(stage_views, srcs, non_blocking=True)
                 safe.record(stream)
-                buf[lo:hi].copy_(staging[: hi - lo], non_blocking=True)
+                for a in range(0, hi - lo, D2H_CHUNK):
+                    b = min(a + D2H_CHUNK, hi - lo)
+                    buf[lo + a : lo + b].copy_(staging[a:b], non_blocking=True)
             else:
                 for d, s in zip(dsts, srcs, strict=True):
                     d.copy_(s, non_blocking=True)
