@@ -268,6 +268,7 @@ class Checkpointer:
             err = f"{type(e).__name__}: {e}"
         finally:
             if snap is not None:
+                snap.drained.set()  # also when it failed before draining: staging is free again
                 self._pool.release(snap.buffer)
         try:
             result = self._vote_and_commit(step, partial, entry, err, metadata, stats)

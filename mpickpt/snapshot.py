@@ -2,9 +2,13 @@
 
 CUDA tensors: an event recorded on the current stream orders a dedicated copy stream after the
 work already queued; on that stream the tensors are copied into a device staging buffer (when GPU
-memory allows: a device-to-device copy at HBM speed) and from it to the page-locked host buffer in
-one transfer, or straight to the host buffer otherwise. ``take`` returns once the copies are
-queued. The next mutation must not race them: :meth:`Snapshotter.fence` (called by an optimizer
+memory allows: a device-to-device copy at HBM speed), or straight to the host buffer otherwise.
+``take`` returns once the copies are queued. The persist thread then drains the staging buffer to
+the page-locked host buffer in :meth:`Snapshot.wait`, feeding the copy engine two pieces at a time:
+a device-to-host copy of the training loop (``loss.item()``) queues behind every transfer already
+queued in that direction, so it must never find the whole state there.
+
+The next mutation must not race the copies: :meth:`Snapshotter.fence` (called by an optimizer
 pre-step hook and a module forward pre-hook) makes the current stream wait for the copy out of the
 user's tensors to finish, a GPU-side wait that costs the Python thread nothing. The user's tensors
 are kept alive until then.
@@ -15,7 +19,9 @@ returns is safe.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,9 +29,9 @@ import torch
 
 from .pinned_pool import HostPool, align
 
-# The staging->host transfer is cut in pieces of this size, so that the training loop's own small
-# device->host copies (loss.item()) wait for one piece on the copy engine, not for the whole state.
+# The staging->host drain goes in pieces of this size, at most D2H_DEPTH queued at a time.
 D2H_CHUNK = 32 << 20
+D2H_DEPTH = 2
 
 
 @dataclass
@@ -39,16 +45,44 @@ class Snapshot:
     _done: list[torch.cuda.Event] = field(default_factory=list)
     _start: list[torch.cuda.Event] = field(default_factory=list)
     _keep: list[torch.Tensor] = field(default_factory=list)
+    _drains: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list)
+    drained: threading.Event = field(default_factory=threading.Event)
     copy_s: float = 0.0
 
     def wait(self) -> None:
-        """Block until every copy has landed in host memory; release the user's tensors."""
+        """Block until every copy has landed in host memory; release the user's tensors.
+        Called by the persist thread; drains the staging buffers."""
+        t0 = time.perf_counter()
+        try:
+            for stream, src, dst in self._drains:
+                _drain(stream, src, dst)
+        finally:
+            self.drained.set()
         for ev in self._done:
             ev.synchronize()
         if self._done:
             self.copy_s = max(s.elapsed_time(d) for s, d in zip(self._start, self._done,
                                                                 strict=True)) / 1e3
+        if self._drains:
+            self.copy_s += time.perf_counter() - t0
         self._keep.clear()
+
+
+def _drain(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy device ``src`` to pinned ``dst`` on ``stream``, at most D2H_DEPTH pieces queued."""
+    queued: deque[torch.cuda.Event] = deque()
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        for a in range(0, src.numel(), D2H_CHUNK):
+            if len(queued) >= D2H_DEPTH:
+                queued.popleft().synchronize()
+            b = min(a + D2H_CHUNK, src.numel())
+            dst[a:b].copy_(src[a:b], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            queued.append(ev)
+        for ev in queued:
+            ev.synchronize()
 
 
 class Snapshotter:
@@ -60,6 +94,7 @@ class Snapshotter:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staging: dict[torch.device, torch.Tensor] = {}
         self._safe: dict[torch.device, torch.cuda.Event] = {}
+        self._last: Snapshot | None = None
 
     def take(self, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         t0 = time.perf_counter()
@@ -77,6 +112,8 @@ class Snapshotter:
                 offsets[name] = pos
                 pos = align(pos + tensors[name].numel() * tensors[name].element_size())
             ranges[dev] = (start, pos)
+        if self._last is not None:  # its staging buffers must be drained before reuse
+            self._last.drained.wait()
         buf = self.pool.acquire(pos)
         views = {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
         snap = Snapshot(views, pos, buf)
@@ -89,6 +126,9 @@ class Snapshotter:
                 with torch.no_grad():
                     for n in names:
                         views[n].copy_(tensors[n])
+        if not snap._drains:
+            snap.drained.set()
+        self._last = snap
         snap.stall_s = time.perf_counter() - t0
         return snap
 
@@ -110,14 +150,13 @@ class Snapshotter:
                 stage_views = [_view(staging, o - lo, s) for o, s in zip(offs, srcs, strict=True)]
                 torch._foreach_copy_(stage_views, srcs, non_blocking=True)
                 safe.record(stream)
-                for a in range(0, hi - lo, D2H_CHUNK):
-                    b = min(a + D2H_CHUNK, hi - lo)
-                    buf[lo + a : lo + b].copy_(staging[a:b], non_blocking=True)
+                done.record(stream)
+                snap._drains.append((stream, staging[: hi - lo], buf[lo:hi]))
             else:
                 for d, s in zip(dsts, srcs, strict=True):
                     d.copy_(s, non_blocking=True)
                 safe.record(stream)
-            done.record(stream)
+                done.record(stream)
         self._safe[dev] = safe
         snap._start.append(start)
         snap._done.append(done)
