@@ -21,6 +21,7 @@ def main() -> None:
     root, steps, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     comm = MPI.COMM_WORLD
     state = make_state(comm.rank, 64)
+    comm.Barrier()  # ranks that started (imported torch) at different times meet here first
     ck = mpickpt.Checkpointer(root, timeout=timeout)
     for step in range(steps):
         train_step(state, comm)
