@@ -4,9 +4,11 @@ CUDA tensors: an event recorded on the current stream orders a dedicated copy st
 work already queued; on that stream the tensors are copied into a device staging buffer (when GPU
 memory allows: a device-to-device copy at HBM speed), or straight to the host buffer otherwise.
 ``take`` returns once the copies are queued. The persist thread then drains the staging buffer to
-the page-locked host buffer in :meth:`Snapshot.wait`, feeding the copy engine two pieces at a time:
-a device-to-host copy of the training loop (``loss.item()``) queues behind every transfer already
-queued in that direction, so it must never find the whole state there.
+the page-locked host buffer in :meth:`Snapshot.wait`, one 4 MiB piece at a time. Measured on an
+H200: while the copy engine always has a device-to-host transfer queued (the whole state, or even
+two 32 MiB pieces kept in flight), a device-to-host copy of the training loop (``loss.item()``)
+from another stream starves until the engine is idle (95 ms for 5.8 GB); with one piece in flight
+it gets in within 3 ms, and the drain takes 122 ms instead of 106.
 
 The next mutation must not race the copies: :meth:`Snapshotter.fence` (called by an optimizer
 pre-step hook and a module forward pre-hook) makes the current stream wait for the copy out of the
@@ -30,8 +32,8 @@ import torch
 from .pinned_pool import HostPool, align
 
 # The staging->host drain goes in pieces of this size, at most D2H_DEPTH queued at a time.
-D2H_CHUNK = 32 << 20
-D2H_DEPTH = 2
+D2H_CHUNK = 4 << 20
+D2H_DEPTH = 1
 
 
 @dataclass
