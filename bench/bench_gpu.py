@@ -357,7 +357,8 @@ def bench_method(m: str, job: Job, base: float, d: str, args: argparse.Namespace
     shutil.rmtree(path, ignore_errors=True)
     if os.path.exists(path + ".pt"):
         os.unlink(path + ".pt")
-    out: dict[str, Any] = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in reps) for k in reps[0]
+                           if isinstance(reps[0][k], (int, float))}
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
     out["slowest_steps"] = [r["slowest_steps"] for r in reps]
