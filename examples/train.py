@@ -79,6 +79,9 @@ def main() -> None:
         done = step + 1
         if ckpt is not None and done % args.every == 0:
             ckpt.save(done, state, metadata={"loss": loss})
+        if ckpt is not None:
+            # on SIGUSR2/SIGTERM on any rank: all ranks checkpoint this step and exit with code 3
+            ckpt.should_exit(done, state)
     if ckpt is not None:
         ckpt.close()
     if args.out:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import faults, layout, log, state_tree
+from . import faults, layout, log, preempt, state_tree
 from .checksum import DEFAULT_BLOCK
 from .errors import (
     CheckpointError,
@@ -41,6 +42,7 @@ from .errors import (
     StateTreeError,
     WorldSizeMismatchError,
 )
+from .exitcodes import EXIT_COLLECTIVE_TIMEOUT, EXIT_PREEMPTED
 from .manifest import NAME as MANIFEST
 from .manifest import Manifest, RankEntry, shard_name
 from .pinned_pool import HostPool
@@ -49,8 +51,6 @@ from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord, read_shard
 from .snapshot import Snapshot, Snapshotter
 
 T = TypeVar("T")
-# the job is aborted with this code when a collective misses its deadline
-EXIT_COLLECTIVE_TIMEOUT = 75
 
 # restore verdicts, combined with MAX over ranks
 _OK, _CORRUPT, _MISMATCH = 0, 1, 2
@@ -126,6 +126,13 @@ class Checkpointer:
     (shared by the node's ranks; half the node's memory by default). ``device_staging`` lets a
     CUDA snapshot go through a GPU staging buffer when GPU memory allows, so the next optimizer
     step waits only for a device-to-device copy.
+
+    ``preemption`` installs handlers for SIGUSR2 (``MPICKPT_SIGNAL`` names another) and SIGTERM
+    that only raise a flag, which :meth:`should_exit` agrees on. ``deadline`` (Unix time; default
+    ``$MPICKPT_DEADLINE`` or ``$SLURM_JOB_END_TIME``) is when the job will be killed: an emergency
+    save that cannot finish before it is skipped, and the log says so. ``requeue`` (default: when
+    ``$SLURM_JOB_ID`` is set and ``$MPICKPT_REQUEUE`` is not 0) makes rank 0 requeue the job
+    with ``scontrol requeue`` once, after the emergency save.
     """
 
     def __init__(
@@ -142,6 +149,9 @@ class Checkpointer:
         max_in_flight: int = 1,
         pinned_budget: int | None = None,
         device_staging: bool = True,
+        preemption: bool = True,
+        deadline: float | None = None,
+        requeue: bool | None = None,
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
@@ -165,6 +175,19 @@ class Checkpointer:
         self._pending: list[SaveHandle] = []
         self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._hook_lock = threading.Lock()
+        self._exit_vote = self._proto.exit_vote()
+        if preemption and not preempt.install():
+            self.log.warning("preemption signals are not watched: Checkpointer was created "
+                             "outside the main thread")
+        if deadline is None:
+            env = os.environ.get("MPICKPT_DEADLINE") or os.environ.get("SLURM_JOB_END_TIME")
+            deadline = float(env) if env else None
+        self.deadline = deadline
+        if requeue is None:
+            requeue = "SLURM_JOB_ID" in os.environ and os.environ.get("MPICKPT_REQUEUE") != "0"
+        self.requeue = requeue
+        self.preempted = False
+        self._last: SaveResult | None = None  # the last committed save
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
@@ -326,6 +349,67 @@ class Checkpointer:
                     obj.register_forward_pre_hook(lambda *_: fence())
                 self._hooked.add(obj)
 
+    def should_exit(self, step: int | None = None, state: dict[str, Any] | None = None, *,
+                    exit: bool = True) -> bool:
+        """Call once per step on every rank: whether a preemption signal reached any rank.
+
+        Costs one non-blocking allreduce per call (see :class:`mpickpt.protocol.ExitVote`); all
+        ranks see the answer at the same call. When it is yes: the saves in flight finish, then
+        ``state`` is saved as ``step`` and committed (unless that step is already committed or
+        the deadline leaves too little time), rank 0 requeues the job under Slurm, and, with
+        ``exit``, the Checkpointer is closed and ``SystemExit(EXIT_PREEMPTED)`` (3) is raised on
+        every rank; without it, True is returned.
+        """
+        self._check_open()
+        who = self._exit_vote.poll(preempt.requested(), self.rank)
+        if who is None:
+            return False
+        self.preempted = True
+        if self.rank == 0:
+            self.log.warning("preemption signal on rank %d: checkpointing step %s and exiting",
+                             who, step)
+        self.wait()
+        if step is not None and state is not None:
+            self._emergency_save(step, state)
+        self._requeue()
+        if exit:
+            self.close()
+            raise SystemExit(EXIT_PREEMPTED)
+        return True
+
+    def _emergency_save(self, step: int, state: dict[str, Any]) -> None:
+        if self._last is not None and self._last.step == step:
+            return  # already committed
+        need = None
+        if self._last is not None:
+            s = self._last.stats
+            need = 1.25 * (s.get("stall_s", 0) + s.get("persist_s", 0) + s.get("commit_s", 0))
+        left = None if self.deadline is None else self.deadline - time.time()
+        # every rank decides from the same inputs (rank 0's figures), so all save or none does
+        need, left = self._proto.bcast((need, left), "emergency")
+        if need is not None and left is not None and need > left:
+            if self.rank == 0:
+                self.log.error("no time for the emergency checkpoint of step %d: it needs about "
+                               "%.0f s, the job ends in %.0f s; the job will resume from step %s",
+                               step, need, left, self._last.step if self._last else None)
+            return
+        result = self.save(step, state).wait()
+        if self.rank == 0 and result.committed:
+            self.log.warning("emergency checkpoint of step %d committed", step)
+
+    def _requeue(self) -> None:
+        if not self.requeue or self.rank != 0:
+            return
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            return
+        p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if p.returncode == 0:
+            self.log.warning("requeued Slurm job %s", job)
+        else:
+            self.log.error("scontrol requeue %s failed (exit %d): %s", job, p.returncode,
+                           p.stderr.strip())
+
     @property
     def pinned_bytes(self) -> int:
         """Host buffer memory this rank holds for snapshots."""
@@ -403,6 +487,7 @@ class Checkpointer:
                              partial, e)
 
     def _after_commit(self, result: SaveResult) -> None:
+        self._last = result
         if self.rank != 0:
             return
         s = result.stats
@@ -551,6 +636,7 @@ class Checkpointer:
             self.wait()
             self._worker.shutdown()
             self._closed = True
+            self._exit_vote.free()
             self._proto.free()
 
     def __enter__(self) -> Checkpointer:

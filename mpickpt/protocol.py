@@ -78,6 +78,10 @@ class Protocol:
         self.barrier(phase)
         return self.comm.allgather(obj)
 
+    def exit_vote(self) -> ExitVote:
+        """A non-blocking agreement on a flag, on its own duplicate of the communicator."""
+        return ExitVote(self.comm)
+
     def abort(self, code: int) -> None:
         """End the whole job (after a missed deadline the communicator cannot be trusted)."""
         self.comm.Abort(code)
@@ -85,3 +89,40 @@ class Protocol:
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+class ExitVote:
+    """Agree across ranks whether any rank wants to stop, without a blocking collective per step.
+
+    Every rank calls :meth:`poll` once per training step. A call completes the allreduce (MAX)
+    started by the previous call, which every rank posted a step ago, so in a job whose ranks
+    move in step the wait is nil, and starts the next one with this rank's flag. All ranks learn
+    a raised flag at the same call, hence at the same step. Its own communicator keeps it apart
+    from the saves running on the background thread.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm.Dup()
+        self._send = np.zeros(2, dtype=np.int64)
+        self._recv = np.zeros(2, dtype=np.int64)
+        self._req: MPI.Request | None = None
+
+    def poll(self, flag: bool, rank: int) -> int | None:
+        """None while no rank has raised its flag; else the highest rank that raised it."""
+        agreed = None
+        if self._req is not None:
+            self._req.Wait()
+            self._req = None
+            if self._recv[0]:
+                agreed = int(self._recv[1]) - 1
+        if agreed is None:
+            self._send[:] = (int(flag), rank + 1 if flag else 0)
+            self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+        return agreed
+
+    def free(self) -> None:
+        """Collective: complete the allreduce in flight (every rank has the same one), release."""
+        if self._req is not None:
+            self._req.Wait()
+            self._req = None
+        self.comm.Free()

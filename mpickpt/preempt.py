@@ -1,0 +1,58 @@
+"""Preemption signals: SIGUSR2 (configurable) and SIGTERM set a flag; nothing else happens in the
+handler. :meth:`mpickpt.Checkpointer.should_exit` agrees on the flag across ranks at a safe point.
+
+``MPICKPT_SIGNAL`` names the preemption signal instead of SIGUSR2 (e.g. ``SIGUSR1``); SIGTERM is
+always watched, since Slurm and most schedulers send it before they kill a job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+_received: list[int] = []
+_installed = False
+
+
+def _handler(signum: int, frame: object) -> None:
+    _received.append(signum)
+
+
+def signals() -> list[signal.Signals]:
+    name = os.environ.get("MPICKPT_SIGNAL", "SIGUSR2").upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        main = signal.Signals[name]
+    except KeyError:
+        raise ValueError(f"MPICKPT_SIGNAL={name!r} is not a signal name") from None
+    return list(dict.fromkeys([main, signal.SIGTERM]))
+
+
+def install() -> bool:
+    """Install the handlers (once, from the main thread); False where that is impossible."""
+    global _installed
+    if _installed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for sig in signals():
+        signal.signal(sig, _handler)
+    _installed = True
+    return True
+
+
+def requested() -> bool:
+    """Whether a preemption signal reached this process."""
+    return bool(_received)
+
+
+def received() -> str | None:
+    """The name of the first preemption signal received, if any."""
+    return signal.Signals(_received[0]).name if _received else None
+
+
+def reset() -> None:
+    """Forget received signals (for tests)."""
+    _received.clear()
