@@ -136,8 +136,10 @@ mpickpt_venv() {
     # Keep what an earlier setup of this checkout installed (launch/test's extras, for launch/demo).
     extras="$(_mpickpt_norm_extras "$want,$(_mpickpt_stamped_extras)")"
     _mpickpt_say "Installing mpickpt[$extras] (editable) and $MPICKPT_TORCH_SPEC into $VENV"
-    _mpickpt_say "  (the first time this downloads PyTorch and can take a few minutes; set MPICKPT_TORCH"
-    _mpickpt_say "  to choose another PyTorch, or PIP_INDEX_URL to get it from a CPU-only index)"
+    if ! "$VPY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+        _mpickpt_say "  (this downloads PyTorch and can take a few minutes; set MPICKPT_TORCH to choose"
+        _mpickpt_say "  another PyTorch, or PIP_INDEX_URL to get it from a CPU-only index)"
+    fi
     rm -f "$MPICKPT_STAMP"
     (cd "$REPO" && "$VPY" -m pip install --disable-pip-version-check -e ".[$extras]" "$MPICKPT_TORCH_SPEC")
     printf '%s\n%s\n' "$(_mpickpt_stamp_hash)" "$extras" >"$MPICKPT_STAMP"
