@@ -1,6 +1,6 @@
 """mpickpt: consistent global checkpoints for PyTorch jobs launched with MPI."""
 
-from .checkpointer import Checkpointer, RestoreInfo, SaveHandle, SaveResult
+from .checkpointer import Checkpointer, SaveHandle, SaveResult
 from .errors import (
     CheckpointError,
     CollectiveTimeout,
@@ -11,6 +11,7 @@ from .errors import (
     StateTreeError,
     WorldSizeMismatchError,
 )
+from .restore import RestoreInfo
 from .state_tree import RNGState
 
 __version__ = "0.1.0"

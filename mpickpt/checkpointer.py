@@ -8,10 +8,10 @@ rename), renames the directory to ``step-XXXXXXXX`` and fsyncs ROOT (commit), an
 If any rank failed, every rank learns which and why, the partial directory is removed, and the
 older checkpoints stay as they were (abort).
 
-restore: rank 0 lists the checkpoints newest first and broadcasts each manifest; every rank checks
-that the checkpoint fits its state, reads its shard and verifies sizes and checksums; an allreduce
-decides. Only when every rank succeeded is anything copied into the state; otherwise all ranks move
-to the next older checkpoint, and the report names the rank, the file and the reason.
+restore: rank 0 lists the checkpoints newest first, and :mod:`mpickpt.restore` loads the newest
+one that every rank can load.
+
+should_exit: preemption signals agreed across ranks, then an emergency save and requeue.
 """
 
 from __future__ import annotations
@@ -35,25 +35,19 @@ from .checksum import DEFAULT_BLOCK
 from .errors import (
     CheckpointError,
     CollectiveTimeout,
-    ManifestError,
     SaveAborted,
-    ShardError,
-    StateMismatchError,
     StateTreeError,
-    WorldSizeMismatchError,
 )
 from .exitcodes import EXIT_COLLECTIVE_TIMEOUT, EXIT_PREEMPTED
 from .manifest import NAME as MANIFEST
 from .manifest import Manifest, RankEntry, shard_name
 from .pinned_pool import HostPool
 from .protocol import DEFAULT_TIMEOUT, Protocol
-from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord, read_shard
+from .restore import RestoreInfo, Restorer
+from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord
 from .snapshot import Snapshot, Snapshotter
 
 T = TypeVar("T")
-
-# restore verdicts, combined with MAX over ranks
-_OK, _CORRUPT, _MISMATCH = 0, 1, 2
 
 
 def _collect(x: Any, out: list[Any]) -> None:
@@ -98,16 +92,6 @@ class SaveHandle:
         if self._raise and not result.committed:
             raise SaveAborted(f"checkpoint of step {result.step} aborted: {result.error}")
         return result
-
-
-@dataclass
-class RestoreInfo:
-    """What :meth:`Checkpointer.restore` loaded, and which newer checkpoints it skipped and why."""
-
-    step: int | None
-    path: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
 class Checkpointer:
@@ -521,22 +505,12 @@ class Checkpointer:
             candidates = [c for c in candidates if c[0] == step]
             if not candidates:
                 raise CheckpointError(f"no checkpoint of step {step} under {self.root}")
-        info = RestoreInfo(None)
-        for cand_step, path in candidates:
-            try:
-                verdict, loaded = self._try_restore(state, path)
-            except CollectiveTimeout as e:
-                self._timed_out(e)
-                raise
-            if verdict is None:
-                info.step, info.path, info.metadata = cand_step, path, loaded
-                break
-            info.skipped.append((cand_step, verdict))
-            if self.rank == 0:
-                self.log.warning("checkpoint step %d cannot be restored, falling back: %s",
-                                 cand_step, verdict)
-            if step is not None:
-                raise CheckpointError(f"checkpoint step {step} cannot be restored: {verdict}")
+        try:
+            info = Restorer(self._proto, self._pool, self.io_threads, self.log).run(
+                state, candidates, explicit=step is not None)
+        except CollectiveTimeout as e:
+            self._timed_out(e)
+            raise
         self.restore_info = info
         if self.rank == 0:
             if info.step is None:
@@ -545,88 +519,6 @@ class Checkpointer:
             else:
                 self.log.info("restored step %d from %s", info.step, info.path)
         return info.step
-
-    def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
-        """(text, None) or (None, reason), on rank 0."""
-        mpath = os.path.join(path, MANIFEST)
-        try:
-            fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            return None, f"{mpath}: cannot open: {e.strerror}"
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            if size > (1 << 30):
-                return None, f"{mpath}: {size} bytes is too large for a manifest"
-            return f.read().decode("utf-8", errors="replace"), None
-
-    def _try_restore(self, state: dict[str, Any], path: str
-                     ) -> tuple[str | None, dict[str, Any]]:
-        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be."""
-        text, reason = self._proto.bcast(
-            self._read_manifest(path) if self.rank == 0 else None, "manifest")
-        if text is None:
-            return reason, {}
-        try:
-            manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
-        except ManifestError as e:
-            return str(e), {}
-        if manifest.world_size != self.world_size:
-            raise WorldSizeMismatchError(
-                f"{path} was written by {manifest.world_size} ranks, this job has "
-                f"{self.world_size}; restore it with the same number of ranks"
-            )
-        entry = manifest.ranks[self.rank]
-        shard_path = os.path.join(path, entry.file)
-        verdict, err, arrays, held = _OK, None, {}, []
-
-        def buffer(nbytes: int) -> torch.Tensor:
-            held.append(self._pool.acquire(nbytes))
-            return held[-1]
-
-        try:
-            specs = {r.name: state_tree.ArraySpec(r.dtype, tuple(r.shape)) for r in entry.tensors}
-            state_tree.apply(entry.tree, state, specs, dry_run=True)
-            arrays = read_shard(
-                self.rank, shard_path, entry.tensors, entry.bytes,
-                block=manifest.checksum_block, threads=self.io_threads, buffer=buffer,
-                on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
-            )
-        except StateMismatchError as e:
-            verdict, err = _MISMATCH, f"rank {self.rank}: {shard_path}: {e}"
-        except ShardError as e:
-            verdict, err = _CORRUPT, str(e)
-        except Exception as e:
-            verdict, err = _CORRUPT, f"rank {self.rank}: {shard_path}: {type(e).__name__}: {e}"
-        try:
-            return self._agree_and_apply(path, manifest, entry, state, arrays, verdict, err)
-        finally:
-            arrays.clear()
-            for buf in held:
-                self._pool.release(buf)
-
-    def _agree_and_apply(self, path: str, manifest: Manifest, entry: RankEntry,
-                         state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
-                         err: str | None) -> tuple[str | None, dict[str, Any]]:
-        verdict = self._proto.max(verdict, "verify")
-        if verdict != _OK:
-            reasons = "; ".join(filter(None, self._proto.allgather(err, "verify-report")))
-            if verdict == _MISMATCH:
-                raise StateMismatchError(
-                    f"checkpoint {path} does not fit the state being restored: {reasons}")
-            return reasons, {}
-        err = None
-        try:
-            state_tree.apply(entry.tree, state, arrays, borrowed=True)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the host->device copies read the reused buffer
-        except Exception as e:
-            err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        if not self._proto.all_ok(err is None, "apply"):
-            reasons = "; ".join(filter(None, self._proto.allgather(err, "apply-report")))
-            raise StateMismatchError(
-                f"loading {path} into the state failed after verification; the state is only "
-                f"partly restored, restart the job: {reasons}")
-        return None, manifest.metadata
 
     # ------------------------------------------------------------------------------------- close
 

@@ -1,0 +1,154 @@
+"""Coordinated restore: all ranks agree on the newest checkpoint every one of them can load.
+
+For each candidate, newest first: rank 0 reads the manifest and broadcasts it; every rank checks
+that its part fits the state (a dry run of :func:`mpickpt.state_tree.apply`), reads its shard into
+a reused host buffer and verifies sizes and checksums; an allreduce (MAX of verdicts) decides.
+Only when every rank succeeded is anything copied into the state. A corrupt or unreadable
+candidate makes all ranks move to the next older one; a checkpoint that does not fit the state
+(another model) raises :class:`StateMismatchError` on every rank, since older ones will not fit
+either; another world size raises :class:`WorldSizeMismatchError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import faults, state_tree
+from .errors import (
+    CheckpointError,
+    ManifestError,
+    ShardError,
+    StateMismatchError,
+    WorldSizeMismatchError,
+)
+from .manifest import MAX_BYTES, Manifest, RankEntry
+from .manifest import NAME as MANIFEST
+from .pinned_pool import HostPool
+from .protocol import Protocol
+from .shard import read_shard
+
+# verdicts, combined with MAX over ranks
+_OK, _CORRUPT, _MISMATCH = 0, 1, 2
+
+
+@dataclass
+class RestoreInfo:
+    """What a restore loaded, and which newer checkpoints it skipped and why."""
+
+    step: int | None
+    path: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+class Restorer:
+    """One coordinated restore over ``proto``'s ranks, reading through ``pool``'s buffers."""
+
+    def __init__(self, proto: Protocol, pool: HostPool, io_threads: int,
+                 log: logging.Logger) -> None:
+        self.proto, self.pool, self.io_threads, self.log = proto, pool, io_threads, log
+        self.rank, self.world_size = proto.rank, proto.size
+
+    def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
+            explicit: bool = False) -> RestoreInfo:
+        """Load the first candidate every rank can load; ``explicit``: only that one, or raise."""
+        info = RestoreInfo(None)
+        for step, path in candidates:
+            verdict, loaded = self._try(state, path)
+            if verdict is None:
+                info.step, info.path, info.metadata = step, path, loaded
+                break
+            info.skipped.append((step, verdict))
+            if self.rank == 0:
+                self.log.warning("checkpoint step %d cannot be restored, falling back: %s",
+                                 step, verdict)
+            if explicit:
+                raise CheckpointError(f"checkpoint step {step} cannot be restored: {verdict}")
+        return info
+
+    def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
+        """(text, None) or (None, reason), on rank 0."""
+        mpath = os.path.join(path, MANIFEST)
+        try:
+            fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            return None, f"{mpath}: cannot open: {e.strerror}"
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size > MAX_BYTES:
+                return None, f"{mpath}: {size} bytes is too large for a manifest"
+            return f.read().decode("utf-8", errors="replace"), None
+
+    def _try(self, state: dict[str, Any], path: str) -> tuple[str | None, dict[str, Any]]:
+        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be."""
+        text, reason = self.proto.bcast(
+            self._read_manifest(path) if self.rank == 0 else None, "manifest")
+        if text is None:
+            return reason, {}
+        try:
+            manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
+        except ManifestError as e:
+            return str(e), {}
+        if manifest.world_size != self.world_size:
+            raise WorldSizeMismatchError(
+                f"{path} was written by {manifest.world_size} ranks, this job has "
+                f"{self.world_size}; restore it with the same number of ranks"
+            )
+        entry = manifest.ranks[self.rank]
+        shard_path = os.path.join(path, entry.file)
+        verdict, err, arrays, held = _OK, None, {}, []
+
+        def buffer(nbytes: int) -> torch.Tensor:
+            held.append(self.pool.acquire(nbytes))
+            return held[-1]
+
+        try:
+            specs = {r.name: state_tree.ArraySpec(r.dtype, tuple(r.shape)) for r in entry.tensors}
+            state_tree.apply(entry.tree, state, specs, dry_run=True)
+            arrays = read_shard(
+                self.rank, shard_path, entry.tensors, entry.bytes,
+                block=manifest.checksum_block, threads=self.io_threads, buffer=buffer,
+                on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
+            )
+        except StateMismatchError as e:
+            verdict, err = _MISMATCH, f"rank {self.rank}: {shard_path}: {e}"
+        except ShardError as e:
+            verdict, err = _CORRUPT, str(e)
+        except Exception as e:
+            verdict, err = _CORRUPT, f"rank {self.rank}: {shard_path}: {type(e).__name__}: {e}"
+        try:
+            return self._agree_and_apply(path, manifest, entry, state, arrays, verdict, err)
+        finally:
+            arrays.clear()
+            for buf in held:
+                self.pool.release(buf)
+
+    def _agree_and_apply(self, path: str, manifest: Manifest, entry: RankEntry,
+                         state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
+                         err: str | None) -> tuple[str | None, dict[str, Any]]:
+        verdict = self.proto.max(verdict, "verify")
+        if verdict != _OK:
+            reasons = "; ".join(filter(None, self.proto.allgather(err, "verify-report")))
+            if verdict == _MISMATCH:
+                raise StateMismatchError(
+                    f"checkpoint {path} does not fit the state being restored: {reasons}")
+            return reasons, {}
+        err = None
+        try:
+            state_tree.apply(entry.tree, state, arrays, borrowed=True)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the host->device copies read the reused buffer
+        except Exception as e:
+            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        if not self.proto.all_ok(err is None, "apply"):
+            reasons = "; ".join(filter(None, self.proto.allgather(err, "apply-report")))
+            raise StateMismatchError(
+                f"loading {path} into the state failed after verification; the state is only "
+                f"partly restored, restart the job: {reasons}")
+        return None, manifest.metadata
+
