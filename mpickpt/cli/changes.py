@@ -1,0 +1,163 @@
+"""Every change the tools make under ROOT, planned first (``--dry-run`` stops there), then done.
+
+* **quarantine**: a directory is renamed into ``ROOT/quarantine/`` (same file system, one atomic
+  rename, both directories fsynced) and a line saying what, from where, why, when and by whom is
+  appended to ``ROOT/quarantine/QUARANTINE.jsonl``. Restore lists only ``ROOT/step-*``, so a
+  quarantined checkpoint is never loaded; moving it back by hand undoes the quarantine.
+* **delete** (``--delete``, and ``--prune``): :func:`mpickpt.layout.remove`, which renames to
+  ``*.deleting-<id>`` before removing files, so no crash leaves a half-deleted checkpoint looking
+  committed.
+* **rollback** (``--step N``): the committed checkpoints newer than N are quarantined, so N is the
+  newest and the next ``Checkpointer.restore()`` loads it; ``ROOT/ROLLBACK.json`` (atomic write)
+  records who rolled back when, from which step to which, what was moved, and the earlier
+  rollbacks. It is written only once every move succeeded.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .. import layout
+from .catalog import QUARANTINE, QUARANTINE_LOG, ROLLBACK, Entry
+from .render import iso_utc
+
+RUN_ID = f"cli{os.getpid()}"  # names this process's *.deleting-* directories
+
+
+def operator() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+@dataclass
+class Action:
+    kind: str  # quarantine | delete
+    path: str
+    step: int | None
+    reason: str
+    dest: str | None = None  # quarantine: the new path
+    done: bool = False
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.kind, "path": self.path, "step": self.step, "reason": self.reason,
+                "to": self.dest, "done": self.done, "error": self.error}
+
+
+class Changes:
+    def __init__(self, root: str, dry_run: bool) -> None:
+        self.root, self.dry_run = root, dry_run
+        self.qdir = os.path.join(root, QUARANTINE)
+        self.actions: list[Action] = []
+        self.rollback: dict[str, Any] | None = None
+
+    def _free_name(self, name: str) -> str:
+        taken = {os.path.basename(a.dest) for a in self.actions if a.dest}
+        candidate, n = name, 1
+        while candidate in taken or os.path.lexists(os.path.join(self.qdir, candidate)):
+            n += 1
+            candidate = f"{name}~{n}"
+        return os.path.join(self.qdir, candidate)
+
+    def quarantine(self, entry: Entry, reason: str) -> Action:
+        """Plan to move ``entry`` into ROOT/quarantine/."""
+        action = Action("quarantine", entry.path, entry.step, reason, self._free_name(entry.name))
+        self.actions.append(action)
+        return action
+
+    def delete(self, entry: Entry, reason: str) -> Action:
+        """Plan to remove ``entry`` for good."""
+        action = Action("delete", entry.path, entry.step, reason)
+        self.actions.append(action)
+        return action
+
+    def roll_back(self, from_step: int | None, to_step: int, moved: list[Action]) -> None:
+        """Plan ROLLBACK.json, written after ``moved`` are all done."""
+        self.rollback = {"format": "mpickpt-rollback", "version": 1, "time": time.time(),
+                         "by": operator(), "from_step": from_step, "to_step": to_step,
+                         "moved": moved}
+
+    @property
+    def failed(self) -> list[Action]:
+        return [a for a in self.actions if a.error]
+
+    def apply(self) -> None:
+        """Carry out the plan (nothing with dry_run); an action that fails records its error
+        and the others go on."""
+        if self.dry_run:
+            return
+        for a in self.actions:
+            try:
+                if a.kind == "quarantine":
+                    self._move(a)
+                else:
+                    layout.remove(a.path, RUN_ID)
+                a.done = True
+            except OSError as e:
+                a.error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        if self.rollback is not None:
+            moved: list[Action] = self.rollback["moved"]
+            if all(a.done for a in moved):
+                self._write_rollback()
+
+    def _move(self, a: Action) -> None:
+        assert a.dest is not None
+        if not os.path.lexists(self.qdir):
+            os.mkdir(self.qdir)
+            layout.fsync_dir(self.root)
+        if not layout.is_real_dir(self.qdir):
+            raise NotADirectoryError(0, "is not a directory (it must not be a link)", self.qdir)
+        os.rename(a.path, a.dest)
+        layout.fsync_dir(self.qdir)
+        layout.fsync_dir(self.root)
+        rec = {"time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
+               "from": a.path, "to_name": os.path.basename(a.dest), "step": a.step,
+               "reason": a.reason}
+        fd = os.open(os.path.join(self.qdir, QUARANTINE_LOG),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rollback_record(self) -> dict[str, Any] | None:
+        if self.rollback is None:
+            return None
+        r = dict(self.rollback)
+        r["time_iso"] = iso_utc(r["time"])
+        r["moved"] = [{"step": a.step, "from": a.path, "to": a.dest} for a in r["moved"]]
+        return r
+
+    def _write_rollback(self) -> None:
+        path = os.path.join(self.root, ROLLBACK)
+        record = self.rollback_record()
+        assert record is not None
+        earlier: list[Any] = []
+        try:
+            with open(path) as f:
+                prev = json.load(f)
+            if isinstance(prev, dict):
+                earlier = [*prev.pop("earlier", []), prev]
+        except (OSError, ValueError):
+            pass
+        record["earlier"] = earlier
+        layout.atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
+
+
+def read_rollback(root: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(root, ROLLBACK)) as f:
+            r = json.load(f)
+        return r if isinstance(r, dict) else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,171 @@
+"""Verifying one checkpoint, with the same rules and the same sentences as restore.
+
+quick: the manifest parses and validates (strict JSON, its own checksum), every rank's shard opens
+(no symbolic link), has exactly the size the manifest records, and every tensor record fits in it
+(:func:`mpickpt.shard.check_records`). Reads a few hundred bytes per shard.
+
+full: quick, then every block of every tensor is read and its xxh3-64 compared with the manifest's
+(the check restore makes before it touches the state). Blocks are read by a few threads into
+reused buffers, so memory stays at ``threads`` blocks whatever the size of the shard. Every shard
+and every block is checked (no early stop), so the verdict is the same whichever process checks
+which shard, and the first problem reported is the one of the lowest rank, tensor and block.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from .. import checksum
+from ..errors import ShardError
+from ..manifest import Manifest, RankEntry
+from ..shard import check_records, read_shard
+from . import EXIT_ERROR, EXIT_NO_CHECKPOINT
+from .catalog import (
+    QUARANTINE,
+    Entry,
+    ManifestUnreadable,
+    Problem,
+    locate,
+    read_manifest,
+    scan,
+    set_from_manifest,
+    step_of,
+)
+
+
+def shard_path(checkpoint: str, entry: RankEntry) -> str:
+    return os.path.join(checkpoint, entry.file)
+
+
+def _problem(e: ShardError) -> Problem:
+    return Problem(str(e), e.rank, e.path)
+
+
+def _check_shard(path: str, m: Manifest, r: RankEntry) -> None:
+    """Open the shard as restore does, check its size and that every record fits it."""
+    read_shard(r.rank, path, [], r.bytes)  # with no records it reads nothing
+    check_records(r.rank, path, r.tensors, r.bytes, m.checksum_block)
+
+
+def quick(entry: Entry) -> None:
+    """Check a committed checkpoint's manifest and shard sizes; mark it corrupt or 'quick'."""
+    try:
+        m = read_manifest(entry.path)
+    except ManifestUnreadable as e:
+        entry.fail([Problem(str(e), file=os.path.join(entry.path, "MANIFEST.json"),
+                            unsupported=e.unsupported)])
+        return
+    entry.manifest = m
+    set_from_manifest(entry, m)
+    problems = []
+    for r in m.ranks:
+        path = shard_path(entry.path, r)
+        try:
+            _check_shard(path, m, r)
+        except ShardError as e:
+            problems.append(_problem(e))
+    if problems:
+        entry.fail(problems)
+    else:
+        entry.verified = "quick"
+
+
+def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
+                 on_bytes: Callable[[int], None] | None = None) -> Problem | None:
+    """Read every block of rank ``rank``'s shard and compare its checksum; the first problem."""
+    entry = m.ranks[rank]
+    path = shard_path(checkpoint, entry)
+    block = m.checksum_block
+    try:
+        _check_shard(path, m, entry)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except ShardError as e:
+        return _problem(e)
+    except OSError as e:
+        return _problem(ShardError(rank, path, f"cannot open: {e.strerror}"))
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        tasks = [(i, b) for i, r in enumerate(entry.tensors)
+                 for b in range(checksum.block_count(r.nbytes, block))]
+        local = threading.local()
+
+        def check(i: int, b: int) -> ShardError | None:
+            r, lo = entry.tensors[i], b * block
+            n = min(block, r.nbytes - lo)
+            buf = getattr(local, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = local.buf = bytearray(max(n, 1))
+            view = memoryview(buf)[:n]
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], r.offset + lo + got)
+                if k == 0:
+                    return ShardError(rank, path, "unexpected end of file", tensor=r.name)
+                got += k
+            if checksum.digest(view) != r.checksums[b]:
+                return ShardError(rank, path, f"checksum mismatch in block {b} (bytes "
+                                  f"{r.offset + lo}..{r.offset + lo + n}): the data is corrupt",
+                                  tensor=r.name)
+            if on_bytes is not None:
+                on_bytes(n)
+            return None
+
+        with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="mpickpt-verify") as pool:
+            errors = [e for e in pool.map(lambda t: check(*t), tasks) if e is not None]
+        if not errors:
+            return None
+        first = _problem(errors[0])
+        if len(errors) > 1:
+            first.reason += f"; {len(errors) - 1} more damaged block(s) in this shard"
+        return first
+    finally:
+        os.close(fd)
+
+
+class Unusable(Exception):
+    """The checkpoint asked for cannot be had; ``code`` is the exit code to end with."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def pick(path: str, step: int | None) -> Entry:
+    """The checkpoint a command line names, quick-checked (it may come back corrupt).
+
+    ``ROOT/step-XXXXXXXX`` (or a quarantined or partial directory) names one; ``ROOT`` with
+    ``step`` names ``ROOT/step-{step}``; ``ROOT`` alone names the newest that passes the quick
+    check (the one restore would load)."""
+    root, one = locate(path)
+    if one is not None:
+        if not os.path.isdir(one):
+            raise Unusable(f"{one}: no such directory", EXIT_ERROR)
+        e = Entry(os.path.basename(one), one, "committed", step_of(os.path.basename(one)))
+        if step is not None and e.step != step:
+            raise Unusable(f"{one} is step {e.step}, not step {step}", EXIT_ERROR)
+        quick(e)
+        if e.status == "committed" and os.path.basename(os.path.dirname(one)) == QUARANTINE:
+            e.status = "quarantined"  # intact, but moved aside: restore will not load it
+        return e
+    if not os.path.isdir(root):
+        raise Unusable(f"{root}: no such directory", EXIT_ERROR)
+    committed = [e for e in scan(root) if e.status == "committed"]
+    if step is not None:
+        for e in committed:
+            if e.step == step:
+                quick(e)
+                return e
+        steps = ", ".join(str(e.step) for e in committed) or "none"
+        raise Unusable(f"no committed checkpoint of step {step} under {root} (committed: "
+                       f"{steps}; a quarantined one is named by its path, "
+                       f"{root}/quarantine/NAME)", EXIT_ERROR)
+    for e in committed:
+        quick(e)
+        if e.status == "committed":
+            return e
+    raise Unusable(f"no checkpoint under {root} passes verification "
+                   f"(`mpickpt-restore {root} --list` says why)", EXIT_NO_CHECKPOINT)

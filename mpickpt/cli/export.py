@@ -1,0 +1,168 @@
+"""``mpickpt export SRC OUT``: one checkpoint as one ``torch.save`` file and a safetensors file.
+
+For inference or sharing. SRC is ``ROOT`` (the checkpoint restore would load), ``ROOT --step N`` or
+a checkpoint directory. OUT ending in ``.pt``/``.pth`` writes only the torch file, ``.safetensors``
+only the safetensors file; any other OUT writes ``OUT.pt`` and ``OUT.safetensors``. Both hold one
+flat dict of tensors named as in the checkpoint (``model/0.weight``), prefixed by the rank when
+the checkpoint has more than one (``rank0/model/0.weight``). The torch file loads with
+``torch.load(path, weights_only=True)``; the safetensors header carries the step, world size, run
+and the user metadata. The non-tensor values of the state (its tree) are not exported.
+
+Every tensor is read like restore reads it, with its checksums verified, into memory (the whole
+checkpoint is held at once); the files are written to temporary names and renamed only when all of
+them are complete, so a failed export leaves nothing behind. Existing files are not overwritten
+without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from .. import dtypes
+from ..errors import ShardError
+from ..shard import read_shard
+from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
+from .checks import Unusable, pick, shard_path
+from .render import Out, human_bytes
+from .team import Team
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="one checkpoint as a torch.save file and a safetensors file",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("src", metavar="ROOT[/step-XXXXXXXX]")
+    p.add_argument("out", metavar="OUT", help="OUT.pt and OUT.safetensors (or one of them, "
+                   "when OUT ends in .pt, .pth or .safetensors)")
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N under ROOT")
+    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    p.add_argument("--threads", type=int, default=4, metavar="N", help="reader threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def targets(out: str) -> dict[str, str]:
+    """Format -> path of each file to write."""
+    ext = os.path.splitext(out)[1]
+    if ext in (".pt", ".pth"):
+        return {"torch": out}
+    if ext == ".safetensors":
+        return {"safetensors": out}
+    return {"torch": out + ".pt", "safetensors": out + ".safetensors"}
+
+
+def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
+    from safetensors.torch import save
+
+    bad = []
+    for dt in sorted(set(names_dtypes.values())):
+        try:
+            save({"x": torch.empty(0, dtype=dtypes.torch_dtype(dt))})
+        except Exception:
+            bad += [f"{n} ({dt})" for n, d in names_dtypes.items() if d == dt]
+    return bad
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def command(args: argparse.Namespace, out: Out, team: Team) -> int:
+    t0 = time.monotonic()
+
+    def fail(code: int, msg: str) -> int:
+        out.problem(msg)
+        out.json({"command": "export", "exit_code": code, "error": msg})
+        return code
+
+    try:
+        e = pick(args.src, args.step)
+    except Unusable as err:
+        return fail(err.code, str(err))
+    if e.problems or e.manifest is None:
+        assert e.problem is not None
+        return fail(EXIT_DAMAGED, f"{e.path} fails verification, nothing exported: "
+                    f"{e.problem.reason}")
+    m = e.manifest
+    files = {fmt: os.path.abspath(p) for fmt, p in targets(args.out).items()}
+    existing = [p for p in files.values() if os.path.lexists(p)]
+    if existing and not args.force:
+        return fail(EXIT_ERROR, f"{', '.join(existing)} already exist(s); nothing was written "
+                    "(--force overwrites)")
+    prefix = m.world_size > 1
+    names = {(f"rank{r.rank}/" if prefix else "") + t.name: t.dtype
+             for r in m.ranks for t in r.tensors}
+    if "safetensors" in files:
+        try:
+            bad = _unsupported_by_safetensors(names)
+        except ImportError:
+            return fail(EXIT_ERROR, "the safetensors package is not installed (pip install "
+                        "safetensors), or export to a .pt file only")
+        if bad:
+            return fail(EXIT_ERROR, f"safetensors cannot hold {len(bad)} tensor(s): "
+                        f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; export to a .pt "
+                        "file only (OUT ending in .pt)")
+
+    total = sum(t.nbytes for r in m.ranks for t in r.tensors)
+    progress = out.progress(f"reading step {e.step}", total)
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for r in m.ranks:
+            path = shard_path(e.path, r)
+            for t in r.tensors:
+                got = read_shard(r.rank, path, [t], r.bytes, block=m.checksum_block,
+                                 threads=args.threads)
+                tensors[(f"rank{r.rank}/" if prefix else "") + t.name] = got[t.name]
+                progress.add(t.nbytes)
+    except ShardError as err:
+        progress.close()
+        hint = "" if e.status == "quarantined" else (
+            f" `mpickpt-restore {os.path.dirname(e.path)} --verify full` quarantines it.")
+        return fail(EXIT_DAMAGED, f"{err}; nothing was written.{hint}")
+    progress.close()
+
+    temps = {fmt: f"{p}.tmp-{os.getpid()}" for fmt, p in files.items()}
+    try:
+        if "torch" in temps:
+            torch.save(tensors, temps["torch"])
+            _fsync(temps["torch"])
+        if "safetensors" in temps:
+            from safetensors.torch import save_file
+
+            save_file(tensors, temps["safetensors"], metadata={
+                "mpickpt_step": str(m.step), "mpickpt_world_size": str(m.world_size),
+                "mpickpt_run_id": m.run_id, "mpickpt_source": e.path,
+                "mpickpt_metadata": json.dumps(m.metadata)})
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temps["safetensors"], 0o666 & ~umask)  # as torch.save's file, not 0600
+            _fsync(temps["safetensors"])
+        for fmt, tmp in temps.items():
+            os.replace(tmp, files[fmt])
+    except (OSError, RuntimeError, ValueError) as err:
+        for tmp in temps.values():
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        return fail(EXIT_ERROR, f"writing the export failed: {err}; nothing was written")
+
+    seconds = time.monotonic() - t0
+    outputs = [{"format": fmt, "path": p, "bytes": os.path.getsize(p)} for fmt, p in files.items()]
+    out.json({"command": "export", "exit_code": EXIT_OK, "error": None, "source": e.path,
+              "step": m.step, "world_size": m.world_size, "tensors": len(tensors),
+              "tensor_bytes": total, "seconds": round(seconds, 3), "outputs": outputs})
+    out.line(f"exported step {m.step} ({m.world_size} rank(s), {len(tensors)} tensors, "
+             f"{human_bytes(total)}, checksums verified) from {e.path} in {seconds:.1f} s:")
+    for o in outputs:
+        out.line(f"  {o['format']:<12} {o['path']}  ({human_bytes(o['bytes'])})")
+    if prefix:
+        out.line("tensor names are prefixed by the rank: rank0/..., rank1/...")
+    return EXIT_OK

@@ -1,0 +1,57 @@
+"""``mpickpt COMMAND``: the umbrella of the operator's tools.
+
+``ls`` (= ``mpickpt-restore ROOT --list``), ``verify``, ``inspect``, ``export``, ``stats``, and
+``restore`` (= ``mpickpt-restore``). Every command takes ``--json``; the exit codes are those of
+:mod:`mpickpt.cli`. Under ``mpiexec -n N`` rank 0 runs the command and the others help verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import common_options, export, inspect, restore, stats, verify
+from .render import Out
+from .team import Team
+
+EPILOG = """\
+exit codes: 0 ok; 1 could not do what was asked; 2 bad command line; 3 no checkpoint passes
+verification; 4 the checkpoint asked about (for verify: any checkpoint) fails verification.
+Run `mpickpt COMMAND --help` for each command, `mpickpt-restore --help` for restore."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpickpt", description=__doc__.split("\n\n")[0],
+                                epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    ls = sub.add_parser("ls", help="every checkpoint with its status (changes nothing)")
+    ls.add_argument("root", metavar="ROOT")
+    common_options(ls)
+    v = sub.add_parser("verify", help="check every checkpoint, every byte by default "
+                       "(changes nothing); in parallel under mpiexec -n N")
+    v.add_argument("root", metavar="ROOT[/step-XXXXXXXX]")
+    common_options(v, verify="full")
+    inspect.add_parser(sub)
+    export.add_parser(sub)
+    stats.add_parser(sub)
+    sub.add_parser("restore", help="= mpickpt-restore (see mpickpt-restore --help)",
+                   add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["restore"]:
+        return restore.main(argv[1:])
+    args = parser().parse_args(argv)
+    team = Team(getattr(args, "timeout", 3600.0), getattr(args, "threads", 4))
+    out = Out(args.json, quiet=team.rank != 0)
+    if args.cmd in ("ls", "verify"):
+        return team.lead(lambda: verify.command(args, out, team, verify_mode=args.cmd == "verify"))
+    module = {"inspect": inspect, "export": export, "stats": stats}[args.cmd]
+    return team.lead(lambda: module.command(args, out, team))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

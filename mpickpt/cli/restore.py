@@ -1,0 +1,250 @@
+"""``mpickpt-restore ROOT``: which checkpoint will the job come back from, is it sound, and tidy up.
+
+1. Every committed checkpoint is checked quickly (manifest, shard sizes, records); with
+   ``--verify full`` the newest ones are read in full, newest first, until one passes.
+2. Partial directories of dead runs (``*.partial-*``, ``*.deleting-*`` untouched for ``--grace``
+   seconds) and committed checkpoints that fail verification are moved into ``ROOT/quarantine/``
+   (removed instead with ``--delete``). Restore would skip them anyway; out of the way, they no
+   longer cost a failed read at every start, and nobody mistakes them for good ones.
+3. ``--step N`` rolls back: every committed checkpoint newer than N is quarantined, so N is the
+   newest and the next ``Checkpointer.restore()`` loads it; ``ROOT/ROLLBACK.json`` records it.
+4. ``--prune --keep N`` removes committed checkpoints older than the N newest good ones (the
+   chosen one always stays).
+5. The report: step, age, world size, size and path of the checkpoint the job will resume from,
+   what was done, and what to run next. Exit 0, or 3 when no checkpoint passes (see
+   :mod:`mpickpt.cli` for every code).
+
+``--list`` only prints the table (see :mod:`.verify`); ``--dry-run`` plans and changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from .. import layout
+from . import (
+    EXIT_DAMAGED,
+    EXIT_ERROR,
+    EXIT_NO_CHECKPOINT,
+    EXIT_OK,
+    catalog,
+    common_options,
+    verify,
+)
+from .changes import Changes
+from .render import Out, human_age, human_bytes, local_time
+from .team import Team
+
+EPILOG = """\
+exit codes: 0 a good checkpoint exists (the job resumes from it); 1 could not do what was
+asked (message says why); 2 bad command line; 3 no checkpoint passes verification (the job
+would start from scratch); 4 the checkpoint given with --step fails verification.
+
+examples:
+  mpickpt-restore /scratch/run42                    # check, quarantine what is broken, report
+  mpickpt-restore /scratch/run42 --list             # the table; changes nothing
+  mpiexec -n 8 mpickpt-restore /scratch/run42 --verify full    # read every byte, 8 readers
+  mpickpt-restore /scratch/run42 --step 1200 --dry-run         # what a rollback would do
+  mpickpt-restore /scratch/run42 --prune --keep 2              # free space by hand
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mpickpt-restore", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Find the newest checkpoint under ROOT that passes verification, move "
+        "broken and partial ones into ROOT/quarantine/, and say how to resume.")
+    p.add_argument("root", metavar="ROOT", help="the checkpoint directory (Checkpointer(ROOT))")
+    p.add_argument("--list", action="store_true",
+                   help="print a table of every checkpoint and its status; change nothing")
+    common_options(p)
+    p.add_argument("--step", type=int, metavar="N",
+                   help="roll back to step N: quarantine every committed checkpoint newer than "
+                   "N, so that the next restore() loads N (recorded in ROOT/ROLLBACK.json)")
+    p.add_argument("--prune", action="store_true",
+                   help="remove committed checkpoints older than the --keep newest good ones")
+    p.add_argument("--keep", type=int, metavar="N", help="with --prune: how many to keep (>= 1)")
+    p.add_argument("--delete", action="store_true",
+                   help="remove broken and partial directories instead of quarantining them")
+    p.add_argument("--dry-run", action="store_true", help="say what would be done; do nothing")
+    p.add_argument("--grace", type=float, default=900.0, metavar="S",
+                   help="leave partial directories written in the last S seconds alone: a job "
+                   "may still be writing them (default 900, the protocol's default deadline)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.prune != (args.keep is not None):
+        p.error("--prune and --keep N go together")
+    if args.keep is not None and args.keep < 1:
+        p.error("--keep must be at least 1")
+    if args.list and (args.step is not None or args.prune or args.delete):
+        p.error("--list changes nothing; run --step, --prune or --delete without it")
+    team = Team(args.timeout, args.threads)
+    out = Out(args.json, quiet=team.rank != 0)
+    if args.list:
+        return team.lead(lambda: verify.command(args, out, team, verify_mode=False))
+    return team.lead(lambda: command(args, out, team))
+
+
+def fail(out: Out, code: int, message: str, **extra: Any) -> int:
+    out.problem(message)
+    out.json({"command": "restore", "exit_code": code, "error": message, **extra})
+    return code
+
+
+def command(args: argparse.Namespace, out: Out, team: Team) -> int:
+    now = time.time()
+    root, one = catalog.locate(args.root)
+    if one is not None:
+        return fail(out, EXIT_ERROR, f"{args.root} is one checkpoint; give its parent directory "
+                    "(ROOT), or inspect it with `mpickpt inspect`")
+    if verify.root_dir(root, out) is None:
+        return fail(out, EXIT_ERROR, f"{root}: no such directory", root=root)
+    rolling = args.step is not None
+    s = verify.survey(root, "quick" if rolling else args.verify, team, out, chain=True)
+    changes = Changes(root, args.dry_run)
+    left_alone = []
+    for e in s.entries:
+        if e.status != "partial":
+            continue
+        age = now - (e.modified if e.modified is not None else now)
+        if age < args.grace:
+            left_alone.append({"path": e.path, "reason": (
+                f"written {human_age(age)}: a job may still be writing it; once the job is "
+                "known to be dead, rerun with --grace 0")})
+        else:
+            why = f"{e.note}; last written {human_age(age)}"
+            (changes.delete if args.delete else changes.quarantine)(e, why)
+    chosen = s.current
+    if rolling:
+        target = next((e for e in s.committed if e.step == args.step), None)
+        if target is None:
+            steps = ", ".join(str(e.step) for e in s.committed) or "none"
+            where = [e.path for e in s.entries if e.step == args.step and e.status != "partial"]
+            hint = (f" ({where[0]} is quarantined; if it is good, put it back with `mv "
+                    f"{where[0]} {root}/{layout.step_name(args.step)}`)") if where else ""
+            return fail(out, EXIT_ERROR, f"no committed checkpoint of step {args.step} under "
+                        f"{root}{hint}; committed steps: {steps}. Nothing was changed.", root=root)
+        if args.verify == "full":
+            s.checked_bytes, s.seconds = team.verify([target], out)
+            s.level = "full"
+        if target.status == "corrupt":
+            assert target.problem is not None
+            return fail(out, EXIT_DAMAGED, f"step {args.step} fails verification: "
+                        f"{target.problem.reason}. Nothing was changed; choose another step "
+                        f"(`mpickpt-restore {root} --list`).", root=root,
+                        checkpoints=[e.to_json(now) for e in s.entries])
+        for e in s.entries:
+            e.current = e is target
+        chosen = target
+        newer = [e for e in s.committed if e.step is not None and e.step > args.step]
+        moved = [changes.quarantine(e, f"rolled back to step {args.step}" +
+                                    (f"; it also fails verification: {e.problem.reason}"
+                                     if e.problem else "")) for e in newer]
+        if moved:
+            changes.roll_back(s.committed[0].step, args.step, moved)
+    planned = {a.path for a in changes.actions}
+    for e in s.committed:
+        if e.status == "unsupported" and e.path not in planned:
+            assert e.problem is not None
+            left_alone.append({"path": e.path, "reason": (
+                f"{e.problem.reason}: not damaged, so left in place; this mpickpt cannot "
+                "load it")})
+        if e.status == "corrupt" and e.path not in planned:
+            assert e.problem is not None
+            (changes.delete if args.delete else changes.quarantine)(e, e.problem.reason)
+    if args.prune and chosen is not None:
+        assert chosen.step is not None
+        older = [e for e in s.committed
+                 if e.status == "committed" and e.step is not None and e.step < chosen.step]
+        for e in older[args.keep - 1:]:
+            changes.delete(e, f"pruned: --keep {args.keep} keeps step {chosen.step} and the "
+                           f"{args.keep - 1} newest before it")
+    changes.apply()
+    code = EXIT_OK if chosen is not None else EXIT_NO_CHECKPOINT
+    if changes.failed:
+        code = EXIT_ERROR
+    resume = None
+    if chosen is not None:
+        resume = {"step": chosen.step, "world_size": chosen.world_size, "path": chosen.path,
+                  "command": f"mpiexec -n {chosen.world_size} <the job's command line, "
+                  "unchanged>",
+                  "python": f"ckpt.restore(state, step={chosen.step})"}
+    out.json({"command": "restore", "exit_code": code, "error": None, "dry_run": args.dry_run,
+              **s.to_json(now), "chosen": chosen.to_json(now) if chosen else None,
+              "resume": resume, "actions": [a.to_json() for a in changes.actions],
+              "left_alone": left_alone, "rollback": changes.rollback_record()})
+    report(out, s, chosen, changes, left_alone, args, now)
+    return code
+
+
+def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Changes,
+           left_alone: list[dict[str, str]], args: argparse.Namespace, now: float) -> None:
+    out.line(f"{out.style('ROOT', 'bold')} {s.root}")
+    if changes.actions or left_alone:
+        out.line()
+        out.line("would do (dry run, nothing was changed):" if args.dry_run else "done:")
+        verbs = {"quarantine": "quarantined", "delete": "removed"}
+        for a in changes.actions:
+            verb = f"would {a.kind}" if args.dry_run else verbs[a.kind]
+            if a.error:
+                verb = f"FAILED to {a.kind}"
+            name = a.path[len(s.root) + 1:]
+            out.line(f"  {out.style(f'{verb:<16}', 'red' if a.error else 'yellow')} {name}")
+            out.line(f"  {'':16} {a.reason}")
+            if a.dest:
+                out.line(f"  {'':16} -> {a.dest}")
+            if a.error:
+                out.line(f"  {'':16} {out.style(a.error, 'red')}")
+        for item in left_alone:
+            out.line(f"  {'left alone':<16} {item['path'][len(s.root) + 1:]}")
+            out.line(f"  {'':16} {item['reason']}")
+        record = changes.rollback_record()
+        if record is not None and not args.dry_run and all(a.done for a in changes.actions):
+            out.line(f"  rolled back from step {record['from_step']} to step "
+                     f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")
+    if changes.failed:
+        out.line()
+        out.line(out.style("some changes failed (above): fix the cause (permissions? a full "
+                           "disk?) and run the same command again", "red bold"))
+    out.line()
+    if chosen is None:
+        out.line(out.style(f"NO GOOD CHECKPOINT under {s.root}: the job would start from "
+                           "scratch", "red bold"))
+        if s.committed or any(e.status == "quarantined" for e in s.entries):
+            out.line(f"  `mpickpt-restore {s.root} --list` shows what is there and why each "
+                     "one failed;")
+            out.line("  `mpickpt inspect DIR` shows what a quarantined one holds.")
+        return
+    if s.level == "quick":
+        level = ("quick (manifest, shard sizes and records): restore still checks every "
+                 "block and falls back\n"
+                 f"            by itself; --verify full reads all {human_bytes(chosen.bytes)} "
+                 "now")
+    else:
+        level = verify.LEVELS["full"]
+    out.line(f"{out.style('GOOD', 'green bold')}  the job will resume from step "
+             f"{out.style(str(chosen.step), 'bold')}")
+    out.line(f"  path      {chosen.path}")
+    out.line(f"  written   {local_time(chosen.time)} ({human_age(now - (chosen.time or now))})")
+    out.line(f"  ranks     {chosen.world_size}")
+    out.line(f"  size      {human_bytes(chosen.bytes)} in {chosen.world_size} shard(s)")
+    out.line(f"  verified  {level}")
+    out.line()
+    out.line(f"next: start the job again exactly as before, on {chosen.world_size} rank(s):")
+    out.line(f"  mpiexec -n {chosen.world_size} <the job's command line, unchanged>")
+    out.line(f"Checkpointer.restore(state) loads step {chosen.step}; to insist on it: "
+             f"restore(state, step={chosen.step}).")
+    if args.step is not None and left_alone:
+        out.line(out.style(f"a job may be running (see 'left alone'): stop it first, or its "
+                           f"next checkpoint will be newer than step {args.step}", "yellow"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Verifying what lies under ROOT, and the two read-only views of it.
+
+``mpickpt ls ROOT`` (= ``mpickpt-restore ROOT --list``) and ``mpickpt verify ROOT`` print one table:
+every checkpoint with its step, time, world size, size and status, the one restore will load
+marked ``*``. ``verify`` defaults to ``--verify full`` and exits 4 when any committed checkpoint
+fails; both exit 3 when none passes. Neither changes anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK, catalog, checks
+from .catalog import Entry
+from .changes import read_rollback
+from .render import STATUS_STYLE, Cell, Out, human_age, human_bytes, local_time
+from .team import Team
+
+LEVELS = {
+    "quick": "quick (manifests, shard sizes and records; not the data: --verify full reads "
+             "every byte)",
+    "full": "full (every checksum of every shard)",
+}
+
+
+@dataclass
+class Survey:
+    root: str
+    entries: list[Entry]
+    level: str
+    checked_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def committed(self) -> list[Entry]:
+        return [e for e in self.entries if e.status in ("committed", "corrupt", "unsupported")]
+
+    @property
+    def current(self) -> Entry | None:
+        return next((e for e in self.entries if e.current), None)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        return {"root": self.root, "verify": self.level,
+                "current": self.current.step if self.current else None,
+                "checked_bytes": self.checked_bytes, "verify_seconds": round(self.seconds, 3),
+                "checkpoints": [e.to_json(now) for e in self.entries]}
+
+
+def root_dir(path: str, out: Out) -> str | None:
+    """ROOT as an absolute path, or None after saying why it cannot be used."""
+    root = os.path.abspath(path)
+    if not os.path.isdir(root):
+        out.problem(f"{root}: no such directory. Give the directory the job checkpoints into "
+                    "(its Checkpointer(ROOT)).")
+        return None
+    return root
+
+
+def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> Survey:
+    """Check every committed checkpoint quickly, then (``full``) every checksum: of all of them,
+    or with ``chain`` newest first until one passes (the one restore will load)."""
+    entries = catalog.scan(root)
+    committed = [e for e in entries if e.status == "committed"]
+    for e in committed:
+        checks.quick(e)
+    s = Survey(root, entries, level)
+    if level == "full":
+        if chain:
+            for e in committed:
+                if e.status == "committed":
+                    n, t = team.verify([e], out)
+                    s.checked_bytes, s.seconds = s.checked_bytes + n, s.seconds + t
+                    if e.status == "committed":
+                        break
+        else:
+            s.checked_bytes, s.seconds = team.verify(committed, out)
+    good = next((e for e in committed if e.status == "committed"), None)
+    if good is not None:
+        good.current = True
+    return s
+
+
+def show(out: Out, s: Survey, now: float) -> None:
+    """The table of checkpoints, then the problems in full."""
+    out.line(f"{out.style('ROOT', 'bold')} {s.root}")
+    out.line(f"verified: {LEVELS[s.level]}")
+    if s.level == "full" and s.checked_bytes:
+        out.line(f"read {human_bytes(s.checked_bytes)} in {s.seconds:.1f} s "
+                 f"({human_bytes(s.checked_bytes / max(s.seconds, 1e-6))}/s)")
+    rb = read_rollback(s.root)
+    if rb is not None:
+        out.line(f"rolled back from step {rb.get('from_step')} to step {rb.get('to_step')} "
+                 f"by {rb.get('by')} at {local_time(rb.get('time'))} ({catalog.ROLLBACK})")
+    out.line()
+    if not s.entries:
+        out.line("no checkpoints (and no partial ones)")
+        return
+    rows = []
+    for e in s.entries:
+        note = e.problem.reason if e.problem else (e.note or "")
+        rows.append([
+            Cell("*", "green bold") if e.current else "",
+            "-" if e.step is None else str(e.step),
+            local_time(e.time), human_age(None if e.time is None else now - e.time),
+            "-" if e.world_size is None else str(e.world_size), human_bytes(e.bytes),
+            Cell(e.status, STATUS_STYLE.get(e.status, "")), note,
+        ])
+    out.table(["", "STEP", "WRITTEN", "AGE", "RANKS", "SIZE", "STATUS", "NOTE"], rows,
+              right=(1, 4, 5))
+    out.line()
+    cur = s.current
+    if cur is not None:
+        out.line(f"* = the checkpoint Checkpointer.restore() will load: step {cur.step}, "
+                 f"{cur.path}")
+    else:
+        out.line(out.style("no checkpoint passes verification: the job would start from "
+                           "scratch", "red bold"))
+    for e in s.committed:
+        for p in e.problems[1:]:
+            out.line(f"  step {e.step}, also: {p.reason}")
+
+
+def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -> int:
+    now = time.time()
+    root, one = catalog.locate(args.root)
+    if one is not None and verify_mode:
+        return verify_one(root, one, args, out, team)
+    if one is not None:
+        out.problem(f"{args.root} is a checkpoint; give its parent directory (ROOT)")
+        return EXIT_ERROR
+    if root_dir(root, out) is None:
+        return EXIT_ERROR
+    s = survey(root, args.verify, team, out)
+    bad = [e for e in s.committed if e.status != "committed"]
+    code = (EXIT_NO_CHECKPOINT if s.current is None
+            else EXIT_DAMAGED if verify_mode and bad else EXIT_OK)
+    out.json({"command": "verify" if verify_mode else "list", "exit_code": code, "error": None,
+              **s.to_json(now)})
+    show(out, s, now)
+    if bad and code != EXIT_NO_CHECKPOINT:
+        out.line(f"{len(bad)} checkpoint(s) fail verification; restore skips them by itself. "
+                 f"`mpickpt-restore {root}` moves the damaged ones into {root}/quarantine/.")
+    return code
+
+
+def verify_one(root: str, path: str, args: argparse.Namespace, out: Out, team: Team) -> int:
+    """``mpickpt verify ROOT/step-XXXXXXXX``: that checkpoint only (also a quarantined one)."""
+    now = time.time()
+    e = Entry(os.path.basename(path), path, "committed", catalog.step_of(os.path.basename(path)))
+    checks.quick(e)
+    if args.verify == "full":
+        team.verify([e], out)
+    code = EXIT_OK if e.status == "committed" else EXIT_DAMAGED
+    out.json({"command": "verify", "exit_code": code, "error": None, "root": root,
+              "verify": args.verify, "checkpoints": [e.to_json(now)]})
+    if e.problem:
+        out.line(f"{out.style('CORRUPT', 'red bold')} {path}")
+        for p in e.problems:
+            out.line(f"  {p.reason}")
+    else:
+        out.line(f"{out.style('OK', 'green bold')} {path}: step {e.step}, {e.world_size} "
+                 f"rank(s), {human_bytes(e.bytes)}, verified {LEVELS[args.verify]}")
+    return code
