@@ -4,7 +4,7 @@ Per rank: every tensor's name, dtype, shape, bytes and checksum (xxh3-64 of each
 checkpoint: step, time, world size, run, size and the user metadata given to ``save()``. Rank 0 by
 default, ``--rank R`` or ``--all``; ``--tree`` adds each rank's state tree (the non-tensor values:
 epoch counters, scheduler settings, ...). Reads the manifest and the shards' sizes, not the data.
-Exit 0, or 4 when the quick check fails (what the manifest says is still shown when it parses).
+Exit 0, or 5 when the quick check fails (what the manifest says is still shown when it parses).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from . import EXIT_DAMAGED, EXIT_OK
+from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from .checks import Unusable, pick
 from .render import STATUS_STYLE, Out, human_age, human_bytes, iso_utc, local_time
 from .team import Team
@@ -56,8 +56,8 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         if ranks[0] >= m.world_size or ranks[0] < 0:
             msg = f"{e.path} has ranks 0..{m.world_size - 1}, not {ranks[0]}"
             out.problem(msg)
-            out.json({"command": "inspect", "exit_code": 1, "error": msg})
-            return 1
+            out.json({"command": "inspect", "exit_code": EXIT_ERROR, "error": msg})
+            return EXIT_ERROR
     doc = {"command": "inspect", "exit_code": code, "error": None, **e.to_json(now),
            "checksum_algorithm": m.checksum_algorithm if m else None,
            "checksum_block": m.checksum_block if m else None,

@@ -15,8 +15,8 @@ from .render import Out
 from .team import Team
 
 EPILOG = """\
-exit codes: 0 ok; 1 could not do what was asked; 2 bad command line; 3 no checkpoint passes
-verification; 4 the checkpoint asked about (for verify: any checkpoint) fails verification.
+exit codes: 0 ok; 1 could not do what was asked; 2 bad command line; 4 no checkpoint passes
+verification; 5 the checkpoint asked about (for verify: any checkpoint) fails verification.
 Run `mpickpt COMMAND --help` for each command, `mpickpt-restore --help` for restore."""
 
 

@@ -11,7 +11,7 @@
 4. ``--prune --keep N`` removes committed checkpoints older than the N newest good ones (the
    chosen one always stays).
 5. The report: step, age, world size, size and path of the checkpoint the job will resume from,
-   what was done, and what to run next. Exit 0, or 3 when no checkpoint passes (see
+   what was done, and what to run next. Exit 0, or 4 when no checkpoint passes (see
    :mod:`mpickpt.cli` for every code).
 
 ``--list`` only prints the table (see :mod:`.verify`); ``--dry-run`` plans and changes nothing.
@@ -40,8 +40,8 @@ from .team import Team
 
 EPILOG = """\
 exit codes: 0 a good checkpoint exists (the job resumes from it); 1 could not do what was
-asked (message says why); 2 bad command line; 3 no checkpoint passes verification (the job
-would start from scratch); 4 the checkpoint given with --step fails verification.
+asked (message says why); 2 bad command line; 4 no checkpoint passes verification (the job
+would start from scratch); 5 the checkpoint given with --step fails verification.
 
 examples:
   mpickpt-restore /scratch/run42                    # check, quarantine what is broken, report

@@ -2,8 +2,8 @@
 
 ``mpickpt ls ROOT`` (= ``mpickpt-restore ROOT --list``) and ``mpickpt verify ROOT`` print one table:
 every checkpoint with its step, time, world size, size and status, the one restore will load
-marked ``*``. ``verify`` defaults to ``--verify full`` and exits 4 when any committed checkpoint
-fails; both exit 3 when none passes. Neither changes anything.
+marked ``*``. ``verify`` defaults to ``--verify full`` and exits 5 when any committed
+checkpoint fails; both exit 4 when none passes. Neither changes anything.
 """
 
 from __future__ import annotations
