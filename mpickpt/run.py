@@ -48,6 +48,7 @@ Any other code is the program's own ``SystemExit``. 0, 1, 3 and 75 come from
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import runpy
@@ -82,13 +83,14 @@ def init_mpi() -> Any:
     """Initialise MPI with MPI_THREAD_MULTIPLE (if not yet done); return ``MPI.COMM_WORLD``."""
     import mpi4py
 
-    if "mpi4py.MPI" not in sys.modules:
+    if "mpi4py.MPI" not in sys.modules:  # (importing mpickpt usually has initialised it)
         mpi4py.rc.threads = True
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
-    if not MPI.Is_initialized():  # mpi4py.rc.initialize was turned off
+    if not MPI.Is_initialized():  # mpi4py.rc.initialize was turned off: do what it would do
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_MULTIPLE:
         names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
@@ -215,12 +217,12 @@ def select_gpu() -> int | None:
 
 
 def exit_code(exc: SystemExit) -> int:
-    """The process exit status ``SystemExit`` stands for; a message in it is printed, as Python
-    does."""
+    """The process exit status ``SystemExit`` stands for, as Python turns it into one (a
+    message in it is printed, and the status is 1; a number is taken modulo 256)."""
     if exc.code is None:
         return EXIT_OK
     if isinstance(exc.code, int):
-        return exc.code
+        return exc.code & 0xFF
     print(exc.code, file=sys.stderr)
     return EXIT_FAILED
 
@@ -283,7 +285,7 @@ def run_program(program: Callable[[], object], rank: int) -> int:
         abort(EXIT_INTERRUPTED, "interrupted (KeyboardInterrupt)")
     except BaseException as e:
         print_traceback(e, rank)
-        abort(EXIT_FAILED, f"uncaught {type(e).__name__} on rank {rank}")
+        abort(EXIT_FAILED, f"uncaught {type(e).__name__}")
     return EXIT_OK
 
 

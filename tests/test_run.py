@@ -35,7 +35,7 @@ def test_exception_on_one_rank_aborts_the_job_with_its_traceback_prefixed():
     assert '[rank 2]   File "' in err and 'run_fail_one_rank.py", line' in err, job.output
     assert "[rank 2]     raise RuntimeError(" in err, job.output
     assert "[rank 2] RuntimeError: rank 2 cannot read its batch: injected failure" in err
-    assert "[rank 2] mpickpt.run: uncaught RuntimeError on rank 2; aborting the job" in err
+    assert "[rank 2] mpickpt.run: uncaught RuntimeError; aborting the job with exit code 1" in err
     assert "runpy" not in err and "mpickpt/run.py" not in err, "wrapper frames in the traceback"
     assert "passed the allreduce" not in job.stdout
     for r in (0, 1, 3):
@@ -154,6 +154,7 @@ def test_help_and_usage_errors(tmp_path):
 def test_exit_code_of_systemexit_follows_python(capsys):
     assert run.exit_code(SystemExit()) == 0
     assert run.exit_code(SystemExit(3)) == 3
+    assert run.exit_code(SystemExit(-1)) == 255  # not below 0, where MAX over ranks would hide it
     assert run.exit_code(SystemExit("bad config")) == 1
     assert capsys.readouterr().err == "bad config\n"
 
