@@ -1,0 +1,239 @@
+"""mpickpt-restore ROOT: choose, quarantine, roll back, prune; on trees left by crashed jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from clikit import (
+    COMMITTED,
+    PARTIAL,
+    by_step,
+    cli,
+    cli_json,
+    copy_tree,
+    flip_byte,
+    garble_manifest,
+    listing,
+    partial_dirs,
+    shard,
+    starts,
+    step_dir,
+)
+from conftest import train
+
+from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
+
+
+@pytest.fixture
+def root2(tmp_path, tmp_path_factory):
+    return copy_tree(2, tmp_path_factory, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_after_a_crash_reports_newest_and_quarantines_the_partial(tmp_path, tmp_path_factory, n):
+    root = copy_tree(n, tmp_path_factory, tmp_path / "ckpt")
+    partial = partial_dirs(root)[0]
+    code, doc = cli_json(root, restore=True)
+    assert code == EXIT_OK
+    assert doc["chosen"]["step"] == 20 and doc["chosen"]["world_size"] == n
+    assert doc["chosen"]["path"] == str(step_dir(root, 20))
+    assert doc["chosen"]["bytes"] == sum(
+        shard(root, 20, r).stat().st_size for r in range(n))
+    assert doc["chosen"]["age_s"] >= 0 and doc["chosen"]["verified"] == "quick"
+    assert doc["resume"]["world_size"] == n and doc["resume"]["step"] == 20
+    assert f"mpiexec -n {n} " in doc["resume"]["command"]
+    assert [(a["action"], a["path"], a["done"]) for a in doc["actions"]] == [
+        ("quarantine", str(partial), True)]
+    assert listing(root) == sorted([
+        "quarantine", f"quarantine/{partial.name}", "quarantine/QUARANTINE.jsonl",
+        "stats.jsonl", *(f"step-{s:08d}" for s in COMMITTED)])
+    log = [json.loads(x) for x in (root / "quarantine" / "QUARANTINE.jsonl").read_text()
+           .splitlines()]
+    assert [(r["from"], r["step"]) for r in log] == [(str(partial), PARTIAL)]
+    assert "a save that never committed" in log[0]["reason"]
+    # a second run finds nothing to do
+    code, doc = cli_json(root, restore=True)
+    assert code == EXIT_OK and doc["actions"] == [] and doc["chosen"]["step"] == 20
+
+
+def test_human_report_says_what_to_run(root2):
+    code, out, err = cli(root2, restore=True)
+    assert code == EXIT_OK, err
+    assert "GOOD  the job will resume from step 20" in out
+    assert "mpiexec -n 2 <the job's command line, unchanged>" in out
+    assert "restore(state, step=20)" in out
+    assert "quarantined" in out and "a save that never committed" in out
+    assert "\033[" not in out  # no colour when not on a terminal
+
+
+def test_a_fresh_partial_is_left_alone_until_grace(root2):
+    partial = partial_dirs(root2)[0]
+    os.utime(partial)  # written just now: a job may still be writing it
+    code, doc = cli_json(root2, restore=True)
+    assert code == EXIT_OK and doc["actions"] == []
+    assert [x["path"] for x in doc["left_alone"]] == [str(partial)]
+    assert "--grace 0" in doc["left_alone"][0]["reason"]
+    assert partial.exists()
+    code, doc = cli_json(root2, "--grace", "0", restore=True)
+    assert [a["path"] for a in doc["actions"]] == [str(partial)] and not partial.exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "garble", "no-manifest"])
+def test_damaged_newest_is_quarantined_and_the_older_one_chosen(root2, damage):
+    level = "quick"
+    if damage == "flip":
+        path, tensor = flip_byte(root2, 20, rank=1)
+        why, level = f"tensor '{tensor}': checksum mismatch", "full"
+    elif damage == "truncate":
+        path = shard(root2, 20, 0)
+        size = path.stat().st_size
+        os.truncate(path, size // 3)
+        why = f"size is {size // 3} bytes, the manifest says {size}"
+    elif damage == "delete":
+        path = shard(root2, 20, 1)
+        path.unlink()
+        why = "cannot open: No such file or directory"
+    elif damage == "garble":
+        path, why = garble_manifest(root2, 20), "not valid JSON"
+    else:
+        path = step_dir(root2, 20) / "MANIFEST.json"
+        path.unlink()
+        why = "cannot open"
+    code, doc = cli_json(root2, "--verify", level, restore=True)
+    assert code == EXIT_OK
+    assert doc["chosen"]["step"] == 15
+    bad = by_step(doc)[(20, "corrupt")]
+    assert bad["problems"][0]["file"] == str(path) and why in bad["problems"][0]["reason"]
+    moved = {a["path"]: a for a in doc["actions"]}
+    assert moved[str(step_dir(root2, 20))]["to"] == str(root2 / "quarantine" / "step-00000020")
+    assert why in moved[str(step_dir(root2, 20))]["reason"]
+    assert not step_dir(root2, 20).exists() and (root2 / "quarantine" / "step-00000020").is_dir()
+    assert step_dir(root2, 15).is_dir() and step_dir(root2, 10).is_dir()
+
+
+def test_quick_does_not_read_data_full_does(root2):
+    flip_byte(root2, 20, rank=0)
+    code, doc = cli_json(root2, "--dry-run", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 20  # sizes are intact
+    code, doc = cli_json(root2, "--verify", "full", "--dry-run", restore=True)
+    assert doc["chosen"]["step"] == 15 and doc["chosen"]["verified"] == "full"
+
+
+def test_dry_run_changes_nothing(root2):
+    garble_manifest(root2, 20)
+    before = listing(root2)
+    code, doc = cli_json(root2, "--dry-run", "--prune", "--keep", "1", restore=True)
+    assert code == EXIT_OK and doc["dry_run"]
+    assert sorted((a["action"], a["step"], a["done"]) for a in doc["actions"]) == [
+        ("delete", 10, False), ("quarantine", 20, False), ("quarantine", PARTIAL, False)]
+    assert listing(root2) == before
+    code, out, _ = cli(root2, "--dry-run", restore=True)
+    assert "would do (dry run, nothing was changed)" in out and "would quarantine" in out
+
+
+def test_delete_removes_instead_of_quarantining(root2):
+    garble_manifest(root2, 20)
+    code, doc = cli_json(root2, "--delete", restore=True)
+    assert code == EXIT_OK
+    assert sorted((a["action"], a["step"]) for a in doc["actions"]) == [
+        ("delete", 20), ("delete", PARTIAL)]
+    assert listing(root2) == ["stats.jsonl", "step-00000010", "step-00000015"]
+
+
+def test_prune_keeps_the_chosen_and_the_newest_before_it(root2):
+    code, doc = cli_json(root2, "--prune", "--keep", "2", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 20
+    assert [(a["action"], a["step"]) for a in doc["actions"] if a["action"] == "delete"] == [
+        ("delete", 10)]
+    assert [s for s in (20, 15, 10) if step_dir(root2, s).exists()] == [20, 15]
+    # after a rollback the chosen one is the older step: keep 1 keeps exactly it
+    code, doc = cli_json(root2, "--step", "15", "--prune", "--keep", "1", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 15
+    assert [s for s in (20, 15, 10) if step_dir(root2, s).exists()] == [15]
+
+
+def test_rollback_then_the_next_restore_lands_on_it(root2, tmp_path):
+    code, doc = cli_json(root2, "--step", "10", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 10
+    moved = sorted(a["step"] for a in doc["actions"] if a["reason"].startswith("rolled back"))
+    assert moved == [15, 20]
+    record = json.loads((root2 / "ROLLBACK.json").read_text())
+    assert (record["from_step"], record["to_step"]) == (20, 10)
+    assert "@" in record["by"] and record["time"] > 0 and record["earlier"] == []
+    assert sorted(m["step"] for m in record["moved"]) == [15, 20]
+    assert doc["rollback"]["to_step"] == 10
+
+    out = tmp_path / "out"
+    job = train(2, root2, 20, out, every=5, keep=3, timeout=120)
+    assert job.returncode == 0, job.output
+    assert starts(out, 2) == [10, 10], job.output
+    assert "restored step 10 from" in job.stderr, job.output
+    # the rolled-back checkpoints stay in quarantine; the job wrote new ones
+    assert (root2 / "quarantine" / "step-00000020").is_dir()
+    assert step_dir(root2, 20).is_dir() and step_dir(root2, 15).is_dir()
+
+
+def test_rollback_refuses_a_missing_or_damaged_step(root2):
+    before = listing(root2)
+    code, doc = cli_json(root2, "--step", "7", restore=True)
+    assert code == EXIT_ERROR and "no committed checkpoint of step 7" in doc["error"]
+    assert "committed steps: 20, 15, 10" in doc["error"]
+    os.truncate(shard(root2, 15, 1), 10)
+    code, doc = cli_json(root2, "--step", "15", restore=True)
+    assert code == EXIT_DAMAGED and "step 15 fails verification" in doc["error"]
+    assert "Nothing was changed" in doc["error"]
+    assert listing(root2) == before
+
+
+def test_rolling_back_twice_keeps_the_history_and_names_quarantined_steps(root2):
+    assert cli_json(root2, "--step", "15", restore=True)[0] == EXIT_OK
+    assert cli_json(root2, "--step", "10", restore=True)[0] == EXIT_OK
+    record = json.loads((root2 / "ROLLBACK.json").read_text())
+    assert (record["from_step"], record["to_step"]) == (15, 10)
+    assert [(r["from_step"], r["to_step"]) for r in record["earlier"]] == [(20, 15)]
+    code, doc = cli_json(root2, "--step", "20", restore=True)
+    assert code == EXIT_ERROR
+    assert f"mv {root2}/quarantine/step-00000020 {root2}/step-00000020" in doc["error"]
+
+
+def test_nothing_good_exits_4(root2):
+    for s in COMMITTED:
+        os.truncate(shard(root2, s, 0), 100)
+    code, doc = cli_json(root2, restore=True)
+    assert code == EXIT_NO_CHECKPOINT and doc["chosen"] is None and doc["resume"] is None
+    assert sorted(a["step"] for a in doc["actions"]) == [10, 15, 20, PARTIAL]
+    assert [p.name for p in root2.iterdir() if p.name.startswith("step-")] == []
+    code, out, _ = cli(root2, restore=True)
+    assert code == EXIT_NO_CHECKPOINT and "NO GOOD CHECKPOINT" in out
+
+
+def test_empty_and_missing_root(tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, doc = cli_json(tmp_path / "empty", restore=True)
+    assert code == EXIT_NO_CHECKPOINT and doc["checkpoints"] == [] and doc["actions"] == []
+    code, doc = cli_json(tmp_path / "nowhere", restore=True)
+    assert code == EXIT_ERROR and "no such directory" in doc["error"]
+    code, _, err = cli(tmp_path / "nowhere", restore=True)
+    assert code == EXIT_ERROR and "no such directory" in err
+
+
+def test_another_format_version_is_left_in_place(root2):
+    path = step_dir(root2, 20) / "MANIFEST.json"
+    d = json.loads(path.read_text())
+    d["version"] = 99
+    path.write_text(json.dumps(d))
+    code, doc = cli_json(root2, restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 15
+    assert by_step(doc)[(20, "unsupported")]
+    assert step_dir(root2, 20).is_dir()
+    assert [x["path"] for x in doc["left_alone"]] == [str(step_dir(root2, 20))]
+
+
+def test_bad_command_lines_exit_2(root2):
+    for argv in (["--prune"], ["--keep", "2"], ["--prune", "--keep", "0"],
+                 ["--list", "--step", "1"]):
+        with pytest.raises(SystemExit) as e:
+            cli(root2, *argv, restore=True)
+        assert e.value.code == 2
