@@ -60,13 +60,18 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .exitcodes import EXIT_COLLECTIVE_TIMEOUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from .exitcodes import (
+    EXIT_COLLECTIVE_TIMEOUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+)
 
 __all__ = ["EXIT_COLLECTIVE_TIMEOUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK",
            "EXIT_PREEMPTED", "EXIT_USAGE", "LaunchError", "main"]
 
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 EXIT_GRACE_S = 30.0  # how long a rank exiting non-zero waits for the others: $MPICKPT_EXIT_GRACE
 
 USAGE = """\
