@@ -1,4 +1,4 @@
-"""``mpickpt COMMAND``: the umbrella of the operator's tools.
+"""mpickpt COMMAND: the operator's tools for the checkpoints of an mpickpt job.
 
 ``ls`` (= ``mpickpt-restore ROOT --list``), ``verify``, ``inspect``, ``export``, ``stats``, and
 ``restore`` (= ``mpickpt-restore``). Every command takes ``--json``; the exit codes are those of

@@ -159,6 +159,8 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         if e.status == "corrupt" and e.path not in planned:
             assert e.problem is not None
             (changes.delete if args.delete else changes.quarantine)(e, e.problem.reason)
+    if args.prune and chosen is None:
+        out.problem("--prune: nothing pruned, since no checkpoint passes verification")
     if args.prune and chosen is not None:
         assert chosen.step is not None
         older = [e for e in s.committed

@@ -26,7 +26,7 @@ from .catalog import Entry, ManifestUnreadable, Problem, read_manifest
 from .checks import verify_shard
 from .render import Out, Progress
 
-# one shard to check: (checkpoint directory, rank of the shard, its bytes, the manifest's digest)
+# one shard to check: (checkpoint directory, rank of the shard, its tensor bytes, manifest digest)
 Job = tuple[str, int, int, str]
 # its verdict: (checkpoint directory, rank, reason or None, file or None, bytes checked)
 Verdict = tuple[str, int, str | None, str | None, int]
@@ -89,9 +89,9 @@ class Team:
 
     def verify(self, entries: list[Entry], out: Out) -> tuple[int, float]:
         """Rank 0: check every checksum of the entries that passed the quick check, spread over
-        the ranks; mark each corrupt or 'full'. Returns (bytes checked, seconds)."""
+        the ranks; mark each corrupt or 'full'. Returns (tensor bytes read, seconds)."""
         t0 = time.monotonic()
-        jobs = [(e.path, r.rank, r.bytes, _digest(e.manifest))
+        jobs = [(e.path, r.rank, sum(t.nbytes for t in r.tensors), _digest(e.manifest))
                 for e in entries if e.status == "committed" and e.manifest is not None
                 for r in e.manifest.ranks]
         shares: list[list[Job]] = [[] for _ in range(self.size)]

@@ -89,7 +89,7 @@ def show(out: Out, s: Survey, now: float) -> None:
     out.line(f"{out.style('ROOT', 'bold')} {s.root}")
     out.line(f"verified: {LEVELS[s.level]}")
     if s.level == "full" and s.checked_bytes:
-        out.line(f"read {human_bytes(s.checked_bytes)} in {s.seconds:.1f} s "
+        out.line(f"read {human_bytes(s.checked_bytes)} of tensor data in {s.seconds:.1f} s "
                  f"({human_bytes(s.checked_bytes / max(s.seconds, 1e-6))}/s)")
     rb = read_rollback(s.root)
     if rb is not None:
@@ -116,6 +116,9 @@ def show(out: Out, s: Survey, now: float) -> None:
     if cur is not None:
         out.line(f"* = the checkpoint Checkpointer.restore() will load: step {cur.step}, "
                  f"{cur.path}")
+        if s.level == "quick":
+            out.line("  (if its data is intact: a quick check reads none of it, --verify full "
+                     "reads it all)")
     else:
         out.line(out.style("no checkpoint passes verification: the job would start from "
                            "scratch", "red bold"))
