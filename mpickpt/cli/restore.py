@@ -189,7 +189,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
 def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Changes,
            left_alone: list[dict[str, str]], args: argparse.Namespace, now: float) -> None:
     out.line(f"{out.style('ROOT', 'bold')} {s.root}")
-    if changes.actions or left_alone:
+    if changes.actions:
         out.line()
         out.line("would do (dry run, nothing was changed):" if args.dry_run else "done:")
         verbs = {"quarantine": "quarantined", "delete": "removed"}
@@ -204,13 +204,16 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
                 out.line(f"  {'':16} -> {a.dest}")
             if a.error:
                 out.line(f"  {'':16} {out.style(a.error, 'red')}")
-        for item in left_alone:
-            out.line(f"  {'left alone':<16} {item['path'][len(s.root) + 1:]}")
-            out.line(f"  {'':16} {item['reason']}")
         record = changes.rollback_record()
         if record is not None and not args.dry_run and all(a.done for a in changes.actions):
             out.line(f"  rolled back from step {record['from_step']} to step "
                      f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")
+    if left_alone:
+        out.line()
+        out.line("left alone:")
+        for item in left_alone:
+            out.line(f"  {item['path'][len(s.root) + 1:]}")
+            out.line(f"    {item['reason']}")
     if changes.failed:
         out.line()
         out.line(out.style("some changes failed (above): fix the cause (permissions? a full "
