@@ -24,6 +24,7 @@ from ..manifest import Manifest, RankEntry
 from ..shard import check_records, read_shard
 from . import EXIT_ERROR, EXIT_NO_CHECKPOINT
 from .catalog import (
+    MANIFEST,
     QUARANTINE,
     Entry,
     ManifestUnreadable,
@@ -55,7 +56,7 @@ def quick(entry: Entry) -> None:
     try:
         m = read_manifest(entry.path)
     except ManifestUnreadable as e:
-        entry.fail([Problem(str(e), file=os.path.join(entry.path, "MANIFEST.json"),
+        entry.fail([Problem(str(e), file=os.path.join(entry.path, MANIFEST),
                             unsupported=e.unsupported)])
         return
     entry.manifest = m

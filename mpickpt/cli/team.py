@@ -22,7 +22,7 @@ from ..errors import CollectiveTimeout
 from ..manifest import Manifest
 from ..protocol import Protocol
 from . import EXIT_ERROR
-from .catalog import Entry, ManifestUnreadable, Problem, read_manifest
+from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
 from .checks import verify_shard
 from .render import Out, Progress
 
@@ -131,12 +131,12 @@ class Team:
                 try:
                     m = read_manifest(path)
                     if _digest(m) != digest:
-                        m = f"{path}/MANIFEST.json changed while it was being verified"
+                        m = f"{os.path.join(path, MANIFEST)} changed while it was being verified"
                 except ManifestUnreadable as e:
                     m = f"{e} (it changed while it was being verified)"
                 manifests[path] = m
             if isinstance(m, str):
-                out.append((path, rank, m, f"{path}/MANIFEST.json", 0))
+                out.append((path, rank, m, os.path.join(path, MANIFEST), 0))
                 continue
             try:
                 p = verify_shard(path, m, rank, self.threads,
