@@ -12,7 +12,7 @@ import time
 import types
 
 import pytest
-from conftest import SCENARIOS, run_mpi
+from harness import SCENARIOS, run_mpi
 
 from mpickpt import run
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import train
+from harness import train
 
 from mpickpt.cli import main as cli_main
 from mpickpt.cli import restore as cli_restore

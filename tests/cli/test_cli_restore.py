@@ -21,7 +21,7 @@ from clikit import (
     starts,
     step_dir,
 )
-from conftest import train
+from harness import train
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
 

@@ -22,7 +22,7 @@ from clikit import (
     shard,
     step_dir,
 )
-from conftest import run_mpi
+from harness import run_mpi
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_NO_CHECKPOINT, EXIT_OK
 

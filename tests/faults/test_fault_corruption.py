@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, Job, assert_same_final, run_mpi, train
 from faultkit import losses, manifest, reports, starts, step_dir
+from harness import SCENARIOS, Job, assert_same_final, run_mpi, train
 
 N, STEPS, EVERY = 2, 20, 5
 NEWEST, OLDER = 20, 15

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, Job, assert_same_final, run_mpi, train
 from faultkit import committed_steps, losses, partials, reports, step_dirs
+from harness import SCENARIOS, Job, assert_same_final, run_mpi, train
 
 N = 2
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import assert_same_final, train
 from faultkit import committed_steps, losses, partials, starts, step_dirs
+from harness import assert_same_final, train
 
 N = 2
 

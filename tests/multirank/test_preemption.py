@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, assert_same_final, mpiexec, train
+from harness import SCENARIOS, assert_same_final, mpiexec, train
 
 from mpickpt import layout
 from mpickpt.exitcodes import EXIT_PREEMPTED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SCENARIOS, assert_same_final, run_mpi, train
+from harness import SCENARIOS, assert_same_final, run_mpi, train
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
