@@ -6,6 +6,7 @@ A plain module (not conftest.py: tests/slurm has its own conftest, and two modul
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -76,3 +77,40 @@ def assert_same_final(a: Path, b: Path, n: int) -> None:
         for pid, st in x["optim"]["state"].items():
             for k, v in st.items():
                 assert torch.equal(v, y["optim"]["state"][pid][k]), f"rank {r}: optim {pid}/{k}"
+
+
+# ------------------------------------------------------------- the checkpoint tree under a ROOT
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def shard(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}.h5"
+
+
+def manifest(root: Path, step: int) -> dict:
+    return json.loads((step_dir(root, step) / "MANIFEST.json").read_text())
+
+
+def flip_data_byte(root: Path, step: int, rank: int) -> tuple[Path, str]:
+    """Flip every bit of one byte in the middle of rank ``rank``'s largest tensor's data; return
+    the shard and the tensor's name. The size stays: only a checksum can tell."""
+    entry = manifest(root, step)["ranks"][rank]
+    rec = max(entry["tensors"], key=lambda t: t["nbytes"])
+    assert rec["nbytes"] > 0
+    path = shard(root, step, rank)
+    where = rec["offset"] + rec["nbytes"] // 2
+    with open(path, "r+b") as f:
+        f.seek(where)
+        old = f.read(1)
+        f.seek(where)
+        f.write(bytes([old[0] ^ 0xFF]))
+    assert path.stat().st_size == entry["bytes"]
+    return path, rec["name"]
+
+
+def starts(out: Path, n: int) -> list[int]:
+    """The step each rank of examples/train.py --out OUT resumed from (0 for a fresh start)."""
+    return [json.loads((out / f"rank-{r}.json").read_text())["start"] for r in range(n)]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import train
+from harness import step_dir, train
 
 from mpickpt.cli import main as cli_main
 from mpickpt.cli import restore as cli_restore
@@ -62,29 +62,12 @@ def partial_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if ".partial-" in p.name)
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
 
 
-def shard(root: Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}.h5"
 
 
-def manifest(root: Path, step: int) -> dict[str, Any]:
-    return json.loads((step_dir(root, step) / "MANIFEST.json").read_text())
 
 
-def flip_byte(root: Path, step: int, rank: int) -> tuple[Path, str]:
-    """Flip a byte in the middle of rank ``rank``'s largest tensor; the shard and tensor name."""
-    rec = max(manifest(root, step)["ranks"][rank]["tensors"], key=lambda t: t["nbytes"])
-    path = shard(root, step, rank)
-    where = rec["offset"] + rec["nbytes"] // 2
-    with open(path, "r+b") as f:
-        f.seek(where)
-        b = f.read(1)
-        f.seek(where)
-        f.write(bytes([b[0] ^ 0xFF]))
-    return path, rec["name"]
 
 
 def garble_manifest(root: Path, step: int) -> Path:
@@ -116,9 +99,6 @@ def by_step(doc: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
     return {(c["step"], c["status"]): c for c in doc["checkpoints"]}
 
 
-def starts(out: Path, n: int) -> list[int]:
-    """The step each rank of examples/train.py --out OUT resumed from (0 for a fresh start)."""
-    return [json.loads((out / f"rank-{r}.json").read_text())["start"] for r in range(n)]
 
 
 def listing(root: Path) -> list[str]:

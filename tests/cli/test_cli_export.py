@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from clikit import cli, cli_json, copy_tree, flip_byte, manifest, pristine, shard, step_dir
+from clikit import cli, cli_json, copy_tree, pristine
+from harness import flip_data_byte, manifest, shard, step_dir
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from mpickpt.manifest import Manifest
@@ -91,7 +92,7 @@ def test_export_one_format_a_step_and_no_overwrite(tmp_path, tmp_path_factory):
 
 def test_export_of_a_damaged_checkpoint_writes_nothing(tmp_path, tmp_path_factory):
     root = copy_tree(2, tmp_path_factory, tmp_path / "ckpt")
-    path, tensor = flip_byte(root, 20, rank=1)
+    path, tensor = flip_data_byte(root, 20, rank=1)
     out = tmp_path / "out"
     out.mkdir()
     code, doc = cli_json("export", step_dir(root, 20), out / "model.pt")

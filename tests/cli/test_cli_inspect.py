@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from clikit import cli, cli_json, copy_tree, garble_manifest, manifest, pristine, shard, step_dir
+from clikit import cli, cli_json, copy_tree, garble_manifest, pristine
+from harness import manifest, shard, step_dir
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 

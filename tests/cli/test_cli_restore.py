@@ -13,15 +13,11 @@ from clikit import (
     cli,
     cli_json,
     copy_tree,
-    flip_byte,
     garble_manifest,
     listing,
     partial_dirs,
-    shard,
-    starts,
-    step_dir,
 )
-from harness import train
+from harness import flip_data_byte, shard, starts, step_dir, train
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
 
@@ -84,7 +80,7 @@ def test_a_fresh_partial_is_left_alone_until_grace(root2):
 def test_damaged_newest_is_quarantined_and_the_older_one_chosen(root2, damage):
     level = "quick"
     if damage == "flip":
-        path, tensor = flip_byte(root2, 20, rank=1)
+        path, tensor = flip_data_byte(root2, 20, rank=1)
         why, level = f"tensor '{tensor}': checksum mismatch", "full"
     elif damage == "truncate":
         path = shard(root2, 20, 0)
@@ -114,7 +110,7 @@ def test_damaged_newest_is_quarantined_and_the_older_one_chosen(root2, damage):
 
 
 def test_quick_does_not_read_data_full_does(root2):
-    flip_byte(root2, 20, rank=0)
+    flip_data_byte(root2, 20, rank=0)
     code, doc = cli_json(root2, "--dry-run", restore=True)
     assert code == EXIT_OK and doc["chosen"]["step"] == 20  # sizes are intact
     code, doc = cli_json(root2, "--verify", "full", "--dry-run", restore=True)

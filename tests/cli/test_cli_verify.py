@@ -13,16 +13,12 @@ from clikit import (
     cli,
     cli_json,
     copy_tree,
-    flip_byte,
     garble_manifest,
     listing,
-    manifest,
     partial_dirs,
     pristine,
-    shard,
-    step_dir,
 )
-from harness import run_mpi
+from harness import flip_data_byte, manifest, run_mpi, shard, step_dir
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_NO_CHECKPOINT, EXIT_OK
 
@@ -61,7 +57,7 @@ def test_verify_full_reads_every_checksum(tmp_path, tmp_path_factory, n):
     assert all(c["verified"] == "full" for c in doc["checkpoints"] if c["status"] == "committed")
     assert doc["checked_bytes"] == sum(t["nbytes"] for s in (10, 15, 20)
                                        for r in manifest(root, s)["ranks"] for t in r["tensors"])
-    path, tensor = flip_byte(root, 15, rank=n - 1)
+    path, tensor = flip_data_byte(root, 15, rank=n - 1)
     code, doc = cli_json("verify", root)
     assert code == EXIT_DAMAGED and doc["current"] == 20
     p = by_step(doc)[(15, "corrupt")]["problems"][0]
@@ -104,8 +100,8 @@ def _verdicts(doc: dict) -> list:
 
 def test_parallel_verify_under_mpiexec_gives_the_same_verdict(tmp_path, tmp_path_factory):
     root = copy_tree(4, tmp_path_factory, tmp_path / "ckpt")
-    flip_byte(root, 20, rank=3)
-    flip_byte(root, 20, rank=1)
+    flip_data_byte(root, 20, rank=3)
+    flip_data_byte(root, 20, rank=1)
     os.truncate(shard(root, 10, 2), 5000)
     code, single = cli_json("verify", root, "--verify", "full")
     assert code == EXIT_DAMAGED

@@ -9,8 +9,6 @@ from pathlib import Path
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
 
 
 def committed_steps(root: Path) -> list[int]:
@@ -31,13 +29,8 @@ def partials(root: Path, step: int | None = None) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(prefix) and ".partial-" in p.name)
 
 
-def manifest(root: Path, step: int) -> dict:
-    return json.loads((step_dir(root, step) / "MANIFEST.json").read_text())
 
 
-def starts(out: Path, n: int) -> list[int]:
-    """The step each rank of examples/train.py resumed from (0 for a fresh start)."""
-    return [json.loads((out / f"rank-{r}.json").read_text())["start"] for r in range(n)]
 
 
 def losses(out: Path, n: int) -> list[list[float]]:

@@ -12,8 +12,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-from faultkit import losses, manifest, reports, starts, step_dir
-from harness import SCENARIOS, Job, assert_same_final, run_mpi, train
+from faultkit import losses, reports
+from harness import (
+    SCENARIOS,
+    Job,
+    assert_same_final,
+    flip_data_byte,
+    run_mpi,
+    shard,
+    starts,
+    step_dir,
+    train,
+)
 
 N, STEPS, EVERY = 2, 20, 5
 NEWEST, OLDER = 20, 15
@@ -36,25 +46,8 @@ def root(tmp_path: Path, pristine: Path) -> Path:
     return dst
 
 
-def shard(root: Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}.h5"
 
 
-def flip_data_byte(root: Path, step: int, rank: int) -> tuple[Path, str]:
-    """Flip every bit of one byte in the middle of the largest tensor's data; return the shard
-    and the tensor's name."""
-    entry = manifest(root, step)["ranks"][rank]
-    rec = max(entry["tensors"], key=lambda t: t["nbytes"])
-    assert rec["nbytes"] > 0
-    path = shard(root, step, rank)
-    where = rec["offset"] + rec["nbytes"] // 2
-    with open(path, "r+b") as f:
-        f.seek(where)
-        old = f.read(1)
-        f.seek(where)
-        f.write(bytes([old[0] ^ 0xFF]))
-    assert path.stat().st_size == entry["bytes"]  # same size: only the checksum can tell
-    return path, rec["name"]
 
 
 def probe_restore(root: Path, reports_dir: Path, *extra: str) -> tuple[Job, dict[int, dict]]:

@@ -9,8 +9,8 @@ job aborts with EXIT_COLLECTIVE_TIMEOUT and the previous checkpoint stays loadab
 from __future__ import annotations
 
 import pytest
-from faultkit import committed_steps, losses, partials, reports, starts, step_dir, step_dirs
-from harness import SCENARIOS, assert_same_final, run_mpi, train
+from faultkit import committed_steps, losses, partials, reports, step_dirs
+from harness import SCENARIOS, assert_same_final, run_mpi, starts, step_dir, train
 
 from mpickpt.checkpointer import EXIT_COLLECTIVE_TIMEOUT
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from faultkit import committed_steps, losses, partials, starts, step_dirs
-from harness import assert_same_final, train
+from faultkit import committed_steps, losses, partials, step_dirs
+from harness import assert_same_final, starts, train
 
 N = 2
 
