@@ -59,7 +59,7 @@ class Restorer:
         """Load the first candidate every rank can load; ``explicit``: only that one, or raise."""
         info = RestoreInfo(None)
         for step, path in candidates:
-            verdict, loaded = self._try(state, path)
+            verdict, loaded = self._try(state, step, path)
             if verdict is None:
                 info.step, info.path, info.metadata = step, path, loaded
                 break
@@ -84,7 +84,8 @@ class Restorer:
                 return None, f"{mpath}: {size} bytes is too large for a manifest"
             return f.read().decode("utf-8", errors="replace"), None
 
-    def _try(self, state: dict[str, Any], path: str) -> tuple[str | None, dict[str, Any]]:
+    def _try(self, state: dict[str, Any], step: int, path: str
+             ) -> tuple[str | None, dict[str, Any]]:
         """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be."""
         text, reason = self.proto.bcast(
             self._read_manifest(path) if self.rank == 0 else None, "manifest")
@@ -94,6 +95,9 @@ class Restorer:
             manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
         except ManifestError as e:
             return str(e), {}
+        if manifest.step != step:
+            return (f"{os.path.join(path, MANIFEST)} is the manifest of step {manifest.step}, "
+                    f"not of step {step}: it was copied or moved here"), {}
         if manifest.world_size != self.world_size:
             raise WorldSizeMismatchError(
                 f"{path} was written by {manifest.world_size} ranks, this job has "

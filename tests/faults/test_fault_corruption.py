@@ -171,3 +171,14 @@ def test_every_candidate_corrupt_leaves_state_untouched(root, tmp_path):
         assert str(step_dir(root, 10) / "MANIFEST.json") in r10, r10
         assert rep["untouched"], f"rank {rep['rank']}: the state was modified by a failed restore"
     assert "no loadable checkpoint" in probe.stderr and "3 skipped" in probe.stderr, probe.output
+
+
+def test_checkpoint_moved_under_another_step_name_falls_back(root, tmp_path, reference_runs):
+    # step 20's directory replaced by a copy of step 10's: a manifest of another step
+    shutil.rmtree(step_dir(root, 20))
+    shutil.copytree(step_dir(root, 10), step_dir(root, 20))
+    job, reps = probe_restore(root, tmp_path / "reports")
+    assert job.returncode == 0, job.output
+    for rep in reps.values():
+        assert rep["step"] == OLDER and [s[0] for s in rep["skipped"]] == [NEWEST], rep
+        assert "is the manifest of step 10, not of step 20" in rep["skipped"][0][1], rep
