@@ -1,0 +1,68 @@
+"""examples/train.py's job, slowed down and observable, for the Slurm tests (tests/slurm/).
+
+Usage: slurm_train.py ROOT OUT STEPS [--sleep S] [--every N] [--keep K]
+
+Each rank trains exactly like examples/train.py (width 64), so a run that was preempted, requeued
+and resumed ends bit-identical to an uninterrupted ``examples/train.py --no-checkpoint`` run. It
+sleeps S seconds per step so that Slurm's signals (30 s granularity) land mid-training, saves a
+checkpoint every N steps and calls ``should_exit`` every step (SystemExit(3) on every rank after
+the emergency save). It reports through files in OUT, which every run of a requeued job shares:
+
+* ``progress-R``: one line per finished step, ``STEP JOB RESTART`` (JOB: $SLURM_JOB_ID; RESTART:
+  $SLURM_RESTART_COUNT, 0 on a job's first run);
+* ``starts-R``: one line per run, ``JOB RESTART START`` (START: the step it resumed from, 0 if
+  it started fresh);
+* at the end, ``rank-R.pt`` (final parameters and optimizer state) and ``rank-R.json``, as
+  ``examples/train.py --out`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from train import make_state, train_step
+
+import mpickpt
+
+ap = argparse.ArgumentParser()
+ap.add_argument("root")
+ap.add_argument("out", type=Path)
+ap.add_argument("steps", type=int)
+ap.add_argument("--sleep", type=float, default=0.5)
+ap.add_argument("--every", type=int, default=10)
+ap.add_argument("--keep", type=int, default=2)
+args = ap.parse_args()
+
+comm = MPI.COMM_WORLD
+job = os.environ.get("SLURM_JOB_ID", "-")
+restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+args.out.mkdir(parents=True, exist_ok=True)
+state = make_state(comm.rank, 64)
+ck = mpickpt.Checkpointer(args.root, keep=args.keep)
+start = ck.restore(state) or 0
+with open(args.out / f"starts-{comm.rank}", "a") as f:
+    f.write(f"{job} {restart} {start}\n")
+for step in range(start, args.steps):
+    train_step(state, comm)
+    done = step + 1
+    if done % args.every == 0:
+        ck.save(done, state)
+    with open(args.out / f"progress-{comm.rank}", "a") as f:
+        f.write(f"{done} {job} {restart}\n")
+    time.sleep(args.sleep)
+    ck.should_exit(done, state)
+ck.close()
+import torch  # noqa: E402
+
+final = {"model": state["model"].state_dict(), "optim": state["optim"].state_dict()}
+torch.save(final, args.out / f"rank-{comm.rank}.pt")
+report = {"start": start, "job": job, "restart": restart}
+(args.out / f"rank-{comm.rank}.json").write_text(json.dumps(report))
