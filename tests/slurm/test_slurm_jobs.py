@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import assert_same_final
+from harness import assert_same_final, mpiexec
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "slurm"
@@ -80,11 +80,11 @@ class Jobs:
         assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout}{p.stderr}"
         return p.stdout.strip()
 
-    def train(self, extra: list[str], steps: int, sleep: float) -> str:
+    def train(self, extra: list[str], steps: int, sleep: float, **env: str) -> str:
         """sbatch [options] slurm/train.sbatch slurm_train.py ...; the job id."""
         out = self._run(["sbatch", "--parsable", *self.options(extra),
                          str(SLURM_DIR / "train.sbatch"), *self.command(steps, sleep)],
-                        self.env())
+                        self.env(**env))
         return out.split(";")[0]
 
     def submit(self, extra: list[str], steps: int, sleep: float, **env: str
@@ -130,6 +130,9 @@ class Jobs:
     def cancel_all(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "STOP").touch()  # a watcher that still starts resubmits nothing
+        for line in self.alive():  # and a job that would requeue itself on SIGTERM cannot
+            subprocess.run(["scontrol", "update", f"JobId={line.split()[0]}", "Requeue=0"],
+                           capture_output=True, timeout=30)
         for kind in ("watch", "train"):
             subprocess.run(["scancel", "-n", f"{self.name}-{kind}"], capture_output=True,
                            timeout=30)
@@ -206,6 +209,31 @@ def test_scancel_usr2_preempts_requeues_and_resumes_bit_identical(slurm, jobs, r
     assert_same_final(jobs.out, reference, N)
 
 
+def test_mpich_mpiexec_launcher_and_an_early_signal_held_until_the_ranks_are_up(
+        slurm, jobs, reference_runs):
+    """MPICKPT_LAUNCHER=mpiexec (MPICH's hydra here, as a system MPI's own launcher would be):
+    the batch shell's SIGUSR2, which came before the ranks could handle it, is held for
+    MPICKPT_HOLD_S after the launch, then passed on (as SIGTERM: hydra dies of SIGUSR2)."""
+    steps = 100
+    reference = reference_runs[(N, steps)]
+    launcher, *flags = mpiexec()
+    job = jobs.train(["--time=10"], steps, sleep=0.2, MPICKPT_LAUNCHER=launcher,
+                     MPICKPT_MPIRUN_ARGS=" ".join(flags), MPICKPT_HOLD_S="15")
+    wait_for(lambda: slurm.state(job) == "RUNNING", 60, f"job {job} to start")
+    slurm.cancel(job, "-b", "--signal=USR2")  # the batch shell only, as --signal=B:USR2 does
+    state = slurm.wait(job, timeout=240)
+    log = jobs.log("train", job)
+    assert state == "COMPLETED", f"job {job} ended {state}\n{log}"
+    assert re.search(r"got SIGUSR2 \d+s after the launch: holding it for \d+s", log), log
+    assert "got SIGUSR2: forwarding it to the ranks" in log, log
+    runs = summaries(log)
+    assert [(s["restart"], s["exit"], s["outcome"]) for s in runs] == [
+        ("0", "3", "preempted-requeued"), ("1", "0", "finished")], log
+    [step] = check_resumed_runs(jobs, job, 2)
+    assert 0 < step < steps
+    assert_same_final(jobs.out, reference, N)
+
+
 @pytest.mark.parametrize("target", ["job", "step"])
 def test_hard_kill_is_restarted_by_the_watcher_and_ends_bit_identical(
         slurm, jobs, reference_runs, target):
@@ -218,6 +246,7 @@ def test_hard_kill_is_restarted_by_the_watcher_and_ends_bit_identical(
     # `scancel -s KILL J.0`: SIGKILL to every rank at once; the batch script fails (137).
     slurm.cancel(train if target == "job" else f"{train}.0", "-s", "KILL")
     assert slurm.wait(train, timeout=60) == ("CANCELLED" if target == "job" else "FAILED")
+    assert slurm.show(train).get("Restarts", "0") == "0", "a cancelled job was requeued"
     killed_at = [jobs.last_step(train, 0, r) for r in range(N)]
     assert slurm.wait(watcher, timeout=120) == "COMPLETED", jobs.log("watch", watcher)
     wlog = jobs.log("watch", watcher)
@@ -260,3 +289,22 @@ def test_failures_beyond_the_cap_are_not_resubmitted(slurm, jobs):
     assert (jobs.root / "FAILURES").read_text().strip() == "2"
     time.sleep(3)  # two scheduler passes: a job submitted by the watcher would show by now
     assert not jobs.alive(), jobs.alive()
+
+
+@pytest.mark.xfail(strict=True, reason="mpickpt bug: Checkpointer.should_exit takes scancel's "
+                   "SIGTERM for a preemption and rank 0 requeues the cancelled job")
+def test_scancel_ends_a_job_that_runs_mpickpt_without_the_template(slurm, jobs):
+    """`srun python -m mpickpt.run ...` in a batch script of one's own (--requeue): `scancel`
+    must end the job. slurm/train.sbatch is not affected: it keeps the ranks from requeueing
+    (MPICKPT_REQUEUE=0) and requeues only a job still RUNNING."""
+    cmd = " ".join([sys.executable, "-m", "mpickpt.run", *jobs.command(400, 0.2)])
+    out = jobs._run(["sbatch", "--parsable", *jobs.options(["--requeue", "--open-mode=append"]),
+                     "--wrap", f"srun --mpi=pmi2 -K1 {cmd}"], jobs.env())
+    job = out.split(";")[0]
+    wait_for(lambda: len(jobs.progress()) >= 5, 180, f"job {job} to train 5 steps")
+    slurm.cancel(job)
+    wait_for(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING", "CONFIGURING"), 60,
+             f"job {job} to end")
+    time.sleep(1)
+    state, restarts = slurm.state(job), slurm.show(job).get("Restarts")
+    assert (state, restarts) == ("CANCELLED", "0"), jobs.log("train", job)
