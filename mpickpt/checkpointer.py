@@ -116,7 +116,8 @@ class Checkpointer:
     ``$MPICKPT_DEADLINE`` or ``$SLURM_JOB_END_TIME``) is when the job will be killed: an emergency
     save that cannot finish before it is skipped, and the log says so. ``requeue`` (default: when
     ``$SLURM_JOB_ID`` is set and ``$MPICKPT_REQUEUE`` is not 0) makes rank 0 requeue the job
-    with ``scontrol requeue`` once, after the emergency save.
+    with ``scontrol requeue`` once, after the emergency save, when the preemption signal came
+    (SIGTERM alone checkpoints and exits but does not requeue: ``scancel`` sends it too).
     """
 
     def __init__(
@@ -345,17 +346,19 @@ class Checkpointer:
         every rank; without it, True is returned.
         """
         self._check_open()
-        who = self._exit_vote.poll(preempt.requested(), self.rank)
-        if who is None:
+        vote = self._exit_vote.poll(preempt.kind(), self.rank)
+        if vote is None:
             return False
+        kind, who = vote
         self.preempted = True
         if self.rank == 0:
-            self.log.warning("preemption signal on rank %d: checkpointing step %s and exiting",
-                             who, step)
+            what = "preemption signal" if kind == preempt.PREEMPT else "SIGTERM"
+            self.log.warning("%s on rank %d: checkpointing step %s and exiting", what, who, step)
         self.wait()
         if step is not None and state is not None:
             self._emergency_save(step, state)
-        self._requeue()
+        if kind == preempt.PREEMPT:
+            self._requeue()  # not for SIGTERM alone: that is also how scancel ends a job
         if exit:
             self.close()
             raise SystemExit(EXIT_PREEMPTED)

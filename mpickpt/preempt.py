@@ -12,7 +12,7 @@ import signal
 import threading
 
 _received: list[int] = []
-_installed = False
+_installed: set[signal.Signals] = set()
 
 
 def _handler(signum: int, frame: object) -> None:
@@ -30,22 +30,35 @@ def signals() -> list[signal.Signals]:
     return list(dict.fromkeys([main, signal.SIGTERM]))
 
 
-def install() -> bool:
-    """Install the handlers (once, from the main thread); False where that is impossible."""
-    global _installed
-    if _installed:
+def install(term: bool = True) -> bool:
+    """Install the handlers from the main thread (False where that is impossible). Without
+    ``term`` only the preemption signal's: the run wrapper does that at start, so an early
+    SIGUSR2 does not kill a rank, while SIGTERM still ends a script that has no Checkpointer."""
+    wanted = [s for s in signals() if term or s != signal.SIGTERM]
+    if all(s in _installed for s in wanted):
         return True
     if threading.current_thread() is not threading.main_thread():
         return False
-    for sig in signals():
+    for sig in wanted:
         signal.signal(sig, _handler)
-    _installed = True
+        _installed.add(sig)
     return True
 
 
 def requested() -> bool:
     """Whether a preemption signal reached this process."""
     return bool(_received)
+
+
+NONE, TERMINATE, PREEMPT = 0, 1, 2
+
+
+def kind() -> int:
+    """PREEMPT if the preemption signal (SIGUSR2 by default) came, TERMINATE if only SIGTERM did,
+    else NONE. Only PREEMPT asks for a requeue: SIGTERM is also how ``scancel`` ends a job."""
+    if not _received:
+        return NONE
+    return TERMINATE if all(s == signal.SIGTERM for s in _received) else PREEMPT
 
 
 def received() -> str | None:

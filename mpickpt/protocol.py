@@ -107,16 +107,17 @@ class ExitVote:
         self._recv = np.zeros(2, dtype=np.int64)
         self._req: MPI.Request | None = None
 
-    def poll(self, flag: bool, rank: int) -> int | None:
-        """None while no rank has raised its flag; else the highest rank that raised it."""
+    def poll(self, flag: int, rank: int) -> tuple[int, int] | None:
+        """None while every rank's flag is 0; else (the highest flag, the highest rank that
+        raised a flag)."""
         agreed = None
         if self._req is not None:
             self._req.Wait()
             self._req = None
             if self._recv[0]:
-                agreed = int(self._recv[1]) - 1
+                agreed = int(self._recv[0]), int(self._recv[1]) - 1
         if agreed is None:
-            self._send[:] = (int(flag), rank + 1 if flag else 0)
+            self._send[:] = (flag, rank + 1 if flag else 0)
             self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
         return agreed
 

@@ -60,6 +60,7 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from . import preempt
 from .exitcodes import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_FAILED,
@@ -304,6 +305,7 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
     try:
         world = init_mpi()
         rank = world.rank
+        preempt.install(term=False)  # an early SIGUSR2 is held for the Checkpointer, not fatal
         exit_comm = world.Dup()  # before any user code, so no other traffic meets the exit barrier
         set_torch_env(torch_env(world))  # collective: before a usage error can part the ranks
         program = fn if fn is not None else command_line(sys.argv[1:], show=rank == 0)

@@ -291,8 +291,6 @@ def test_failures_beyond_the_cap_are_not_resubmitted(slurm, jobs):
     assert not jobs.alive(), jobs.alive()
 
 
-@pytest.mark.xfail(strict=True, reason="mpickpt bug: Checkpointer.should_exit takes scancel's "
-                   "SIGTERM for a preemption and rank 0 requeues the cancelled job")
 def test_scancel_ends_a_job_that_runs_mpickpt_without_the_template(slurm, jobs):
     """`srun python -m mpickpt.run ...` in a batch script of one's own (--requeue): `scancel`
     must end the job. slurm/train.sbatch is not affected: it keeps the ranks from requeueing
