@@ -19,9 +19,3 @@ def block_count(nbytes: int, block: int) -> int:
 def digest(buf: memoryview | bytes) -> str:
     """Hex xxh3-64 of one block."""
     return xxhash.xxh3_64_hexdigest(buf)
-
-
-def blocks(buf: memoryview, block: int) -> list[str]:
-    """Hex checksums of consecutive ``block``-byte slices of ``buf`` (at least one)."""
-    n = len(buf)
-    return [digest(buf[i : i + block]) for i in range(0, max(n, 1), block)]

@@ -45,11 +45,6 @@ def install(term: bool = True) -> bool:
     return True
 
 
-def requested() -> bool:
-    """Whether a preemption signal reached this process."""
-    return bool(_received)
-
-
 NONE, TERMINATE, PREEMPT = 0, 1, 2
 
 
@@ -59,13 +54,3 @@ def kind() -> int:
     if not _received:
         return NONE
     return TERMINATE if all(s == signal.SIGTERM for s in _received) else PREEMPT
-
-
-def received() -> str | None:
-    """The name of the first preemption signal received, if any."""
-    return signal.Signals(_received[0]).name if _received else None
-
-
-def reset() -> None:
-    """Forget received signals (for tests)."""
-    _received.clear()
