@@ -257,6 +257,9 @@ def abort(code: int, why: str) -> NoReturn:
     why = why.rstrip(".")
     print_prefixed(f"mpickpt.run: {why}; aborting the job with exit code {code}",
                    MPI.COMM_WORLD.rank)
+    # The launcher forwards our stderr through a pipe; MPI_Abort can tear the job down before
+    # the traceback got through it (seen with MPICH's hydra): give the forwarder a moment.
+    time.sleep(float(os.environ.get("MPICKPT_ABORT_DELAY", "1.0")))
     MPI.COMM_WORLD.Abort(code)
     raise SystemExit(code)  # not reached
 
