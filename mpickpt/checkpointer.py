@@ -462,7 +462,7 @@ class Checkpointer:
         if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
             layout.remove(final, self.run_id)
         os.rename(partial, final)
-        layout.fsync_dir(self.root)
+        layout.fsync_path(self.root)
         return final
 
     def _discard(self, partial: str) -> None:

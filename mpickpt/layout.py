@@ -64,8 +64,9 @@ def leftovers(root: str, run_id: str) -> list[str]:
     return out
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory, so that its entries are durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -94,7 +95,7 @@ def atomic_write(path: str, data: bytes, on_half: Callable[[], None] | None = No
         raise
     os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def remove(path: str, run_id: str) -> None:
@@ -106,5 +107,5 @@ def remove(path: str, run_id: str) -> None:
     if os.path.lexists(doomed):
         shutil.rmtree(doomed)
     os.rename(path, doomed)
-    fsync_dir(parent)
+    fsync_path(parent)
     shutil.rmtree(doomed)

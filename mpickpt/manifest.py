@@ -18,6 +18,7 @@ Rules, in one place:
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -85,6 +86,21 @@ class Manifest:
             return manifest
         except _Bad as e:
             raise ManifestError(f"{where}: {e}") from None
+
+
+def read_bytes(directory: str) -> bytes:
+    """The bytes of ``directory``/MANIFEST.json: never through a symbolic link, never more than
+    :data:`MAX_BYTES`; :class:`ManifestError` naming the file otherwise."""
+    path = os.path.join(directory, NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot open: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > MAX_BYTES:
+            raise ManifestError(f"{path}: {size} bytes is too large for a manifest")
+        return f.read()
 
 
 class _Bad(Exception):

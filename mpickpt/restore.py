@@ -26,8 +26,8 @@ from .errors import (
     StateMismatchError,
     WorldSizeMismatchError,
 )
-from .manifest import MAX_BYTES, Manifest, RankEntry
 from .manifest import NAME as MANIFEST
+from .manifest import Manifest, RankEntry, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .shard import read_shard
@@ -73,16 +73,10 @@ class Restorer:
 
     def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
         """(text, None) or (None, reason), on rank 0."""
-        mpath = os.path.join(path, MANIFEST)
         try:
-            fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            return None, f"{mpath}: cannot open: {e.strerror}"
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            if size > MAX_BYTES:
-                return None, f"{mpath}: {size} bytes is too large for a manifest"
-            return f.read().decode("utf-8", errors="replace"), None
+            return read_bytes(path).decode("utf-8", errors="replace"), None
+        except ManifestError as e:
+            return None, str(e)
 
     def _try(self, state: dict[str, Any], step: int, path: str
              ) -> tuple[str | None, dict[str, Any]]:

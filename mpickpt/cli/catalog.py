@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import layout
 from ..errors import ManifestError
-from ..manifest import FORMAT, MAX_BYTES, VERSION, Manifest
+from ..manifest import FORMAT, VERSION, Manifest, read_bytes
 from ..manifest import NAME as MANIFEST
 from .render import iso_utc
 
@@ -195,14 +195,9 @@ def read_manifest(path: str) -> Manifest:
     :data:`mpickpt.manifest.MAX_BYTES`, strict JSON with its checksum)."""
     mpath = os.path.join(path, MANIFEST)
     try:
-        fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ManifestUnreadable(f"{mpath}: cannot open: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
-        if size > MAX_BYTES:
-            raise ManifestUnreadable(f"{mpath}: {size} bytes is too large for a manifest")
-        text = f.read()
+        text = read_bytes(path)
+    except ManifestError as e:
+        raise ManifestUnreadable(str(e)) from None
     try:
         return Manifest.from_json(text.decode("utf-8", errors="replace"), mpath)
     except ManifestError as e:

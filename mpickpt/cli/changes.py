@@ -113,12 +113,12 @@ class Changes:
         assert a.dest is not None
         if not os.path.lexists(self.qdir):
             os.mkdir(self.qdir)
-            layout.fsync_dir(self.root)
+            layout.fsync_path(self.root)
         if not layout.is_real_dir(self.qdir):
             raise NotADirectoryError(0, "is not a directory (it must not be a link)", self.qdir)
         os.rename(a.path, a.dest)
-        layout.fsync_dir(self.qdir)
-        layout.fsync_dir(self.root)
+        layout.fsync_path(self.qdir)
+        layout.fsync_path(self.root)
         rec = {"time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
                "from": a.path, "to_name": os.path.basename(a.dest), "step": a.step,
                "reason": a.reason}

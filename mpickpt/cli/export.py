@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import dtypes
+from .. import dtypes, layout
 from ..errors import ShardError
 from ..shard import read_shard
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
@@ -66,14 +66,6 @@ def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
         except Exception:
             bad += [f"{n} ({dt})" for n, d in names_dtypes.items() if d == dt]
     return bad
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
@@ -134,7 +126,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     try:
         if "torch" in temps:
             torch.save(tensors, temps["torch"])
-            _fsync(temps["torch"])
+            layout.fsync_path(temps["torch"])
         if "safetensors" in temps:
             from safetensors.torch import save_file
 
@@ -145,7 +137,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(temps["safetensors"], 0o666 & ~umask)  # as torch.save's file, not 0600
-            _fsync(temps["safetensors"])
+            layout.fsync_path(temps["safetensors"])
         for fmt, tmp in temps.items():
             os.replace(tmp, files[fmt])
     except (OSError, RuntimeError, ValueError) as err:
