@@ -220,6 +220,11 @@ def test_mpich_mpiexec_launcher_and_an_early_signal_held_until_the_ranks_are_up(
     job = jobs.train(["--time=10"], steps, sleep=0.2, MPICKPT_LAUNCHER=launcher,
                      MPICKPT_MPIRUN_ARGS=" ".join(flags), MPICKPT_HOLD_S="15")
     wait_for(lambda: slurm.state(job) == "RUNNING", 60, f"job {job} to start")
+    # RUNNING comes before the batch shell has its trap: a signal then kills the shell itself
+    # (seen once: the job ended FAILED by signal 12 with an empty log). The template's first
+    # line is printed after the trap is set; the ranks are not up yet, which is the point.
+    wait_for(lambda: "mpickpt-train: start" in jobs.log("train", job), 60,
+             f"job {job}'s batch shell to start")
     slurm.cancel(job, "-b", "--signal=USR2")  # the batch shell only, as --signal=B:USR2 does
     state = slurm.wait(job, timeout=240)
     log = jobs.log("train", job)
