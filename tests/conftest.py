@@ -5,7 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from guarantees import GuaranteeReport
 from harness import train
+
+_REPORT = GuaranteeReport()
+
+
+@pytest.fixture(scope="session")
+def guarantees() -> GuaranteeReport:
+    """Where fault, corruption and soak cases are counted (see guarantees.py)."""
+    return _REPORT
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _REPORT.cases:
+        return
+    terminalreporter.section("mpickpt guarantees")
+    for line in _REPORT.lines():
+        terminalreporter.write_line(line)
+    terminalreporter.write_line(f"written to {_REPORT.write()}")
 
 
 @pytest.fixture(scope="session")
