@@ -12,6 +12,7 @@ from .errors import (
     WorldSizeMismatchError,
 )
 from .restore import RestoreInfo
+from .sharding import Shard
 from .state_tree import RNGState
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "SaveAborted",
     "SaveHandle",
     "SaveResult",
+    "Shard",
     "ShardError",
     "StateMismatchError",
     "StateTreeError",

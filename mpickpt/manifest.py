@@ -122,6 +122,21 @@ def _get(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
     return v
 
 
+def _piece(t: dict[str, Any], ndim: int, where: str
+           ) -> tuple[list[int] | None, list[int] | None]:
+    """A record's optional ``global_shape`` and ``offsets`` (both or neither), checked."""
+    g, o = t.get("global_shape"), t.get("offsets")
+    if g is None and o is None:
+        return None, None
+    for key, v in (("global_shape", g), ("offsets", o)):
+        if not (isinstance(v, list) and len(v) == ndim and
+                all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
+            raise _Bad(f"{where}: {key} {v!r} is not {ndim} non-negative integers")
+    if any(a + n > b for a, n, b in zip(o, t["shape"], g, strict=True)):
+        raise _Bad(f"{where}: the piece {t['shape']} at {o} does not lie within {g}")
+    return g, o
+
+
 def _parse(d: Any) -> Manifest:
     fmt = _get(d, "format", str, "manifest")
     version = _get(d, "version", int, "manifest")
@@ -159,6 +174,7 @@ def _parse(d: Any) -> Manifest:
             tensors.append(TensorRecord(
                 _get(t, "name", str, tw), _get(t, "dtype", str, tw), shape,
                 _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
+                *_piece(t, len(shape), tw),
             ))
         ranks.append(RankEntry(i, name, size, _get(r, "tree", dict, w), tensors))
     created = _get(d, "created", (int, float), "manifest")

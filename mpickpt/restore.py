@@ -6,7 +6,10 @@ a reused host buffer and verifies sizes and checksums; an allreduce (MAX of verd
 Only when every rank succeeded is anything copied into the state. A corrupt or unreadable
 candidate makes all ranks move to the next older one; a checkpoint that does not fit the state
 (another model) raises :class:`StateMismatchError` on every rank, since older ones will not fit
-either; another world size raises :class:`WorldSizeMismatchError`.
+either. A checkpoint of another number of ranks is resharded (:mod:`mpickpt.reshard`): sharded
+and replicated tensors are assembled from the stored pieces that overlap each rank's new piece,
+and rank ``r`` gets the per-rank values of stored rank ``r mod N``; with ``world_change="fail"``
+it raises :class:`WorldSizeMismatchError` instead.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import faults, state_tree
+from . import faults, reshard, state_tree
 from .errors import (
     CheckpointError,
     ManifestError,
@@ -27,10 +30,9 @@ from .errors import (
     WorldSizeMismatchError,
 )
 from .manifest import NAME as MANIFEST
-from .manifest import Manifest, RankEntry, read_bytes
+from .manifest import Manifest, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
-from .shard import read_shard
 
 # verdicts, combined with MAX over ranks
 _OK, _CORRUPT, _MISMATCH = 0, 1, 2
@@ -44,15 +46,20 @@ class RestoreInfo:
     path: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    world_size: int | None = None  # of the job that wrote it
+    bytes_read: int = 0  # by this rank
 
 
 class Restorer:
     """One coordinated restore over ``proto``'s ranks, reading through ``pool``'s buffers."""
 
     def __init__(self, proto: Protocol, pool: HostPool, io_threads: int,
-                 log: logging.Logger) -> None:
+                 log: logging.Logger, replicated: tuple[str, ...] = (),
+                 world_change: str = "reshard") -> None:
         self.proto, self.pool, self.io_threads, self.log = proto, pool, io_threads, log
         self.rank, self.world_size = proto.rank, proto.size
+        self.replicated, self.world_change = replicated, world_change
+        self.bytes_read = 0
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
             explicit: bool = False) -> RestoreInfo:
@@ -62,6 +69,7 @@ class Restorer:
             verdict, loaded = self._try(state, step, path)
             if verdict is None:
                 info.step, info.path, info.metadata = step, path, loaded
+                info.world_size, info.bytes_read = self._written_by, self.bytes_read
                 break
             info.skipped.append((step, verdict))
             if self.rank == 0:
@@ -93,40 +101,50 @@ class Restorer:
             return (f"{os.path.join(path, MANIFEST)} is the manifest of step {manifest.step}, "
                     f"not of step {step}: it was copied or moved here"), {}
         if manifest.world_size != self.world_size:
-            raise WorldSizeMismatchError(
-                f"{path} was written by {manifest.world_size} ranks, this job has "
-                f"{self.world_size}; restore it with the same number of ranks"
-            )
-        entry = manifest.ranks[self.rank]
-        shard_path = os.path.join(path, entry.file)
+            if self.world_change == "fail":
+                raise WorldSizeMismatchError(
+                    f"{path} was written by {manifest.world_size} ranks, this job has "
+                    f"{self.world_size}; restore it with the same number of ranks, or with "
+                    "world_change='reshard'")
+            if self.rank == 0:
+                self.log.warning(
+                    "%s was written by %d ranks, this job has %d: sharded and replicated tensors "
+                    "are resharded; rank r takes the per-rank state (other tensors and values) "
+                    "of stored rank r mod %d", path, manifest.world_size, self.world_size,
+                    manifest.world_size)
+        self._written_by = manifest.world_size
         verdict, err, arrays, held = _OK, None, {}, []
+        plan = None
 
         def buffer(nbytes: int) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
             return held[-1]
 
+        where = path
         try:
-            specs = {r.name: state_tree.ArraySpec(r.dtype, tuple(r.shape)) for r in entry.tensors}
-            state_tree.apply(entry.tree, state, specs, dry_run=True)
-            arrays = read_shard(
-                self.rank, shard_path, entry.tensors, entry.bytes,
-                block=manifest.checksum_block, threads=self.io_threads, buffer=buffer,
+            plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
+            where = os.path.join(path, manifest.ranks[plan.source_rank].file)
+            state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
+            arrays = reshard.execute(
+                plan, manifest, path, threads=self.io_threads, buffer=buffer,
                 on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
             )
+            self.bytes_read = plan.bytes_to_read
         except StateMismatchError as e:
-            verdict, err = _MISMATCH, f"rank {self.rank}: {shard_path}: {e}"
+            verdict, err = _MISMATCH, f"rank {self.rank}: {where}: {e}"
         except ShardError as e:
             verdict, err = _CORRUPT, str(e)
         except Exception as e:
-            verdict, err = _CORRUPT, f"rank {self.rank}: {shard_path}: {type(e).__name__}: {e}"
+            verdict, err = _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
         try:
-            return self._agree_and_apply(path, manifest, entry, state, arrays, verdict, err)
+            tree = plan.tree if plan is not None else {}
+            return self._agree_and_apply(path, manifest, tree, state, arrays, verdict, err)
         finally:
             arrays.clear()
             for buf in held:
                 self.pool.release(buf)
 
-    def _agree_and_apply(self, path: str, manifest: Manifest, entry: RankEntry,
+    def _agree_and_apply(self, path: str, manifest: Manifest, tree: dict[str, Any],
                          state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
                          err: str | None) -> tuple[str | None, dict[str, Any]]:
         verdict = self.proto.max(verdict, "verify")
@@ -138,7 +156,7 @@ class Restorer:
             return reasons, {}
         err = None
         try:
-            state_tree.apply(entry.tree, state, arrays, borrowed=True)
+            state_tree.apply(tree, state, arrays, borrowed=True)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the host->device copies read the reused buffer
         except Exception as e:

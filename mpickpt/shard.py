@@ -44,6 +44,10 @@ class TensorRecord:
     offset: int
     nbytes: int
     checksums: list[str] = field(default_factory=list)
+    # a piece of a sharded or replicated tensor: the whole tensor's shape and where this piece
+    # (of shape ``shape``) begins in it; None for a rank's own tensor
+    global_shape: list[int] | None = None
+    offsets: list[int] | None = None
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -235,13 +239,18 @@ class ShardWriter:
             self.close()
 
     def close(self) -> None:
-        """Release the file without sealing it (after an error)."""
-        if self._h5.id.valid:
-            self._h5.close()
-        for fd in (self._fd, self._dfd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._dfd = -1
+        """Release the file without sealing it (after an error). Its descriptors are closed even
+        when HDF5 cannot flush (a full disk), and HDF5's error does not hide the first one."""
+        try:
+            if self._h5.id.valid:
+                self._h5.close()
+        except Exception:
+            pass  # the file is discarded: its metadata need not reach the disk
+        finally:
+            for fd in (self._fd, self._dfd):
+                if fd >= 0:
+                    os.close(fd)
+            self._fd = self._dfd = -1
 
 
 def check_records(
@@ -289,6 +298,38 @@ def read_shard(
 
     ``buffer(nbytes)``, when given, supplies one (pinned, reusable) host buffer that the tensors
     are laid out in, page-aligned; otherwise each tensor is a new allocation."""
+    check_records(rank, path, records, file_bytes, block)
+    if buffer is None:
+        out = {r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype)) for r in records}
+    else:
+        offsets, pos = [], 0
+        for r in records:
+            offsets.append(pos)
+            pos = align(pos + r.nbytes)
+        buf = buffer(pos)
+        out = {r.name: buf[o : o + r.nbytes].view(dtypes.torch_dtype(r.dtype)).view(r.shape)
+               for r, o in zip(records, offsets, strict=True)}
+    spans = [(r, 0, r.nbytes, out[r.name].reshape(-1).view(torch.uint8)) for r in records]
+    read_spans(rank, path, file_bytes, spans, block=block, threads=threads, on_block=on_block)
+    return out
+
+
+def read_spans(
+    rank: int,
+    path: str,
+    file_bytes: int,
+    spans: list[tuple[TensorRecord, int, int, torch.Tensor]],
+    *,
+    block: int = checksum.DEFAULT_BLOCK,
+    threads: int = 4,
+    on_block: Callable[[], None] | None = None,
+) -> None:
+    """Read bytes ``lo..hi`` of each record (``lo`` on a checksum block boundary, ``hi`` on one
+    or at the record's end) into the contiguous uint8 CPU tensor given with it, verifying every
+    block; :class:`ShardError` naming the file, tensor and block at the first mismatch.
+
+    The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
+    the records must have passed :func:`check_records`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
@@ -299,38 +340,35 @@ def read_shard(
         if actual != file_bytes:
             raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
                              "(truncated or replaced)")
-        check_records(rank, path, records, file_bytes, block)
-        if buffer is None:
-            out = {r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype))
-                   for r in records}
-        else:
-            offsets, pos = [], 0
-            for r in records:
-                offsets.append(pos)
-                pos = align(pos + r.nbytes)
-            buf = buffer(pos)
-            out = {r.name: buf[o : o + r.nbytes].view(dtypes.torch_dtype(r.dtype)).view(r.shape)
-                   for r, o in zip(records, offsets, strict=True)}
-        views = [byte_view(out[r.name]) for r in records]
-        addrs = [out[r.name].data_ptr() for r in records]
+        for r, lo, hi, dest in spans:
+            if lo % block or not (0 <= lo <= hi <= r.nbytes) or (hi % block and hi != r.nbytes) \
+                    or dest.numel() != hi - lo:
+                raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks")
+        views = [byte_view(dest) for _, _, _, dest in spans]
+        addrs = [dest.data_ptr() for _, _, _, dest in spans]
+        largest_first = sorted(range(len(spans)), key=lambda i: spans[i][1] - spans[i][2])
+        tasks = [(i, b) for i in largest_first
+                 for b in range(checksum.block_count(spans[i][2] - spans[i][1], block))]
 
         def task(i: int, b: int) -> None:
-            r, lo = records[i], b * block
-            buf = views[i][lo : lo + block]
-            if _pread(fd, dfd, addrs[i] + lo, buf, r.offset + lo) < len(buf):
+            r, lo = spans[i][0], spans[i][1]
+            at = b * block
+            buf = views[i][at : at + block]
+            where = r.offset + lo + at
+            if _pread(fd, dfd, addrs[i] + at, buf, where) < len(buf):
                 raise ShardError(rank, path, "unexpected end of file", tensor=r.name)
-            if checksum.digest(buf) != r.checksums[b]:
+            n = (lo + at) // block
+            if checksum.digest(buf) != r.checksums[n]:
                 raise ShardError(
                     rank, path,
-                    f"checksum mismatch in block {b} (bytes {r.offset + lo}.."
-                    f"{r.offset + lo + len(buf)}): the data is corrupt",
+                    f"checksum mismatch in block {n} (bytes {where}..{where + len(buf)}): "
+                    "the data is corrupt",
                     tensor=r.name,
                 )
             if on_block is not None:
                 on_block()
 
-        _run(_io_tasks(records, block), task, threads)
-        return out
+        _run(tasks, task, threads)
     finally:
         os.close(fd)
         if dfd >= 0:

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes
+from . import dtypes, sharding
 from .errors import StateMismatchError, StateTreeError
+from .sharding import Layout, Shard
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,15 @@ def _py_unstate(d: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, replicated: tuple[str, ...] = (), world: int = 1) -> None:
         self.arrays: dict[str, torch.Tensor] = {}
+        self.layouts: dict[str, Layout] = {}
+        self.replicated = replicated
+        self.world = world
+
+    def is_replicated(self, path: tuple[Any, ...]) -> bool:
+        s = _path_str(path)
+        return any(s == p or s.startswith(p + "/") for p in self.replicated)
 
     def name(self, path: tuple[Any, ...]) -> str:
         base = _path_str(path)
@@ -101,10 +109,6 @@ class _Flattener:
                 f"state[{_path_str(path)}]: tensor with layout {t.layout} on {t.device} cannot be "
                 "saved; only dense (strided) tensors with data are supported"
             )
-        if type(t).__name__ == "DTensor":
-            raise StateTreeError(
-                f"state[{_path_str(path)}]: DTensor is not supported yet; save t.to_local() instead"
-            )
         try:
             dtypes.name_of(t.dtype)
         except ValueError as e:
@@ -112,6 +116,21 @@ class _Flattener:
         name = self.name(path)
         self.arrays[name] = t.detach()
         return name
+
+    def global_tensor(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        """A tensor node; for a sharded or replicated one (DTensor, :class:`Shard`, declared
+        replicated) its layout is recorded and the node marked ``sharded``."""
+        where = _path_str(path)
+        try:
+            layout = sharding.layout_of(x, where, self.is_replicated(path), self.world)
+        except ValueError as e:
+            raise StateTreeError(f"state[{where}]: {e}") from None
+        local = sharding.local_tensor(x)
+        node = {"type": "tensor", "name": self.tensor(local, path), "device": str(local.device)}
+        if layout is not None:
+            self.layouts[node["name"]] = layout
+            node["sharded"] = True
+        return node
 
     def node(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         # bool before int: bool is a subclass of int
@@ -133,8 +152,8 @@ class _Flattener:
                 return {"type": "torch_dtype", "value": dtypes.name_of(x)}
             except ValueError as e:
                 raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
-        if isinstance(x, torch.Tensor):
-            return {"type": "tensor", "name": self.tensor(x, path), "device": str(x.device)}
+        if isinstance(x, (torch.Tensor, Shard)):
+            return self.global_tensor(x, path)
         if isinstance(x, np.ndarray):
             return self.ndarray(x, path)
         if isinstance(x, np.generic):
@@ -197,11 +216,21 @@ class _Flattener:
 def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split ``state`` into a JSON-able tree and a table of tensors referenced from it by name.
 
-    The tensors are the user's own (detached, not copied); callers snapshot them as they need.
+    The tensors are the user's own (detached, not copied; a DTensor's local piece); callers
+    snapshot them as they need.
     """
-    f = _Flattener()
+    tree, arrays, _ = flatten_layouts(state)
+    return tree, arrays
+
+
+def flatten_layouts(state: Any, replicated: tuple[str, ...] = (), world: int = 1
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Layout]]:
+    """:func:`flatten`, plus the layout of every sharded or replicated tensor by name.
+    ``replicated``: key paths ("model", "optim/state") whose plain tensors every one of the
+    ``world`` ranks holds alike."""
+    f = _Flattener(replicated, world)
     tree = f.node(state, ())
-    return tree, f.arrays
+    return tree, f.arrays, f.layouts
 
 
 # --------------------------------------------------------------------------------------- apply
@@ -297,8 +326,9 @@ class _Applier:
 
     def n_tensor(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
         src = self.array(node, path)
-        if isinstance(live, torch.Tensor):
-            want = ArraySpec(dtypes.name_of(live.dtype), tuple(live.shape))
+        target = sharding.local_tensor(live)  # a DTensor's or a Shard's local piece
+        if isinstance(target, torch.Tensor):
+            want = ArraySpec(dtypes.name_of(target.dtype), tuple(target.shape))
             have = src if isinstance(src, ArraySpec) else _spec(src)
             if want != have:
                 raise self.fail(
@@ -308,7 +338,7 @@ class _Applier:
                 )
             if not self.dry:
                 with torch.no_grad():
-                    live.copy_(src, non_blocking=True)
+                    target.copy_(src, non_blocking=True)
             return live
         return src.clone() if self.borrowed and not self.dry else src
 

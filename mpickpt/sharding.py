@@ -1,0 +1,194 @@
+"""Where each rank's piece of a tensor lies in the whole tensor, and who writes replicated pieces.
+
+A tensor in the state is one of:
+
+* **per-rank** (the default): this rank's own value, restored to the rank of the same number
+  (rank ``r mod N`` when a checkpoint of N ranks is restored on another number of ranks);
+* **sharded**: this rank holds the box ``offsets .. offsets + shape`` of a tensor of
+  ``global_shape`` - taken from a ``DTensor``'s placements (FSDP2, tensor parallel), or declared
+  with :class:`Shard`;
+* **replicated**: every rank (or, for a DTensor with ``Replicate`` mesh dimensions, every rank of
+  its replica group) holds the same piece - declared with ``Shard(t, replicated=True)``, with the
+  Checkpointer's ``replicated`` key paths (DDP), or taken from a DTensor.
+
+Identical pieces held by several ranks are written once, spread over their holders by size
+(:func:`writers`). A restore assembles each rank's new piece from the stored pieces that overlap
+it, whatever the number of ranks or the sharding was (:mod:`mpickpt.reshard`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import StateTreeError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A rank's piece of a global tensor. ``holders``: the ranks holding the same piece (those
+    that could write it), or None when the piece is this rank's alone."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    holders: tuple[int, ...] | None = None
+
+
+class Shard:
+    """Declare that ``tensor`` is the box at ``offsets`` of a tensor of ``global_shape`` (or, with
+    ``replicated=True``, that every rank holds the same ``tensor``). Put it in the state where the
+    tensor would be; restore copies the new piece into ``tensor`` in place."""
+
+    def __init__(self, tensor: torch.Tensor, global_shape: Sequence[int] | None = None,
+                 offsets: Sequence[int] | None = None, *, replicated: bool = False) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Shard wraps a tensor, not {type(tensor).__name__}")
+        shape = tuple(tensor.shape)
+        if replicated:
+            if offsets is not None or (global_shape is not None and
+                                       tuple(global_shape) != shape):
+                raise ValueError("a replicated tensor is whole: give no offsets or global_shape")
+            global_shape, offsets = shape, (0,) * len(shape)
+        if global_shape is None or offsets is None:
+            raise ValueError("Shard needs global_shape and offsets (or replicated=True)")
+        self.tensor = tensor
+        self.global_shape = tuple(int(d) for d in global_shape)
+        self.offsets = tuple(int(o) for o in offsets)
+        self.replicated = replicated
+        check_box(self.global_shape, self.offsets, shape, "Shard")
+
+    def __repr__(self) -> str:
+        what = "replicated" if self.replicated else f"at {self.offsets} of {self.global_shape}"
+        return f"mpickpt.Shard({tuple(self.tensor.shape)} {what})"
+
+
+def check_box(global_shape: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...],
+              what: str) -> None:
+    if not (len(global_shape) == len(offsets) == len(shape)):
+        raise ValueError(f"{what}: global_shape {global_shape}, offsets {offsets} and the "
+                         f"piece's shape {shape} differ in rank")
+    for g, o, s in zip(global_shape, offsets, shape, strict=True):
+        if o < 0 or s < 0 or o + s > g:
+            raise ValueError(f"{what}: the piece {shape} at {offsets} does not lie within "
+                             f"{global_shape}")
+
+
+def is_dtensor(x: Any) -> bool:
+    return type(x).__name__ == "DTensor" and hasattr(x, "to_local")
+
+
+def local_tensor(x: Any) -> Any:
+    """The tensor whose storage holds this rank's piece of ``x`` (``x`` itself if plain)."""
+    if isinstance(x, Shard):
+        return x.tensor
+    if is_dtensor(x):
+        return x._local_tensor
+    return x
+
+
+def dtensor_layout(t: Any, where: str) -> Layout:
+    """The layout of a DTensor's local piece, with the ranks that hold the same piece."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, t.placements
+    if any(isinstance(p, Partial) for p in placements):
+        raise StateTreeError(f"state[{where}]: a DTensor with a Partial placement holds unreduced "
+                             "values; reduce it (redistribute to Replicate or Shard) first")
+    if not all(isinstance(p, (Replicate, TShard)) for p in placements):
+        raise StateTreeError(f"state[{where}]: DTensor placements {placements} are not supported")
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise StateTreeError(f"state[{where}]: this rank is not in the DTensor's device mesh")
+    ranks = mesh.mesh
+    sharded_dims = [d for d, p in enumerate(placements) if isinstance(p, TShard)]
+    holders = sorted(
+        int(ranks[idx]) for idx in itertools.product(*(range(n) for n in ranks.shape))
+        if all(idx[d] == coord[d] for d in sharded_dims)
+    )
+    return Layout(tuple(t.shape), tuple(offsets), tuple(shape), tuple(holders))
+
+
+def layout_of(x: Any, where: str, replicated: bool, world: int) -> Layout | None:
+    """The layout of a state value, or None for a per-rank tensor."""
+    if isinstance(x, Shard):
+        holders = tuple(range(world)) if x.replicated else None
+        return Layout(x.global_shape, x.offsets, tuple(x.tensor.shape), holders)
+    if is_dtensor(x):
+        return dtensor_layout(x, where)
+    if replicated:
+        shape = tuple(x.shape)
+        return Layout(shape, (0,) * len(shape), shape, tuple(range(world)))
+    return None
+
+
+def writers(pieces: Iterable[tuple[str, int, tuple[int, ...]]]) -> dict[str, int]:
+    """Who writes each replicated piece: (name, nbytes, holders) in, name -> rank out.
+
+    Every holder computes the same answer from the same input (the pieces of a replica group are
+    the same on all its ranks): largest pieces first, each to the holder with the fewest bytes so
+    far, so the bytes are spread evenly over the holders instead of all falling on the first.
+    """
+    load: dict[int, int] = {}
+    out: dict[str, int] = {}
+    for name, nbytes, holders in sorted(pieces, key=lambda p: (-p[1], p[0])):
+        rank = min(holders, key=lambda r: (load.get(r, 0), r))
+        load[rank] = load.get(rank, 0) + nbytes
+        out[name] = rank
+    return out
+
+
+def overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int],
+            b_shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection of two boxes (global offsets and shape), or None if it is empty."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off, strict=True))
+    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape,
+                                                       strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+def flat_span(piece: Sequence[int], box_off: Sequence[int], box_shape: Sequence[int]
+              ) -> tuple[int, int]:
+    """The element range [first, end) of a row-major piece of shape ``piece`` that holds the box
+    at ``box_off`` (relative to the piece) of shape ``box_shape``."""
+    if math.prod(box_shape) == 0:
+        return 0, 0
+    strides = [math.prod(piece[d + 1:]) for d in range(len(piece))]
+    first = sum(o * s for o, s in zip(box_off, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(box_off, box_shape, strides, strict=True))
+    return first, last + 1
+
+
+def check_coverage(pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...],
+                                                tuple[int, ...], str]]]) -> None:
+    """Raise ValueError unless the written pieces of each sharded tensor tile it exactly.
+
+    ``pieces``: name -> [(rank, global_shape, offsets, shape, dtype)] over all ranks' records."""
+    for name, ps in pieces.items():
+        g, dtype = ps[0][1], ps[0][4]
+        seen: set[tuple[int, ...]] = set()
+        volume = 0
+        for rank, gs, off, shape, dt in ps:
+            if gs != g or dt != dtype:
+                raise ValueError(f"tensor {name!r}: rank {rank} holds a piece of {dt}{list(gs)}, "
+                                 f"rank {ps[0][0]} of {dtype}{list(g)}")
+            check_box(gs, off, shape, f"tensor {name!r} on rank {rank}")
+            if off in seen and math.prod(shape):
+                raise ValueError(f"tensor {name!r}: two ranks wrote the piece at {off}")
+            seen.add(off)
+            volume += math.prod(shape)
+        if volume != math.prod(g):
+            raise ValueError(f"tensor {name!r}: the ranks' pieces hold {volume} of its "
+                             f"{math.prod(g)} elements; every element must be held by exactly "
+                             "one piece (pieces that overlap, or are missing, or a rank that "
+                             "declared it replicated while the others did not)")
