@@ -42,7 +42,7 @@ from .exitcodes import EXIT_COLLECTIVE_TIMEOUT, EXIT_PREEMPTED
 from .manifest import NAME as MANIFEST
 from .manifest import Manifest, RankEntry, shard_name
 from .pinned_pool import HostPool
-from .protocol import DEFAULT_TIMEOUT, Protocol
+from .protocol import Protocol
 from .restore import RestoreInfo, Restorer
 from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord
 from .snapshot import Snapshot, Snapshotter
@@ -126,7 +126,7 @@ class Checkpointer:
         comm: Any = None,
         keep: int | None = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
         io_threads: int = 8,
         alignment: int = DEFAULT_ALIGNMENT,
         checksum_block: int = DEFAULT_BLOCK,
@@ -346,7 +346,11 @@ class Checkpointer:
         every rank; without it, True is returned.
         """
         self._check_open()
-        vote = self._exit_vote.poll(preempt.kind(), self.rank)
+        try:
+            vote = self._exit_vote.poll(preempt.kind(), self.rank, step)
+        except CollectiveTimeout as e:  # a rank stopped calling: dead or hung
+            self._timed_out(e)
+            raise
         if vote is None:
             return False
         kind, who = vote
@@ -526,12 +530,20 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
-        """Wait for the saves in flight and release the private communicator. Collective."""
+        """Wait for the saves in flight, meet the other ranks and release the private
+        communicators. Collective: a rank that never gets here (hung after a commit, say) makes
+        the others miss the deadline of the 'close' barrier and abort the job, rather than hang
+        in MPI_Finalize."""
         if not self._closed:
             self.wait()
             self._worker.shutdown()
             self._closed = True
-            self._exit_vote.free()
+            try:
+                self._exit_vote.free()
+                self._proto.barrier("close")
+            except CollectiveTimeout as e:
+                self._timed_out(e)
+                raise
             self._proto.free()
 
     def __enter__(self) -> Checkpointer:
