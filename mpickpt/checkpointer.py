@@ -209,7 +209,11 @@ class Checkpointer:
         os.makedirs(self.root, exist_ok=True)
         for path in layout.leftovers(self.root, self.run_id):
             self.log.info("removing %s, left by an earlier run that did not finish its save", path)
-            layout.remove(path, self.run_id)
+            try:
+                layout.remove(path, self.run_id)
+            except OSError as e:  # e.g. a read-only ROOT: restore must still work
+                self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
+                                 "a later start", path, e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -423,6 +427,11 @@ class Checkpointer:
             t2 = time.perf_counter()
             size = writer.seal()
             stats.update(layout_s=t1 - t0, data_s=t2 - t1, seal_s=time.perf_counter() - t2)
+        except OSError as e:
+            writer.close()
+            if e.filename is None:  # pwrite and fsync name no file: say which
+                raise OSError(e.errno, e.strerror, path) from e
+            raise
         except BaseException:
             writer.close()
             raise

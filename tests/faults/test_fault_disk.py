@@ -1,0 +1,194 @@
+"""Full-disk, read-only and permission faults under ROOT, on real file systems.
+
+Each case (tests/scenarios/fault_disk.py): steps 5 and 10 commit, the save of step 15 fails on
+every rank because of the file system, the fault is repaired, step 20 commits; then steps 20, 10
+and 5 restore bit for bit, and a restart leaves no partial directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from faultkit import committed_steps, partials, reports, step_dirs
+from harness import SCENARIOS, Job, mpiexec, run_mpi
+
+N = 2
+SCENARIO = str(SCENARIOS / "fault_disk.py")
+NO_DAC = ["--inh-caps=-dac_override,-dac_read_search",
+          "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+
+
+@pytest.fixture
+def mounts() -> Iterator[list[Path]]:
+    """Mount points to unmount at the end of the test."""
+    done: list[Path] = []
+    yield done
+    for m in reversed(done):
+        subprocess.run(["umount", "-l", str(m)], check=True)
+
+
+def run_scenario(root: Path, mode: str, reports_dir: Path, prefix: list[str] | None = None,
+                 timeout: float = 120) -> tuple[Job, dict[int, dict]]:
+    """Run fault_disk.py on N ranks, behind ``prefix`` (e.g. setpriv) when given."""
+    args = [SCENARIO, str(root), mode, str(reports_dir)]
+    if prefix is None:
+        job = run_mpi(N, args, timeout=timeout)
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [*prefix, *mpiexec(), "-n", str(N), sys.executable, *args]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                               start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{' '.join(cmd)} hung for {timeout} s\n{e.stdout}\n{e.stderr}")
+        job = Job(p.args, p.returncode, p.stdout, p.stderr)
+    return job, reports(reports_dir)
+
+
+def restart(root: Path, reports_dir: Path) -> dict[int, dict]:
+    """A new job's Checkpointer and restore (tests/scenarios/fault_restore.py)."""
+    job = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root), str(reports_dir),
+                      "--width", "256"], timeout=90)
+    assert job.returncode == 0, job.output
+    return reports(reports_dir)
+
+
+def problems(root: Path, job: Job, found: dict[int, dict], why: str) -> list[str]:
+    """What went wrong in a fault_disk.py run, as sentences (none: the case held)."""
+    out = []
+    if job.returncode != 0:
+        return [f"the job failed (exit {job.returncode}):\n{job.output}"]
+    if sorted(found) != list(range(N)):
+        return [f"reports from ranks {sorted(found)} only:\n{job.output}"]
+    errors = {found[r]["saves"]["15"]["error"] for r in range(N)}
+    for r, rep in found.items():
+        saves = rep["saves"]
+        for s in ("5", "10", "20"):
+            if not saves[s]["committed"]:
+                out.append(f"rank {r}: step {s} not committed: {saves[s]['error']}")
+        failed = saves["15"]
+        if failed["committed"] or failed["path"] is not None:
+            out.append(f"rank {r}: step 15 committed: {failed}")
+        elif not failed["error"] or why not in failed["error"]:
+            out.append(f"rank {r}: step 15's error does not say {why!r}: {failed['error']}")
+        partial = str(root / "step-00000015.partial-")
+        if not failed["error"] or "rank " not in failed["error"] or partial not in failed["error"]:
+            out.append(f"rank {r}: step 15's error names no rank or no {partial}*: "
+                       f"{failed['error']}")
+        if f"[mpickpt rank {r}] ERROR checkpoint of step 15 aborted on all ranks" not in job.stderr:
+            out.append(f"rank {r} did not log the abort")
+        if rep["fds"][0] != rep["fds"][1]:
+            out.append(f"rank {r}: {rep['fds'][0]} open files before the failed save, "
+                       f"{rep['fds'][1]} after the next one")
+        if rep["restored"] != [[20, True], [10, True], [5, True]]:
+            out.append(f"rank {r}: restores of 20, 10, 5 gave {rep['restored']}")
+    if len(errors) != 1:
+        out.append(f"the ranks give different reasons: {errors}")
+    after = [n for n in found[0]["after_abort"] if n != "stats.jsonl"]
+    if after != ["step-00000005", "step-00000010"]:
+        out.append(f"after the abort ROOT held {found[0]['after_abort']}")
+    if committed_steps(root) != [5, 10, 20] or partials(root):
+        out.append(f"at the end ROOT holds {step_dirs(root)}")
+    return out
+
+
+def check_restart(root: Path, reports_dir: Path) -> list[str]:
+    """A restart restores step 20 on every rank and leaves nothing partial under ROOT."""
+    found = restart(root, reports_dir)
+    out = [f"rank {r}: restart restored {rep['step']} ({rep['error']})"
+           for r, rep in sorted(found.items()) if rep["step"] != 20]
+    if sorted(found) != list(range(N)):
+        out.append(f"restart reports from ranks {sorted(found)} only")
+    if partials(root) or committed_steps(root) != [5, 10, 20]:
+        out.append(f"after the restart ROOT holds {step_dirs(root)}")
+    return out
+
+
+def record(guarantees, case: str, bad: list[str]) -> None:
+    guarantees.record("disk", case, "failed" if bad else "correct", "; ".join(bad)[:2000])
+
+
+def test_enospc_mid_write_then_space_returns(tmp_path, mounts, guarantees):
+    fs = tmp_path / "fs"
+    mount_tmpfs(fs, "16m")
+    mounts.append(fs)
+    root = fs / "ckpt"
+    job, found = run_scenario(root, "enospc", tmp_path / "reports")
+    bad = problems(root, job, found, "[Errno 28] No space left on device: '")
+    if not bad:
+        facts = found[0]["facts"]
+        if not 0 < facts["free"] < facts["shard_bytes"]:
+            bad.append(f"not a mid-write failure: {facts['free']} bytes free for a "
+                       f"{facts['shard_bytes']}-byte shard")
+        if (fs / "ballast").exists():
+            bad.append("the ballast is still there")
+        bad += check_restart(root, tmp_path / "restart")
+    record(guarantees, "ENOSPC mid-write, then space returns", bad)
+    assert not bad, "\n".join(bad)
+
+
+def test_read_only_root(tmp_path, mounts, guarantees):
+    """ROOT remounted read-only between saves; then a job started on a read-only ROOT (holding a
+    dead run's partial directory) restores, and its save aborts on every rank; the leftover goes
+    at the first start with ROOT writable again."""
+    root = tmp_path / "ckpt"
+    mount_tmpfs(root, "64m")
+    mounts.append(root)
+    job, found = run_scenario(root, "readonly", tmp_path / "reports")
+    bad = problems(root, job, found, "[Errno 30] Read-only file system: '")
+    record(guarantees, "ROOT remounted read-only between saves", bad)
+    assert not bad, "\n".join(bad)
+
+    leftover = root / "step-00000025.partial-0123456789ab"
+    leftover.mkdir()
+    (leftover / "rank-00000.h5").write_bytes(b"\0" * 4096)
+    subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+    ro = run_mpi(N, [SCENARIO, str(root), "ro-restore", str(tmp_path / "ro")], timeout=120)
+    got = reports(tmp_path / "ro")
+    if ro.returncode != 0 or sorted(got) != list(range(N)):
+        bad.append(f"the job on the read-only ROOT failed (exit {ro.returncode}):\n{ro.output}")
+    else:
+        for r, rep in sorted(got.items()):
+            if rep["restored"] != [20, True]:
+                bad.append(f"rank {r}: restore from the read-only ROOT gave {rep['restored']}")
+            save = rep["save"]
+            partial = f"[Errno 30] Read-only file system: '{root}/step-00000025.partial-"
+            if save["committed"] or partial not in (save["error"] or ""):
+                bad.append(f"rank {r}: save of step 25 on the read-only ROOT: {save}")
+        if len({rep["save"]["error"] for rep in got.values()}) != 1:
+            bad.append("the ranks give different reasons for the failed save of step 25")
+        if f"could not remove {leftover}" not in ro.stderr:
+            bad.append(f"no warning about the leftover it could not remove:\n{ro.stderr}")
+    subprocess.run(["mount", "-o", "remount,rw", str(root)], check=True)
+    if not leftover.exists():
+        bad.append("the leftover vanished from a read-only file system")
+    bad += check_restart(root, tmp_path / "restart")
+    record(guarantees, "restore from a read-only ROOT", bad)
+    assert not bad, "\n".join(bad)
+
+
+def test_root_without_write_permission(tmp_path, guarantees):
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
+    root = tmp_path / "ckpt"
+    job, found = run_scenario(root, "perm", tmp_path / "reports", prefix=["setpriv", *NO_DAC])
+    bad = problems(root, job, found, "[Errno 13] Permission denied: '")
+    if not bad:
+        bad += check_restart(root, tmp_path / "restart")
+    record(guarantees, "ROOT without write permission", bad)
+    assert not bad, "\n".join(bad)
