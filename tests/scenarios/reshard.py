@@ -1,0 +1,110 @@
+"""Save declared-sharded, replicated and per-rank tensors on N ranks; restore on M and check.
+
+Usage: reshard.py save|restore ROOT REPORTS [--block B]
+
+The global tensors are pure functions of their shape, so any rank can check its piece:
+- ``rows``: float32 (37, 1024), split over the ranks by uneven row ranges (see ``row_split``);
+- ``cols``: int64 (8, 30), split over the ranks by uneven column ranges;
+- ``rep``: float64 (3, 5000) that every rank holds alike (Checkpointer(replicated=("rep",)));
+- ``mine``: a per-rank tensor whose values depend on the rank that saved it;
+- ``note``: a per-rank string.
+Each rank writes REPORTS/<mode>-rank-R.json with the restored step, what matched, the bytes its
+restore read and the bytes its pieces need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+from mpi4py import MPI
+
+import mpickpt
+
+ROWS, COLS, REP = (37, 1024), (8, 30), (3, 5000)
+
+
+def row_split(n: int, total: int) -> list[tuple[int, int]]:
+    """Uneven ranges: rank i gets a share proportional to i + 1."""
+    weights = [i + 1 for i in range(n)]
+    cuts = [0]
+    for w in weights:
+        cuts.append(cuts[-1] + total * w // sum(weights))
+    cuts[-1] = total
+    return list(itertools.pairwise(cuts))
+
+
+def whole(name: str) -> torch.Tensor:
+    if name == "rows":
+        return torch.arange(ROWS[0] * ROWS[1], dtype=torch.float32).reshape(ROWS) / 7
+    if name == "cols":
+        return torch.arange(COLS[0] * COLS[1], dtype=torch.int64).reshape(COLS) * 3 - 11
+    return torch.linspace(-1, 1, REP[0] * REP[1], dtype=torch.float64).reshape(REP)
+
+
+def make_state(rank: int, world: int, fill: bool) -> dict:
+    r0, r1 = row_split(world, ROWS[0])[rank]
+    c0, c1 = row_split(world, COLS[1])[world - 1 - rank]  # the other way round
+    rows, cols, rep = whole("rows")[r0:r1].clone(), whole("cols")[:, c0:c1].clone(), whole("rep")
+    mine = torch.full((4,), float(rank))
+    if not fill:
+        rows.zero_(), cols.zero_(), mine.zero_()
+        rep = torch.zeros(REP, dtype=torch.float64)
+    return {
+        "rows": mpickpt.Shard(rows, ROWS, (r0, 0)),
+        "cols": mpickpt.Shard(cols, COLS, (0, c0)),
+        "rep": rep,
+        "mine": mine,
+        "note": f"saved by rank {rank}" if fill else "",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "restore"])
+    ap.add_argument("root")
+    ap.add_argument("reports")
+    ap.add_argument("--block", type=int, default=4096)
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.rank, comm.size
+    ck = mpickpt.Checkpointer(args.root, replicated=("rep",), checksum_block=args.block,
+                              alignment=4096)
+    report: dict = {"rank": rank, "world": world}
+    if args.mode == "save":
+        state = make_state(rank, world, fill=True)
+        result = ck.save(7, state, metadata={"world": world}).wait()
+        report["committed"] = result.committed
+        report["error"] = result.error
+    else:
+        state = make_state(rank, world, fill=False)
+        step = ck.restore(state)
+        info = ck.restore_info
+        assert info is not None
+        r0, r1 = row_split(world, ROWS[0])[rank]
+        c0, c1 = row_split(world, COLS[1])[world - 1 - rank]
+        saved_by = info.world_size or world
+        report.update(
+            step=step,
+            saved_by=saved_by,
+            rows=torch.equal(state["rows"].tensor, whole("rows")[r0:r1]),
+            cols=torch.equal(state["cols"].tensor, whole("cols")[:, c0:c1]),
+            rep=torch.equal(state["rep"], whole("rep")),
+            mine=torch.equal(state["mine"], torch.full((4,), float(rank % saved_by))),
+            note=state["note"],
+            bytes_read=info.bytes_read,
+            needed=sum(t.numel() * t.element_size() for t in
+                       (state["rows"].tensor, state["cols"].tensor, state["rep"],
+                        state["mine"])),
+        )
+    ck.close()
+    os.makedirs(args.reports, exist_ok=True)
+    with open(os.path.join(args.reports, f"{args.mode}-rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
