@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import faults, layout, log, preempt, state_tree
+from . import faults, layout, log, preempt, sharding, state_tree
 from .checksum import DEFAULT_BLOCK
 from .errors import (
     CheckpointError,
@@ -118,6 +118,14 @@ class Checkpointer:
     ``$SLURM_JOB_ID`` is set and ``$MPICKPT_REQUEUE`` is not 0) makes rank 0 requeue the job
     with ``scontrol requeue`` once, after the emergency save, when the preemption signal came
     (SIGTERM alone checkpoints and exits but does not requeue: ``scancel`` sends it too).
+
+    Sharding (see :mod:`mpickpt.sharding`): a ``DTensor`` (FSDP2, tensor parallel) or a
+    :class:`mpickpt.Shard` in the state is saved as a piece of its global tensor; ``replicated``
+    names key paths (``"model"``, ``"optim"``) whose plain tensors every rank holds alike (DDP).
+    Identical pieces are written once, by one of their holders. A checkpoint restores on any
+    number of ranks and any sharding (``world_change="reshard"``): each rank reads the stored
+    pieces that overlap its own; rank ``r`` takes the per-rank state of stored rank ``r mod N``.
+    ``world_change="fail"`` refuses another number of ranks instead.
     """
 
     def __init__(
@@ -137,11 +145,17 @@ class Checkpointer:
         preemption: bool = True,
         deadline: float | None = None,
         requeue: bool | None = None,
+        replicated: tuple[str, ...] | list[str] = (),
+        world_change: str = "reshard",
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
+        if world_change not in ("reshard", "fail"):
+            raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
+        self.replicated = tuple(p.strip("/") for p in replicated)
+        self.world_change = world_change
         self.root = os.path.abspath(os.fspath(root))
         self.keep = keep
         self.io_threads = io_threads
@@ -235,10 +249,13 @@ class Checkpointer:
         self._report_finished()
         t0 = time.perf_counter()
         snap, tree, err, user_error = None, None, None, None
+        layouts: dict[str, sharding.Layout] = {}
         try:
             faults.hit("before-snapshot", self.rank, step)
             json.dumps(metadata or {}, allow_nan=False)
-            tree, tensors = state_tree.flatten(state)
+            tree, tensors, layouts = state_tree.flatten_layouts(
+                state, self.replicated, self.world_size)
+            self._keep_mine(tensors, layouts)
             self._hook(state)
             if self._pool.in_flight() >= self._pool.slots:
                 self.log.info("save of step %d waits for an earlier save to finish persisting "
@@ -252,7 +269,8 @@ class Checkpointer:
         if snap is not None:
             stats["snapshot_bytes"] = snap.nbytes
             stats["waited_for_buffer_s"] = self._pool.waited_s
-        future = self._worker.submit(self._persist, step, snap, tree, err, metadata or {}, stats)
+        future = self._worker.submit(self._persist, step, snap, tree, layouts, err,
+                                     metadata or {}, stats)
         handle = SaveHandle(step, future, self.on_error == "raise")
         self._pending.append(handle)
         if user_error is not None:
@@ -260,9 +278,25 @@ class Checkpointer:
             raise user_error
         return handle
 
+    def _keep_mine(self, tensors: dict[str, torch.Tensor],
+                   layouts: dict[str, sharding.Layout]) -> None:
+        """Drop from ``tensors`` the replicated pieces another holder writes (DDP: each rank
+        writes about 1/N of the model). The pieces of each replica group are spread over its
+        ranks by :func:`mpickpt.sharding.writers`, which every holder computes alike."""
+        groups: dict[tuple[int, ...], list[tuple[str, int, tuple[int, ...]]]] = {}
+        for name, lay in layouts.items():
+            if lay.holders is not None and len(lay.holders) > 1:
+                t = tensors[name]
+                groups.setdefault(lay.holders, []).append(
+                    (name, t.numel() * t.element_size(), lay.holders))
+        for pieces in groups.values():
+            for name, rank in sharding.writers(pieces).items():
+                if rank != self.rank:
+                    del tensors[name]
+
     def _persist(self, step: int, snap: Snapshot | None, tree: dict[str, Any] | None,
-                 err: str | None, metadata: dict[str, Any], stats: dict[str, float]
-                 ) -> SaveResult:
+                 layouts: dict[str, sharding.Layout], err: str | None,
+                 metadata: dict[str, Any], stats: dict[str, float]) -> SaveResult:
         """Background thread: write, fsync, vote, commit (or abort), retention."""
         t0 = time.perf_counter()
         partial = os.path.join(self.root, layout.partial_name(step, self.run_id))
@@ -272,7 +306,7 @@ class Checkpointer:
                 snap.wait()
                 stats["copy_s"] = snap.copy_s or stats["stall_s"]
                 os.makedirs(partial, exist_ok=True)
-                entry = self._write_shard(partial, step, tree, snap.tensors, stats)
+                entry = self._write_shard(partial, step, tree, snap.tensors, layouts, stats)
                 stats["persist_s"] = time.perf_counter() - t0
                 stats["persist_GBps"] = entry.bytes / max(stats["persist_s"], 1e-9) / 1e9
                 faults.hit("after-fsync-before-vote", self.rank, step)
@@ -411,7 +445,8 @@ class Checkpointer:
         return self._pool.allocated_bytes
 
     def _write_shard(self, partial: str, step: int, tree: dict[str, Any],
-                     host: dict[str, Any], stats: dict[str, float]) -> RankEntry:
+                     host: dict[str, Any], layouts: dict[str, sharding.Layout],
+                     stats: dict[str, float]) -> RankEntry:
         path = os.path.join(partial, shard_name(self.rank))
         t0 = time.perf_counter()
         writer = ShardWriter(
@@ -420,6 +455,10 @@ class Checkpointer:
              "tree": json.dumps(tree, allow_nan=False)},
             alignment=self.alignment,
         )
+        for r in writer.records:
+            if r.name in layouts:
+                r.global_shape = list(layouts[r.name].global_shape)
+                r.offsets = list(layouts[r.name].offsets)
         try:
             t1 = time.perf_counter()
             writer.write(host, block=self.block, threads=self.io_threads,
@@ -446,6 +485,8 @@ class Checkpointer:
             if self.rank == 0:
                 self._discard(partial)
             return SaveResult(step, False, error=why, stats=stats)
+        if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
+            faults.hit("after-vote-before-manifest", self.rank, step)
         entries = self._proto.gather(asdict(entry) if entry else None, "gather")
         outcome: tuple[str | None, str | None] = (None, None)
         if self.rank == 0:
@@ -454,6 +495,7 @@ class Checkpointer:
                 faults.hit("after-vote-before-manifest", 0, step)
                 ranks = [RankEntry(**{**e, "tensors": [TensorRecord(**r) for r in e["tensors"]]})
                          for e in entries or []]
+                _check_pieces(ranks)
                 manifest = Manifest(step, self.world_size, self.run_id, ranks, metadata,
                                     checksum_block=self.block)
                 outcome = (self._commit(partial, manifest), None)
@@ -462,6 +504,8 @@ class Checkpointer:
             except Exception as e:
                 outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}")
                 self._discard(partial)
+        else:  # rank 0 writes the manifest and commits while this rank waits for the outcome
+            faults.hit("mid-manifest-write", self.rank, step)
         path, error = self._proto.bcast(outcome, "commit")
         return SaveResult(step, error is None, path=path, error=error, stats=stats)
 
@@ -489,6 +533,7 @@ class Checkpointer:
     def _after_commit(self, result: SaveResult) -> None:
         self._last = result
         if self.rank != 0:
+            faults.hit("after-commit-before-retention", self.rank, result.step)
             return
         s = result.stats
         self.log.info("checkpoint step %d committed: %.3f GB, stall %.3f s, persist %.2f GB/s "
@@ -522,7 +567,8 @@ class Checkpointer:
             if not candidates:
                 raise CheckpointError(f"no checkpoint of step {step} under {self.root}")
         try:
-            info = Restorer(self._proto, self._pool, self.io_threads, self.log).run(
+            info = Restorer(self._proto, self._pool, self.io_threads, self.log,
+                            self.replicated, self.world_change).run(
                 state, candidates, explicit=step is not None)
         except CollectiveTimeout as e:
             self._timed_out(e)
@@ -560,3 +606,16 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_pieces(ranks: list[RankEntry]) -> None:
+    """Before the commit: the written pieces of every sharded or replicated tensor must tile it
+    exactly (ValueError, which aborts the save, otherwise)."""
+    pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], str]]]
+    pieces = {}
+    for e in ranks:
+        for r in e.tensors:
+            if r.global_shape is not None and r.offsets is not None:
+                pieces.setdefault(r.name, []).append(
+                    (e.rank, tuple(r.global_shape), tuple(r.offsets), tuple(r.shape), r.dtype))
+    sharding.check_coverage(pieces)
