@@ -540,15 +540,25 @@ class Checkpointer:
                       "(rank 0), commit %.0f ms -> %s", result.step, s.get("bytes", 0) / 1e9,
                       s["stall_s"], s.get("persist_GBps", 0), s.get("commit_s", 0) * 1e3,
                       result.path)
-        with open(os.path.join(self.root, "stats.jsonl"), "a") as f:
-            f.write(json.dumps({"step": result.step, "time": time.time(), **s}) + "\n")
+        # the checkpoint is committed on every rank: what follows may fail (a full disk, no
+        # write permission) without undoing it or stopping the training
+        stats = os.path.join(self.root, "stats.jsonl")
+        try:
+            with open(stats, "a") as f:
+                f.write(json.dumps({"step": result.step, "time": time.time(), **s}) + "\n")
+        except OSError as e:
+            self.log.warning("could not append step %d's figures to %s: %s", result.step, stats, e)
         faults.hit("after-commit-before-retention", 0, result.step)
         if self.keep is None:
             return
         for step, path in layout.committed(self.root)[self.keep:]:
             if step != result.step:
                 self.log.info("retention (keep=%d): removing step %d", self.keep, step)
-                layout.remove(path, self.run_id)
+                try:
+                    layout.remove(path, self.run_id)
+                except OSError as e:
+                    self.log.warning("retention could not remove %s: %s; what is left of it is "
+                                     "removed at a later start", path, e)
 
     # ----------------------------------------------------------------------------------- restore
 

@@ -7,8 +7,10 @@ and 5 restore bit for bit, and a restart leaves no partial directory behind.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from faultkit import committed_steps, partials, reports, step_dirs
-from harness import SCENARIOS, Job, mpiexec, run_mpi
+from harness import SCENARIOS, Job, mpiexec
 
 N = 2
 SCENARIO = str(SCENARIOS / "fault_disk.py")
@@ -41,31 +43,44 @@ def mounts() -> Iterator[list[Path]]:
         subprocess.run(["umount", "-l", str(m)], check=True)
 
 
-def run_scenario(root: Path, mode: str, reports_dir: Path, prefix: list[str] | None = None,
-                 timeout: float = 120) -> tuple[Job, dict[int, dict]]:
-    """Run fault_disk.py on N ranks, behind ``prefix`` (e.g. setpriv) when given."""
-    args = [SCENARIO, str(root), mode, str(reports_dir)]
-    if prefix is None:
-        job = run_mpi(N, args, timeout=timeout)
-    else:
-        env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
-        env["PYTHONUNBUFFERED"] = "1"
-        cmd = [*prefix, *mpiexec(), "-n", str(N), sys.executable, *args]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                               start_new_session=True)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"{' '.join(cmd)} hung for {timeout} s\n{e.stdout}\n{e.stderr}")
-        job = Job(p.args, p.returncode, p.stdout, p.stderr)
+def launch(args: list[str], prefix: list[str] | None = None, timeout: float = 120) -> Job:
+    """``python ARGS`` on N ranks behind ``prefix`` (e.g. setpriv); a job killed at ``timeout``
+    has ``returncode`` None (a hang, which the case records before failing)."""
+    env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [*(prefix or []), *mpiexec(), "-n", str(N), sys.executable, *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return Job(cmd, None, out, f"{err}\n[killed after {timeout} s]")
+    return Job(cmd, p.returncode, out, err)
+
+
+def run_scenario(root: Path, mode: str, reports_dir: Path, prefix: list[str] | None = None
+                 ) -> tuple[Job, dict[int, dict]]:
+    job = launch([SCENARIO, str(root), mode, str(reports_dir)], prefix)
     return job, reports(reports_dir)
 
 
-def restart(root: Path, reports_dir: Path) -> dict[int, dict]:
-    """A new job's Checkpointer and restore (tests/scenarios/fault_restore.py)."""
-    job = run_mpi(N, [str(SCENARIOS / "fault_restore.py"), str(root), str(reports_dir),
-                      "--width", "256"], timeout=90)
-    assert job.returncode == 0, job.output
-    return reports(reports_dir)
+def restart(root: Path, reports_dir: Path, steps: list[int]) -> tuple[Job, list[str]]:
+    """A new job's Checkpointer and restore (tests/scenarios/fault_restore.py) must restore the
+    newest of ``steps`` on every rank and leave exactly ``steps`` under ROOT, nothing partial or
+    half-deleted; the job and what went wrong."""
+    job = launch([str(SCENARIOS / "fault_restore.py"), str(root), str(reports_dir),
+                  "--width", "256"])
+    found = reports(reports_dir)
+    if job.returncode != 0 or sorted(found) != list(range(N)):
+        return job, [f"the restart failed (exit {job.returncode}):\n{job.output}"]
+    out = [f"rank {r}: the restart restored {rep['step']} ({rep['error']})"
+           for r, rep in sorted(found.items()) if rep["step"] != steps[-1]]
+    names = sorted(p.name for p in root.iterdir())
+    if names != ["stats.jsonl", *(f"step-{s:08d}" for s in steps)]:
+        out.append(f"after the restart ROOT holds {names}")
+    return job, out
 
 
 def problems(root: Path, job: Job, found: dict[int, dict], why: str) -> list[str]:
@@ -107,20 +122,11 @@ def problems(root: Path, job: Job, found: dict[int, dict], why: str) -> list[str
     return out
 
 
-def check_restart(root: Path, reports_dir: Path) -> list[str]:
-    """A restart restores step 20 on every rank and leaves nothing partial under ROOT."""
-    found = restart(root, reports_dir)
-    out = [f"rank {r}: restart restored {rep['step']} ({rep['error']})"
-           for r, rep in sorted(found.items()) if rep["step"] != 20]
-    if sorted(found) != list(range(N)):
-        out.append(f"restart reports from ranks {sorted(found)} only")
-    if partials(root) or committed_steps(root) != [5, 10, 20]:
-        out.append(f"after the restart ROOT holds {step_dirs(root)}")
-    return out
-
-
-def record(guarantees, case: str, bad: list[str]) -> None:
-    guarantees.record("disk", case, "failed" if bad else "correct", "; ".join(bad)[:2000])
+def record(guarantees, case: str, bad: list[str], *jobs: Job) -> None:
+    """Count the case: a hang when a job had to be killed, else failed when anything is bad."""
+    hung = any(job.returncode is None for job in jobs)
+    guarantees.record("disk", case, "hang" if hung else "failed" if bad else "correct",
+                      "; ".join(bad)[:2000])
 
 
 def test_enospc_mid_write_then_space_returns(tmp_path, mounts, guarantees):
@@ -130,15 +136,14 @@ def test_enospc_mid_write_then_space_returns(tmp_path, mounts, guarantees):
     root = fs / "ckpt"
     job, found = run_scenario(root, "enospc", tmp_path / "reports")
     bad = problems(root, job, found, "[Errno 28] No space left on device: '")
-    if not bad:
-        facts = found[0]["facts"]
-        if not 0 < facts["free"] < facts["shard_bytes"]:
-            bad.append(f"not a mid-write failure: {facts['free']} bytes free for a "
-                       f"{facts['shard_bytes']}-byte shard")
-        if (fs / "ballast").exists():
-            bad.append("the ballast is still there")
-        bad += check_restart(root, tmp_path / "restart")
-    record(guarantees, "ENOSPC mid-write, then space returns", bad)
+    facts = found.get(0, {}).get("facts", {})
+    if not 0 < facts.get("free", 0) < facts.get("shard_bytes", 0):
+        bad.append(f"not a mid-write failure: {facts}: the free bytes must be fewer than a shard's")
+    if (fs / "ballast").exists():
+        bad.append("the ballast is still there")
+    again, worse = restart(root, tmp_path / "restart", [5, 10, 20])
+    bad += worse
+    record(guarantees, "ENOSPC mid-write, then space returns", bad, job, again)
     assert not bad, "\n".join(bad)
 
 
@@ -151,14 +156,14 @@ def test_read_only_root(tmp_path, mounts, guarantees):
     mounts.append(root)
     job, found = run_scenario(root, "readonly", tmp_path / "reports")
     bad = problems(root, job, found, "[Errno 30] Read-only file system: '")
-    record(guarantees, "ROOT remounted read-only between saves", bad)
+    record(guarantees, "ROOT remounted read-only between saves", bad, job)
     assert not bad, "\n".join(bad)
 
     leftover = root / "step-00000025.partial-0123456789ab"
     leftover.mkdir()
     (leftover / "rank-00000.h5").write_bytes(b"\0" * 4096)
     subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
-    ro = run_mpi(N, [SCENARIO, str(root), "ro-restore", str(tmp_path / "ro")], timeout=120)
+    ro = launch([SCENARIO, str(root), "ro-restore", str(tmp_path / "ro")])
     got = reports(tmp_path / "ro")
     if ro.returncode != 0 or sorted(got) != list(range(N)):
         bad.append(f"the job on the read-only ROOT failed (exit {ro.returncode}):\n{ro.output}")
@@ -177,8 +182,9 @@ def test_read_only_root(tmp_path, mounts, guarantees):
     subprocess.run(["mount", "-o", "remount,rw", str(root)], check=True)
     if not leftover.exists():
         bad.append("the leftover vanished from a read-only file system")
-    bad += check_restart(root, tmp_path / "restart")
-    record(guarantees, "restore from a read-only ROOT", bad)
+    again, worse = restart(root, tmp_path / "restart", [5, 10, 20])
+    bad += worse
+    record(guarantees, "restore from a read-only ROOT", bad, ro, again)
     assert not bad, "\n".join(bad)
 
 
@@ -188,7 +194,39 @@ def test_root_without_write_permission(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     job, found = run_scenario(root, "perm", tmp_path / "reports", prefix=["setpriv", *NO_DAC])
     bad = problems(root, job, found, "[Errno 13] Permission denied: '")
-    if not bad:
-        bad += check_restart(root, tmp_path / "restart")
-    record(guarantees, "ROOT without write permission", bad)
+    again, worse = restart(root, tmp_path / "restart", [5, 10, 20])
+    bad += worse
+    record(guarantees, "ROOT without write permission", bad, job, again)
+    assert not bad, "\n".join(bad)
+
+
+def test_retention_and_stats_without_write_permission(tmp_path, guarantees):
+    """After a commit, rank 0 can neither delete the oldest checkpoint (its directory is 0555)
+    nor append to stats.jsonl (0444): the save stays committed on every rank, rank 0 warns, and
+    training and later saves go on; a restart removes what retention left."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
+    root = tmp_path / "ckpt"
+    job, found = run_scenario(root, "retention-perm", tmp_path / "reports",
+                              prefix=["setpriv", *NO_DAC])
+    bad = []
+    if job.returncode != 0 or sorted(found) != list(range(N)):
+        bad.append(f"the job failed (exit {job.returncode}):\n{job.output}")
+    else:
+        for r, rep in sorted(found.items()):
+            for s, res in rep["saves"].items():
+                if not res["committed"]:
+                    bad.append(f"rank {r}: step {s} not committed: {res['error']}")
+            if rep["restored"] != [[20, True], [15, True]]:
+                bad.append(f"rank {r}: restores of 20 and 15 gave {rep['restored']}")
+        for what in ("step-00000005", "stats.jsonl"):
+            if not any("WARNING" in line and what in line and "Permission denied" in line
+                       for line in job.stderr.splitlines()):
+                bad.append(f"rank 0 gave no warning naming {what} and the error:\n{job.stderr}")
+        steps = [json.loads(line)["step"] for line in (root / "stats.jsonl").open()]
+        if steps != [5, 10, 20]:
+            bad.append(f"stats.jsonl holds steps {steps}")
+    again, worse = restart(root, tmp_path / "restart", [15, 20])
+    bad += worse
+    record(guarantees, "retention and stats.jsonl without write permission", bad, job, again)
     assert not bad, "\n".join(bad)

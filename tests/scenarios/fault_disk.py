@@ -15,6 +15,8 @@ Usage: fault_disk.py ROOT MODE REPORTS, where MODE is:
   ro-restore  ROOT (holding the checkpoints of an earlier run) is read-only from the start: the
             Checkpointer is constructed, restores the newest checkpoint, compared bit for bit with
             a rerun of the same 20 steps, and tries to save step 25
+  retention-perm  keep=2, and the save of step 15 commits while retention cannot delete step 5
+            (its directory made 0555) and stats.jsonl is 0444; needs no CAP_DAC_OVERRIDE like perm
 
 Each rank writes REPORTS/rank-R.json: every SaveResult, what rank 0 saw under ROOT after the
 failed save, the free bytes and shard size at the failed save (enospc), its open file descriptors
@@ -106,10 +108,64 @@ def restore_read_only(root: str, reports: str) -> None:
                      "save": {k: v for k, v in asdict(result).items() if k != "stats"}})
 
 
+def retention_blocked(root: str, reports: str) -> None:
+    """keep=2; before the save of step 15, rank 0 takes the write permission off step 5's
+    directory (retention cannot delete it) and off stats.jsonl; both are given back before the
+    save of step 20. Then restore steps 20 and 15."""
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    state = make_state(rank, WIDTH)
+    ck = mpickpt.Checkpointer(root, keep=2)
+    results, images = {}, {}
+
+    def train_and_save(step: int) -> None:
+        for _ in range(5):
+            train_step(state, comm)
+        results[step] = ck.save(step, state).wait()
+        images[step] = image(state)
+
+    train_and_save(5)
+    train_and_save(10)
+    stats = os.path.join(root, "stats.jsonl")
+    if rank == 0:
+        os.chmod(os.path.join(root, "step-00000005"), 0o555)
+        os.chmod(stats, 0o444)
+        try:
+            open(stats, "a").close()
+            raise SystemExit("the job can write a 0444 file: run it without CAP_DAC_OVERRIDE")
+        except PermissionError:
+            pass
+    comm.Barrier()
+    train_and_save(15)
+    comm.Barrier()
+    after = sorted(os.listdir(root)) if rank == 0 else None
+    if rank == 0:
+        os.chmod(stats, 0o644)
+        for name in os.listdir(root):
+            if name.startswith("step-00000005"):
+                os.chmod(os.path.join(root, name), 0o755)
+    comm.Barrier()
+    train_and_save(20)
+    restored = []
+    for step in (20, 15):
+        fresh = make_state(rank, WIDTH)
+        restored.append([ck.restore(fresh, step=step), image(fresh) == images[step]])
+    ck.close()
+    report(reports, {
+        "rank": rank,
+        "saves": {s: {k: v for k, v in asdict(r).items() if k != "stats"}
+                  for s, r in results.items()},
+        "after": after,
+        "restored": restored,
+    })
+
+
 def main() -> None:
     root, mode, reports = sys.argv[1:4]
     if mode == "ro-restore":
         return restore_read_only(root, reports)
+    if mode == "retention-perm":
+        return retention_blocked(root, reports)
     comm = MPI.COMM_WORLD
     rank = comm.rank
     state = make_state(rank, WIDTH)
