@@ -9,6 +9,7 @@ full tensors there as the reference; its losses of steps 5-8 are the uninterrupt
 from __future__ import annotations
 
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -20,16 +21,23 @@ STEPS, SAVE_AT, WORLD = 8, 4, 4
 
 
 def scenario(script: str, n: int, mode: str, root: Path, out: Path, *extra: str) -> None:
-    """Run the scenario on ``n`` ranks under mpickpt.run; print the job's time."""
-    t = time.monotonic()
+    """Run the scenario on ``n`` ranks under mpickpt.run; print the job's wall and CPU time (the
+    CPU seconds of all its processes: on a machine shared with other jobs, the better measure
+    of what it costs)."""
+    t, cpu = time.monotonic(), _children_cpu()
     job = run_mpi(n, ["-m", "mpickpt.run", str(SCENARIOS / script), mode, "--root", str(root),
                       "--out", str(out), "--steps", str(STEPS), *extra])
-    wall = time.monotonic() - t
+    wall, cpu = time.monotonic() - t, _children_cpu() - cpu
     assert job.returncode == 0, job.output
     name = f"{mode}-{n}" if mode == "resume" else mode
     inner = json.loads((out / f"{name}-timing.json").read_text())
-    print(f"[timing] {script} {mode} on {n} ranks: {wall:.1f} s wall (in the job: "
+    print(f"[timing] {script} {mode} on {n} ranks: {wall:.1f} s wall, {cpu:.1f} s CPU (in the job: "
           + ", ".join(f"{k} {v:.2f} s" for k, v in inner.items()) + ")")
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def losses(out: Path, name: str) -> dict[int, float]:
