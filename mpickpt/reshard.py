@@ -5,8 +5,8 @@ live state, the piece this rank now holds (its layout, :mod:`mpickpt.sharding`);
 stored per-rank tensor of rank ``r mod N`` as it is, or the whole tensor when only pieces of it
 were stored. Every stored piece that overlaps a target is read over the byte range that holds the
 overlap, widened to whole checksum blocks so each byte loaded is verified, and no other bytes;
-nothing goes through another rank. A target that is exactly one stored record is read straight
-into its buffer.
+nothing goes through another rank. A stored record that lands whole in one contiguous range of
+its target (the same sharding, or rows of a coarser one) is read straight into place.
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ class Target:
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
-    def direct(self) -> bool:
-        """Whether the target is exactly one whole stored record (read straight into place)."""
-        if len(self.sources) != 1:
-            return False
-        _, rec, _, shape = self.sources[0]
-        return tuple(rec.shape) == shape == self.shape
+    def in_place(self, rec: TensorRecord, off: tuple[int, ...], shape: tuple[int, ...]
+                 ) -> int | None:
+        """Where (byte offset) a whole stored record lands in this target when it is one
+        contiguous range of it (same sharding, or rows of a coarser one): read straight there.
+        None otherwise."""
+        if tuple(rec.shape) != shape:
+            return None
+        k = next((d for d, (b, n) in enumerate(zip(shape, self.shape, strict=True)) if b != n),
+                 len(shape))
+        if any(b != 1 for b in shape[:k]) or shape[k + 1:] != self.shape[k + 1:]:
+            return None
+        rel = tuple(o - t for o, t in zip(off, self.offsets, strict=True))
+        first, _ = sharding.flat_span(self.shape, rel, shape)
+        return first * dtypes.itemsize(self.dtype)
 
 
 @dataclass
@@ -194,8 +202,12 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
     buf = buffer(pos)
     out = {n: buf[offsets[n]: offsets[n] + t.nbytes].view(dtypes.torch_dtype(t.dtype))
            .view(t.shape) for n, t in p.targets.items()}
-    direct = {(t.sources[0][0], t.sources[0][1].name): n
-              for n, t in p.targets.items() if t.direct()}
+    direct: dict[tuple[int, str], int] = {}  # stored record -> byte offset in its target
+    for t in p.targets.values():
+        for src_rank, rec, off, shape in t.sources:
+            at = t.in_place(rec, off, shape)
+            if at is not None:
+                direct[(src_rank, rec.name)] = at
     by_rank: dict[int, list[tuple[TensorRecord, int, int, torch.Tensor]]] = {}
     staged: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}
     for n, t in p.targets.items():
@@ -206,7 +218,8 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
             dests: list[tuple[int, torch.Tensor]] = []
             for lo, hi in p.spans[key]:
                 if key in direct:
-                    dest = out[n].reshape(-1).view(torch.uint8)[lo:hi]
+                    at = direct[key]
+                    dest = out[n].reshape(-1).view(torch.uint8)[at + lo: at + hi]
                 else:
                     dest = torch.empty(hi - lo, dtype=torch.uint8)
                 dests.append((lo, dest))
@@ -219,10 +232,9 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
         read_spans(src_rank, path, entry.bytes, spans, block=manifest.checksum_block,
                    threads=threads, on_block=on_block)
     for n, t in p.targets.items():
-        if t.direct():
-            continue
         for src_rank, rec, off, shape in t.sources:
-            _copy_box(out[n], t, rec, staged[(src_rank, rec.name)], off, shape)
+            if (src_rank, rec.name) not in direct:
+                _copy_box(out[n], t, rec, staged[(src_rank, rec.name)], off, shape)
     return out
 
 
