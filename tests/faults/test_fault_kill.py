@@ -61,19 +61,24 @@ def test_kill_during_save_restores_previous_checkpoint(tmp_path, reference_runs,
 
 
 @pytest.mark.parametrize(
-    ("fault", "waiting_rank", "phase"),
-    [("mid-write:1:hang:10", 0, "vote"), ("after-vote-before-manifest:0:hang:10", 1, "commit")],
+    ("fault", "waiting_rank", "phase", "missing"),
+    [("mid-write:1:hang:10", 0, "vote",
+      "did not arrive: rank 1, last seen in phase 'commit' (collective #"),
+     ("after-vote-before-manifest:0:hang:10", 1, "commit",
+      "rank 0 did not answer within 5 s, so rank 0 did not arrive (last seen in phase 'gather' "
+      "(collective #")],
     ids=["rank1-hangs-mid-write", "rank0-hangs-before-manifest"],
 )
-def test_hang_during_save_aborts_job_at_deadline(tmp_path, fault, waiting_rank, phase):
+def test_hang_during_save_aborts_job_at_deadline(tmp_path, fault, waiting_rank, phase, missing):
     root = tmp_path / "ckpt"
     deadline = 3
     hung = run_mpi(2, [str(SCENARIOS / "fault_hang.py"), str(root), "15", str(deadline)],
                    env={"MPICKPT_FAULT": fault}, timeout=60)
     assert hung.returncode == EXIT_COLLECTIVE_TIMEOUT, hung.output
     assert "finished" not in hung.stdout, hung.output
+    # the surviving rank names the one that did not arrive and where it was last seen
     assert (f"[mpickpt rank {waiting_rank}] ERROR rank {waiting_rank}: the other ranks did not "
-            f"all reach phase {phase!r} within {deadline} s") in hung.stderr, hung.output
+            f"all reach phase {phase!r} within {deadline} s; {missing}") in hung.stderr, hung.output
     assert committed_steps(root) == [5], step_dirs(root)
     left = partials(root, 10)
     assert len(left) == 1, step_dirs(root)
