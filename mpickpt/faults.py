@@ -2,7 +2,10 @@
 
 Phases: before-snapshot, mid-write, after-fsync-before-vote, after-vote-before-manifest,
 mid-manifest-write, after-commit-before-retention, mid-restore-read. Rank ``*`` means every rank;
-step, when given, limits the fault to the save or restore of that step. Actions:
+step, when given, limits the fault to the save or restore of that step. after-vote-before-manifest,
+mid-manifest-write and after-commit-before-retention fire on rank 0 around its manifest, commit and
+retention; on the other ranks at the matching points: after the vote (before they send their
+entries to rank 0), while they wait for rank 0's outcome, and once they have it. Actions:
 ``kill`` (SIGKILL self), ``raise`` (:class:`~mpickpt.errors.FaultInjected`), ``hang`` (sleep
 forever), ``exit`` (``os._exit(17)``), ``delay`` (sleep one second, then go on). Unset, :func:`hit`
 is one dictionary lookup.
