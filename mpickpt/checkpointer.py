@@ -220,7 +220,7 @@ class Checkpointer:
         self._proto.abort(EXIT_COLLECTIVE_TIMEOUT)
 
     def _prepare_root(self) -> None:
-        os.makedirs(self.root, exist_ok=True)
+        layout.make_dirs(self.root)
         for path in layout.leftovers(self.root, self.run_id):
             self.log.info("removing %s, left by an earlier run that did not finish its save", path)
             try:
@@ -305,7 +305,7 @@ class Checkpointer:
             if snap is not None and tree is not None:
                 snap.wait()
                 stats["copy_s"] = snap.copy_s or stats["stall_s"]
-                os.makedirs(partial, exist_ok=True)
+                layout.make_dirs(partial)
                 entry = self._write_shard(partial, step, tree, snap.tensors, layouts, stats)
                 stats["persist_s"] = time.perf_counter() - t0
                 stats["persist_GBps"] = entry.bytes / max(stats["persist_s"], 1e-9) / 1e9
@@ -544,7 +544,9 @@ class Checkpointer:
         # write permission) without undoing it or stopping the training
         stats = os.path.join(self.root, "stats.jsonl")
         try:
-            with open(stats, "a") as f:
+            fd = os.open(stats, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                         layout.FILE_MODE)
+            with os.fdopen(fd, "a") as f:
                 f.write(json.dumps({"step": result.step, "time": time.time(), **s}) + "\n")
         except OSError as e:
             self.log.warning("could not append step %d's figures to %s: %s", result.step, stats, e)

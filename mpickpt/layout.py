@@ -3,10 +3,15 @@
 ``step-XXXXXXXX/`` is committed (its MANIFEST.json is there); ``step-XXXXXXXX.partial-<run>/`` is
 being written or was left by a crash and is never loaded; ``*.deleting-<run>`` is on its way out.
 Every durable change is write-temp, fsync, rename, fsync the directory.
+
+Files are created with mode :data:`FILE_MODE` and directories with :data:`DIR_MODE`: the umask
+applies, and nothing is ever world-writable, even under ``umask 000``. Files of a checkpoint are
+read through :func:`open_regular`: never through a symbolic link, never a FIFO or a device.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -16,6 +21,8 @@ from collections.abc import Callable
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 PARTIAL_RE = re.compile(r"^step-(\d{8,})\.partial-([0-9a-z]+)$")
 LEFTOVER_RE = re.compile(r"^step-(\d{8,})\.(deleting|replaced)-([0-9a-z]+)$")
+FILE_MODE = 0o664  # 0o666 less world-write; the umask takes away more
+DIR_MODE = 0o775
 
 
 def step_name(step: int) -> str:
@@ -34,11 +41,45 @@ def is_real_dir(path: str) -> bool:
         return False
 
 
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, every directory it creates with :data:`DIR_MODE`."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        make_dirs(parent)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``: never through a symbolic link, and a
+    FIFO or device is refused rather than waited on. OSError with a readable strerror otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "it is a symbolic link, and checkpoint files are never read "
+                          "through one", path) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+        raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", path)
+    return fd
+
+
 def committed(root: str, require_manifest: bool = True) -> list[tuple[int, str]]:
     """(step, directory) of every committed checkpoint, newest first.
 
-    With ``require_manifest=False`` also the step directories whose manifest is missing, so that
-    restore can report them."""
+    With ``require_manifest=False`` also the step directories whose manifest is missing, and
+    ``step-XXXXXXXX`` entries that are symbolic links, so that restore can report (and refuse)
+    them."""
     out = []
     try:
         names = os.listdir(root)
@@ -47,9 +88,12 @@ def committed(root: str, require_manifest: bool = True) -> list[tuple[int, str]]
     for name in names:
         m = STEP_RE.match(name)
         path = os.path.join(root, name)
-        if m and is_real_dir(path) and (
-            not require_manifest or os.path.lexists(os.path.join(path, "MANIFEST.json"))
-        ):
+        if not m:
+            continue
+        if is_real_dir(path):
+            if not require_manifest or os.path.lexists(os.path.join(path, "MANIFEST.json")):
+                out.append((int(m.group(1)), path))
+        elif not require_manifest and os.path.islink(path):
             out.append((int(m.group(1)), path))
     return sorted(out, reverse=True)
 
@@ -79,7 +123,7 @@ def atomic_write(path: str, data: bytes, on_half: Callable[[], None] | None = No
     ``on_half`` runs after half the bytes reached the temp file (a fault injection point).
     """
     tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
         half = len(data) // 2
         os.write(fd, data[:half])
@@ -100,8 +144,13 @@ def atomic_write(path: str, data: bytes, on_half: Callable[[], None] | None = No
 
 def remove(path: str, run_id: str) -> None:
     """Remove a checkpoint directory so that no crash leaves it looking committed: rename it to
-    ``*.deleting-<run>`` (fsync'd), then delete the files."""
+    ``*.deleting-<run>`` (fsync'd), then delete the files. A symbolic link is unlinked, never
+    followed."""
     parent, name = os.path.split(path)
+    if os.path.islink(path):
+        os.unlink(path)
+        fsync_path(parent)
+        return
     base = name.split(".", 1)[0]
     doomed = os.path.join(parent, f"{base}.deleting-{run_id}")
     if os.path.lexists(doomed):

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import checksum
+from . import checksum, layout
 from .errors import ManifestError
 from .shard import TensorRecord
 
@@ -31,6 +31,7 @@ NAME = "MANIFEST.json"
 FORMAT = "mpickpt"
 VERSION = 1
 MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
+MAX_TREE_DEPTH = 256  # JSON levels of a rank's tree (3 per level of the state); deeper is refused
 CHECKSUM_FIELD = "manifest_checksum"
 
 
@@ -79,6 +80,8 @@ class Manifest:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: nested too deeply to be a manifest") from None
         try:
             manifest = _parse(d)
             if _get(d, CHECKSUM_FIELD, str, "manifest") != _digest(d):
@@ -86,21 +89,29 @@ class Manifest:
             return manifest
         except _Bad as e:
             raise ManifestError(f"{where}: {e}") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: nested too deeply to be a manifest") from None
 
 
 def read_bytes(directory: str) -> bytes:
     """The bytes of ``directory``/MANIFEST.json: never through a symbolic link, never more than
-    :data:`MAX_BYTES`; :class:`ManifestError` naming the file otherwise."""
+    :data:`MAX_BYTES`, never from a directory that is a link, a FIFO or a device;
+    :class:`ManifestError` naming the file otherwise."""
     path = os.path.join(directory, NAME)
+    if os.path.islink(directory):
+        raise ManifestError(f"{path}: cannot open: {directory} is a symbolic link, and "
+                            "checkpoints are never read through one")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = layout.open_regular(path)
     except OSError as e:
         raise ManifestError(f"{path}: cannot open: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
-        if size > MAX_BYTES:
-            raise ManifestError(f"{path}: {size} bytes is too large for a manifest")
-        return f.read()
+        data = f.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
+        if size > MAX_BYTES or len(data) > MAX_BYTES:
+            raise ManifestError(f"{path}: {max(size, len(data))} bytes is too large for a "
+                                "manifest")
+        return data
 
 
 class _Bad(Exception):
@@ -135,6 +146,17 @@ def _piece(t: dict[str, Any], ndim: int, where: str
     if any(a + n > b for a, n, b in zip(o, t["shape"], g, strict=True)):
         raise _Bad(f"{where}: the piece {t['shape']} at {o} does not lie within {g}")
     return g, o
+
+
+def _depth(node: Any) -> int:
+    """How deeply JSON containers nest in ``node`` (without recursion)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
 
 
 def _parse(d: Any) -> Manifest:
@@ -176,7 +198,10 @@ def _parse(d: Any) -> Manifest:
                 _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
                 *_piece(t, len(shape), tw),
             ))
-        ranks.append(RankEntry(i, name, size, _get(r, "tree", dict, w), tensors))
+        tree = _get(r, "tree", dict, w)
+        if _depth(tree) > MAX_TREE_DEPTH:
+            raise _Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+        ranks.append(RankEntry(i, name, size, tree, tensors))
     created = _get(d, "created", (int, float), "manifest")
     return Manifest(
         step=_get(d, "step", int, "manifest"), world_size=world,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import faults, reshard, state_tree
+from . import faults, provenance, reshard, state_tree
 from .errors import (
     CheckpointError,
     ManifestError,
@@ -33,6 +33,7 @@ from .manifest import NAME as MANIFEST
 from .manifest import Manifest, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
+from .shard import check_file, check_records
 
 # verdicts, combined with MAX over ranks
 _OK, _CORRUPT, _MISMATCH = 0, 1, 2
@@ -125,6 +126,7 @@ class Restorer:
             plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
             where = os.path.join(path, manifest.ranks[plan.source_rank].file)
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
+            _check_sources(manifest, plan, path)
             arrays = reshard.execute(
                 plan, manifest, path, threads=self.io_threads, buffer=buffer,
                 on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
@@ -133,7 +135,7 @@ class Restorer:
         except StateMismatchError as e:
             verdict, err = _MISMATCH, f"rank {self.rank}: {where}: {e}"
         except ShardError as e:
-            verdict, err = _CORRUPT, str(e)
+            verdict, err = _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
         except Exception as e:
             verdict, err = _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
         try:
@@ -168,3 +170,12 @@ class Restorer:
                 f"partly restored, restart the job: {reasons}")
         return None, manifest.metadata
 
+
+def _check_sources(manifest: Manifest, plan: reshard.Plan, directory: str) -> None:
+    """Before anything is allocated for them: every shard the plan reads is a regular file of the
+    size its manifest says, and its records fit it (:class:`ShardError` otherwise)."""
+    for src in sorted({rank for rank, _ in plan.spans}):
+        entry = manifest.ranks[src]
+        path = os.path.join(directory, entry.file)
+        check_records(src, path, entry.tensors, entry.bytes, manifest.checksum_block)
+        check_file(src, path, entry.bytes)

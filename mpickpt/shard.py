@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import checksum, dtypes
+from . import checksum, dtypes, layout
 from .errors import ShardError
 from .pinned_pool import align
 
@@ -161,6 +161,9 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.records: list[TensorRecord] = []
+        # created here, so its mode is layout.FILE_MODE less the umask (HDF5 would use 0o666)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                         layout.FILE_MODE))
         self._h5 = h5py.File(
             path, "w", libver=("v108", "v110"),
             alignment_threshold=alignment, alignment_interval=alignment,
@@ -256,8 +259,11 @@ class ShardWriter:
 def check_records(
     rank: int, path: str, records: list[TensorRecord], file_bytes: int, block: int
 ) -> None:
-    """Refuse records that cannot describe a real file of ``file_bytes`` bytes."""
+    """Refuse records that cannot describe a real file of ``file_bytes`` bytes: unknown dtypes,
+    impossible shapes, sizes that do not match the shape, byte ranges outside the file or
+    overlapping another record's, a name recorded twice."""
     total = 0
+    names: set[str] = set()
     for r in records:
         def bad(reason: str, r: TensorRecord = r) -> ShardError:
             return ShardError(rank, path, reason, tensor=r.name)
@@ -266,8 +272,11 @@ def check_records(
             size = dtypes.itemsize(r.dtype)
         except KeyError:
             raise bad(f"unknown dtype {r.dtype!r}") from None
-        if any(d < 0 for d in r.shape) or len(r.shape) > 64:
+        if any(d < 0 or d >= 1 << 63 for d in r.shape) or len(r.shape) > 64:
             raise bad(f"impossible shape {r.shape}")
+        if r.name in names:
+            raise bad("recorded twice")
+        names.add(r.name)
         if r.nbytes != math.prod(r.shape) * size:
             raise bad(f"{r.nbytes} bytes recorded, but {r.dtype}{r.shape} needs "
                       f"{math.prod(r.shape) * size}")
@@ -280,6 +289,32 @@ def check_records(
         total += r.nbytes
     if total > file_bytes:
         raise ShardError(rank, path, f"records claim {total} bytes, the file has {file_bytes}")
+    end, last = 0, None
+    for r in sorted((r for r in records if r.nbytes), key=lambda r: r.offset):
+        if r.offset < end:
+            raise ShardError(rank, path, f"bytes {r.offset}..{r.offset + r.nbytes} overlap those "
+                             f"of tensor {last!r}", tensor=r.name)
+        end, last = r.offset + r.nbytes, r.name
+
+
+def check_file(rank: int, path: str, file_bytes: int) -> None:
+    """Refuse a shard that is not a regular file of exactly ``file_bytes`` bytes (a symbolic
+    link, a FIFO, a truncated or replaced file) before anything is allocated for it."""
+    try:
+        os.close(_open_shard(rank, path, file_bytes))
+    except OSError as e:
+        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+
+
+def _open_shard(rank: int, path: str, file_bytes: int) -> int:
+    """:func:`mpickpt.layout.open_regular`, and the size must be ``file_bytes``."""
+    fd = layout.open_regular(path)
+    actual = os.fstat(fd).st_size
+    if actual != file_bytes:
+        os.close(fd)
+        raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
+                         "(truncated or replaced)")
+    return fd
 
 
 def read_shard(
@@ -299,6 +334,7 @@ def read_shard(
     ``buffer(nbytes)``, when given, supplies one (pinned, reusable) host buffer that the tensors
     are laid out in, page-aligned; otherwise each tensor is a new allocation."""
     check_records(rank, path, records, file_bytes, block)
+    check_file(rank, path, file_bytes)
     if buffer is None:
         out = {r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype)) for r in records}
     else:
@@ -331,15 +367,14 @@ def read_spans(
     The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
     the records must have passed :func:`check_records`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_shard(rank, path, file_bytes)
     except OSError as e:
         raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
-    dfd = _open_direct(path, os.O_RDONLY | os.O_NOFOLLOW)
+    dfd = _open_direct(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if dfd >= 0 and os.fstat(dfd)[1:3] != os.fstat(fd)[1:3]:  # (st_ino, st_dev): replaced since
+        os.close(dfd)
+        dfd = -1
     try:
-        actual = os.fstat(fd).st_size
-        if actual != file_bytes:
-            raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
-                             "(truncated or replaced)")
         for r, lo, hi, dest in spans:
             if lo % block or not (0 <= lo <= hi <= r.nbytes) or (hi % block and hi != r.nbytes) \
                     or dest.numel() != hi - lo:

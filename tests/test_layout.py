@@ -8,6 +8,8 @@ from mpickpt import layout
 
 
 def test_listing_orders_newest_first_and_ignores_partials_and_links(tmp_path):
+    """Committed: real directories with a manifest. Without require_manifest (what restore and
+    the CLI list), also those without one and links, which they then report and refuse."""
     for step in (5, 100, 20):
         d = tmp_path / layout.step_name(step)
         d.mkdir()
@@ -17,7 +19,7 @@ def test_listing_orders_newest_first_and_ignores_partials_and_links(tmp_path):
     (tmp_path / "step-00000400").symlink_to(tmp_path / layout.step_name(5))
     assert [s for s, _ in layout.committed(str(tmp_path))] == [100, 20, 5]
     assert [s for s, _ in layout.committed(str(tmp_path), require_manifest=False)] == [
-        300, 100, 20, 5]
+        400, 300, 100, 20, 5]
 
 
 def test_leftovers_are_other_runs_partials_only(tmp_path):
