@@ -51,9 +51,10 @@ class Target:
         None otherwise."""
         if tuple(rec.shape) != shape:
             return None
-        k = next((d for d, (b, n) in enumerate(zip(shape, self.shape, strict=True)) if b != n),
-                 len(shape))
-        if any(b != 1 for b in shape[:k]) or shape[k + 1:] != self.shape[k + 1:]:
+        # contiguous in the target: full in every dimension after the last one where it is not,
+        # and of size 1 in every dimension before that one
+        partial = [d for d, (b, n) in enumerate(zip(shape, self.shape, strict=True)) if b != n]
+        if partial and any(b != 1 for b in shape[:partial[-1]]):
             return None
         rel = tuple(o - t for o, t in zip(off, self.offsets, strict=True))
         first, _ = sharding.flat_span(self.shape, rel, shape)

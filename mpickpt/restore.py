@@ -30,7 +30,7 @@ from .errors import (
     WorldSizeMismatchError,
 )
 from .manifest import NAME as MANIFEST
-from .manifest import Manifest, read_bytes
+from .manifest import Manifest, RankEntry, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .shard import check_file, check_records
@@ -108,11 +108,13 @@ class Restorer:
                     f"{self.world_size}; restore it with the same number of ranks, or with "
                     "world_change='reshard'")
             if self.rank == 0:
-                self.log.warning(
+                # the same on N >= 2 stored ranks: in effect global state, any copy will do
+                same = manifest.world_size > 1 and not _per_rank_state_differs(manifest)
+                (self.log.info if same else self.log.warning)(
                     "%s was written by %d ranks, this job has %d: sharded and replicated tensors "
                     "are resharded; rank r takes the per-rank state (other tensors and values) "
-                    "of stored rank r mod %d", path, manifest.world_size, self.world_size,
-                    manifest.world_size)
+                    "of stored rank r mod %d%s", path, manifest.world_size, self.world_size,
+                    manifest.world_size, " (it is the same on every stored rank)" if same else "")
         self._written_by = manifest.world_size
         verdict, err, arrays, held = _OK, None, {}, []
         plan = None
@@ -169,6 +171,25 @@ class Restorer:
                 f"loading {path} into the state failed after verification; the state is only "
                 f"partly restored, restart the job: {reasons}")
         return None, manifest.metadata
+
+
+def _per_rank_state_differs(manifest: Manifest) -> bool:
+    """Whether the stored ranks' per-rank state differs (values in the trees, or the checksums of
+    per-rank tensors), i.e. whether the ``r mod N`` rule matters; device names are ignored."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k != "device"}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    def signature(e: RankEntry) -> tuple[Any, ...]:
+        own = [(r.name, r.dtype, r.shape, r.checksums) for r in e.tensors if r.global_shape is None]
+        return strip(e.tree), own
+
+    first = signature(manifest.ranks[0])
+    return any(signature(e) != first for e in manifest.ranks[1:])
 
 
 def _check_sources(manifest: Manifest, plan: reshard.Plan, directory: str) -> None:

@@ -19,7 +19,9 @@ def job(n: int, mode: str, root: Path, reports: Path) -> dict[int, dict]:
     assert done.returncode == 0, done.output
     found = {r: json.loads((reports / f"{mode}-rank-{r}.json").read_text()) for r in range(n)}
     if mode == "restore" and "saved_by" in found[0] and found[0]["saved_by"] != n:
-        assert "are resharded; rank r takes the per-rank state" in done.stderr, done.output
+        # the per-rank tensors differ between the stored ranks: the r mod N rule matters
+        assert "WARNING" in next(line for line in done.stderr.splitlines()
+                                 if "are resharded; rank r takes the per-rank state" in line)
     return found
 
 

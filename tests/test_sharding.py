@@ -1,0 +1,85 @@
+"""The arithmetic of pieces: overlaps, byte spans, in-place reads, writer choice, tiling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mpickpt import Shard, sharding
+from mpickpt.reshard import Target
+from mpickpt.shard import TensorRecord
+
+
+def test_overlap_of_boxes():
+    assert sharding.overlap((0, 0), (4, 6), (2, 3), (5, 5)) == ((2, 3), (2, 3))
+    assert sharding.overlap((0,), (4,), (4,), (3,)) is None  # touching is not overlapping
+    assert sharding.overlap((), (), (), ()) == ((), ())  # 0-d tensors
+    assert sharding.overlap((0, 0), (0, 5), (0, 0), (3, 5)) is None  # empty piece
+
+
+def test_flat_span_covers_exactly_the_rows_of_a_row_box_and_spans_a_column_box():
+    # rows 2..4 of a (10, 8) piece: elements 16..32, nothing more
+    assert sharding.flat_span((10, 8), (2, 0), (2, 8)) == (16, 32)
+    # columns 3..5 of rows 1..3: from (1, 3) to (2, 4) inclusive
+    assert sharding.flat_span((10, 8), (1, 3), (2, 2)) == (11, 21)
+    t = torch.arange(80).reshape(10, 8)
+    first, end = sharding.flat_span((10, 8), (1, 3), (2, 2))
+    span = t.reshape(-1)[first:end]
+    assert set(t[1:3, 3:5].reshape(-1).tolist()) <= set(span.tolist())
+
+
+@pytest.mark.parametrize(("box_off", "box", "expect"), [
+    ((3, 0), (2, 8), 3 * 8 * 4),  # whole rows: contiguous
+    ((3, 2), (1, 4), (3 * 8 + 2) * 4),  # part of one row: contiguous
+    ((3, 2), (2, 4), None),  # a column band: not contiguous
+    ((0, 0), (10, 8), 0),  # everything
+])
+def test_a_whole_record_is_read_in_place_only_when_contiguous_in_the_target(box_off, box, expect):
+    t = Target("w", "float32", (20, 8), (0, 0), (10, 8))
+    rec = TensorRecord("w", "float32", list(box), 0, math.prod(box) * 4, [], [20, 8],
+                       list(box_off))
+    assert t.in_place(rec, box_off, box) == expect
+
+
+def test_a_partial_overlap_is_never_read_in_place():
+    t = Target("w", "float32", (20, 8), (0, 0), (10, 8))
+    rec = TensorRecord("w", "float32", [6, 8], 0, 6 * 8 * 4, [], [20, 8], [8, 0])
+    assert t.in_place(rec, (8, 0), (2, 8)) is None
+
+
+def test_writers_spread_bytes_evenly_and_agree_whatever_the_order():
+    pieces = [(f"w{i}", 100 + 10 * i, (0, 1, 2, 3)) for i in range(20)]
+    a = sharding.writers(pieces)
+    b = sharding.writers(list(reversed(pieces)))
+    assert a == b
+    load = [sum(n for name, n, _ in pieces if a[name] == r) for r in range(4)]
+    assert max(load) - min(load) <= 290, load
+    only = sharding.writers([("x", 5, (2, 5))])
+    assert only == {"x": 2}
+
+
+def test_coverage_refuses_gaps_overlaps_and_disagreements():
+    ok = {"w": [(0, (6, 2), (0, 0), (4, 2), "float32"), (1, (6, 2), (4, 0), (2, 2), "float32")]}
+    sharding.check_coverage(ok)
+    gap = {"w": [(0, (6, 2), (0, 0), (4, 2), "float32")]}
+    with pytest.raises(ValueError, match="hold 8 of its 12 elements"):
+        sharding.check_coverage(gap)
+    twice = {"w": [(0, (6, 2), (0, 0), (3, 2), "float32"), (1, (6, 2), (0, 0), (3, 2), "float32")]}
+    with pytest.raises(ValueError, match="two ranks wrote the piece at"):
+        sharding.check_coverage(twice)
+    other = {"w": [(0, (6, 2), (0, 0), (3, 2), "float32"), (1, (6, 2), (3, 0), (3, 2), "int64")]}
+    with pytest.raises(ValueError, match="rank 1 holds a piece of int64"):
+        sharding.check_coverage(other)
+
+
+def test_shard_declaration_is_checked():
+    with pytest.raises(ValueError, match="does not lie within"):
+        Shard(torch.zeros(4, 2), (5, 2), (2, 0))
+    with pytest.raises(ValueError, match="differ in rank"):
+        Shard(torch.zeros(4, 2), (8,), (0,))
+    with pytest.raises(ValueError, match="needs global_shape and offsets"):
+        Shard(torch.zeros(2))
+    r = Shard(torch.zeros(3), replicated=True)
+    assert r.global_shape == (3,) and r.offsets == (0,)
