@@ -4,7 +4,9 @@ For inference or sharing. SRC is ``ROOT`` (the checkpoint restore would load), `
 a checkpoint directory. OUT ending in ``.pt``/``.pth`` writes only the torch file, ``.safetensors``
 only the safetensors file; any other OUT writes ``OUT.pt`` and ``OUT.safetensors``. Both hold one
 flat dict of tensors named as in the checkpoint (``model/0.weight``), prefixed by the rank when
-the checkpoint has more than one (``rank0/model/0.weight``). The torch file loads with
+the checkpoint has more than one (``rank0/model/0.weight``); the pieces of a sharded or
+replicated tensor (FSDP2, DDP, ``mpickpt.Shard``) are assembled into the whole tensor, named
+without a rank. The torch file loads with
 ``torch.load(path, weights_only=True)``; the safetensors header carries the step, world size, run
 and the user metadata. The non-tensor values of the state (its tree) are not exported.
 
@@ -26,7 +28,8 @@ import torch
 
 from .. import dtypes, layout
 from ..errors import ShardError
-from ..shard import read_shard
+from ..pinned_pool import available_memory
+from ..shard import TensorRecord, read_shard
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from .checks import Unusable, pick, shard_path
 from .render import Out, human_bytes
@@ -91,8 +94,13 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         return fail(EXIT_ERROR, f"{', '.join(existing)} already exist(s); nothing was written "
                     "(--force overwrites)")
     prefix = m.world_size > 1
-    names = {(f"rank{r.rank}/" if prefix else "") + t.name: t.dtype
-             for r in m.ranks for t in r.tensors}
+
+    def export_name(rank: int, t: TensorRecord) -> str:
+        """A piece of a sharded or replicated tensor goes into its whole tensor, named as in
+        the state; a per-rank tensor is prefixed by its rank when there are several."""
+        return t.name if t.global_shape is not None or not prefix else f"rank{rank}/{t.name}"
+
+    names = {export_name(r.rank, t): t.dtype for r in m.ranks for t in r.tensors}
     if "safetensors" in files:
         try:
             bad = _unsupported_by_safetensors(names)
@@ -105,6 +113,11 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
                         "file only (OUT ending in .pt)")
 
     total = sum(t.nbytes for r in m.ranks for t in r.tensors)
+    avail = available_memory()
+    if avail is not None and total > avail * 0.9:
+        return fail(EXIT_ERROR, f"{e.path} holds {human_bytes(total)} of tensors and export holds "
+                    f"them all in memory at once, but only {human_bytes(avail)} is available; "
+                    "nothing was written")
     progress = out.progress(f"reading step {e.step}", total)
     tensors: dict[str, torch.Tensor] = {}
     try:
@@ -112,8 +125,15 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             path = shard_path(e.path, r)
             for t in r.tensors:
                 got = read_shard(r.rank, path, [t], r.bytes, block=m.checksum_block,
-                                 threads=args.threads)
-                tensors[(f"rank{r.rank}/" if prefix else "") + t.name] = got[t.name]
+                                 threads=args.threads)[t.name]
+                name = export_name(r.rank, t)
+                if t.global_shape is not None and t.offsets is not None:
+                    if name not in tensors:  # the pieces tile it (checked before the commit)
+                        tensors[name] = torch.empty(t.global_shape, dtype=got.dtype)
+                    box = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.shape, strict=True))
+                    tensors[name][box] = got
+                else:
+                    tensors[name] = got
                 progress.add(t.nbytes)
     except ShardError as err:
         progress.close()
@@ -123,9 +143,13 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     progress.close()
 
     temps = {fmt: f"{p}.tmp-{os.getpid()}" for fmt, p in files.items()}
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = layout.FILE_MODE & ~umask  # as torch.save's file would be, but never world-writable
     try:
         if "torch" in temps:
             torch.save(tensors, temps["torch"])
+            os.chmod(temps["torch"], mode)
             layout.fsync_path(temps["torch"])
         if "safetensors" in temps:
             from safetensors.torch import save_file
@@ -134,9 +158,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
                 "mpickpt_step": str(m.step), "mpickpt_world_size": str(m.world_size),
                 "mpickpt_run_id": m.run_id, "mpickpt_source": e.path,
                 "mpickpt_metadata": json.dumps(m.metadata)})
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(temps["safetensors"], 0o666 & ~umask)  # as torch.save's file, not 0600
+            os.chmod(temps["safetensors"], mode)  # safetensors makes it 0600
             layout.fsync_path(temps["safetensors"])
         for fmt, tmp in temps.items():
             os.replace(tmp, files[fmt])
