@@ -40,6 +40,13 @@ def _checksum(sums: list[str]) -> str:
     return sums[0] if len(sums) == 1 else f"{sums[0]} +{len(sums) - 1} blocks"
 
 
+def _shape(t: dict[str, Any]) -> str:
+    """``[6, 1024]``, or for a piece of a sharded tensor ``[6, 1024] at [0, 0] of [37, 1024]``."""
+    if t.get("global_shape") is None:
+        return str(t["shape"])
+    return f"{t['shape']} at {t['offsets']} of {t['global_shape']}"
+
+
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     now = time.time()
     try:
@@ -68,7 +75,9 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         rj: dict[str, Any] = {
             "rank": r, "file": entry.file, "bytes": entry.bytes,
             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "nbytes": t.nbytes,
-                         "offset": t.offset, "checksums": t.checksums} for t in entry.tensors]}
+                         "offset": t.offset, "checksums": t.checksums,
+                         "global_shape": t.global_shape, "offsets": t.offsets}
+                        for t in entry.tensors]}
         if args.tree:
             rj["tree"] = entry.tree
         doc["ranks"].append(rj)
@@ -96,7 +105,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
                  f"{human_bytes(rj['bytes'])}, {len(rj['tensors'])} tensors, "
                  f"{human_bytes(data)} of tensor data")
         out.table(["NAME", "DTYPE", "SHAPE", "BYTES", "CHECKSUM"],
-                  [[t["name"], t["dtype"], str(t["shape"]), str(t["nbytes"]),
+                  [[t["name"], t["dtype"], _shape(t), str(t["nbytes"]),
                     _checksum(t["checksums"])] for t in rj["tensors"]],
                   right=(3,), indent="  ")
         if args.tree:

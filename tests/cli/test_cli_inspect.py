@@ -22,7 +22,8 @@ def test_inspect_shows_the_manifest_of_every_rank(tmp_path_factory, n):
         got = doc["ranks"][r]
         assert got["file"] == f"rank-{r:05d}.h5" and got["bytes"] == entry["bytes"]
         assert got["tensors"] == [{k: t[k] for k in ("name", "dtype", "shape", "nbytes",
-                                                     "offset", "checksums")}
+                                                     "offset", "checksums", "global_shape",
+                                                     "offsets")}
                                   for t in entry["tensors"]]
         assert "tree" not in got
 
