@@ -49,6 +49,10 @@ from .snapshot import Snapshot, Snapshotter
 
 T = TypeVar("T")
 
+# ROOT/stats.jsonl grows by a line (about 400 bytes) per commit; at this size it becomes
+# stats.jsonl.1, replacing the older one, so that the two never hold much more than twice this
+STATS_MAX_BYTES = 16 << 20
+
 
 def _collect(x: Any, out: list[Any]) -> None:
     """The optimizers and modules in a state (not inside modules)."""
@@ -544,6 +548,7 @@ class Checkpointer:
         # write permission) without undoing it or stopping the training
         stats = os.path.join(self.root, "stats.jsonl")
         try:
+            _rotate(stats)
             fd = os.open(stats, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
                          layout.FILE_MODE)
             with os.fdopen(fd, "a") as f:
@@ -631,3 +636,13 @@ def _check_pieces(ranks: list[RankEntry]) -> None:
                 pieces.setdefault(r.name, []).append(
                     (e.rank, tuple(r.global_shape), tuple(r.offsets), tuple(r.shape), r.dtype))
     sharding.check_coverage(pieces)
+
+
+def _rotate(stats: str) -> None:
+    """Bound ROOT/stats.jsonl: at STATS_MAX_BYTES it becomes ``stats.jsonl.1``."""
+    try:
+        size = os.lstat(stats).st_size
+    except FileNotFoundError:
+        return
+    if size >= STATS_MAX_BYTES:
+        os.replace(stats, stats + ".1")
