@@ -1,0 +1,71 @@
+"""The counted fault matrix: {kill, raise, hang, exit} x {rank 0, the last rank} x every fault
+phase x {2, 4 ranks}, each case in real MPI jobs.
+
+After each fault a new job restores: it must land, on every rank and bit for bit, on the newest
+checkpoint whose commit completed before the fault (the new one when the fault came after the
+commit), and every older checkpoint that retention (keep=2) keeps must be intact. kill and exit
+must end the job, hang must end it at the collective deadline (exit 75), raise must abort the
+save (or fall back in a restore) on every rank while the job goes on. Every cell is counted in
+the guarantee report (suite "fault-matrix") before its assertion. See matrix_kit.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from matrix_kit import (
+    ACTIONS,
+    NOT_APPLICABLE,
+    PHASES,
+    SIZES,
+    CaseRun,
+    Cell,
+    cells,
+    judge,
+    run_matrix,
+)
+
+SUITE = "fault-matrix"
+WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))
+ALL = [c for n in SIZES for c in cells(n)]
+
+
+@pytest.fixture(scope="module")
+def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[int, dict[str, CaseRun]]:
+    """The jobs of the cells selected in this session, run on first use per rank count."""
+    base = tmp_path_factory.mktemp("matrix")
+    chosen = [item.callspec.params["cell"] for item in request.session.items
+              if getattr(item, "callspec", None) and "cell" in item.callspec.params]
+
+    class Lazy(dict):
+        def __missing__(self, n: int) -> dict[str, CaseRun]:
+            t0 = time.monotonic()
+            self[n] = run_matrix([c for c in chosen if c.n == n], base / f"n{n}", WORKERS)
+            print(f"fault matrix, {n} ranks: {time.monotonic() - t0:.0f} s")
+            return self[n]
+
+    return Lazy()
+
+
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize("cell", [c for c in ALL if c.id not in NOT_APPLICABLE],
+                         ids=lambda c: c.id)
+def test_cell(matrix, guarantees, cell: Cell) -> None:
+    run = matrix[cell.n][cell.id]
+    outcome, detail = judge(cell, run)
+    guarantees.record(SUITE, cell.id, outcome, detail)
+    assert outcome == "correct", f"{cell.id}: {outcome}: {detail}"
+
+
+def test_matrix_is_complete() -> None:
+    """112 cells: every action, both ranks, every phase, both sizes; none left out unsaid."""
+    assert len(ACTIONS) * 2 * len(PHASES) * len(SIZES) == 112
+    assert len({c.id for c in ALL}) == len(ALL) == 112
+    assert set(NOT_APPLICABLE) <= {c.id for c in ALL}
+    assert all(NOT_APPLICABLE.values()), "a cell marked not applicable needs its reason"
+    ran = [c for c in ALL if c.id not in NOT_APPLICABLE]
+    assert len(ran) + len(NOT_APPLICABLE) == 112
+    assert {c.rank for c in ran} == {0, 1, 3}
