@@ -419,7 +419,11 @@ class Checkpointer:
             need = 1.25 * (s.get("stall_s", 0) + s.get("persist_s", 0) + s.get("commit_s", 0))
         left = None if self.deadline is None else self.deadline - time.time()
         # every rank decides from the same inputs (rank 0's figures), so all save or none does
-        need, left = self._proto.bcast((need, left), "emergency")
+        try:
+            need, left = self._proto.bcast((need, left), "emergency")
+        except CollectiveTimeout as e:
+            self._timed_out(e)
+            raise
         if need is not None and left is not None and need > left:
             if self.rank == 0:
                 self.log.error("no time for the emergency checkpoint of step %d: it needs about "
