@@ -115,7 +115,9 @@ def launch(n: int, mode: str, plan: dict, where: Path) -> Launch:
             p.wait()
         log.seek(0)
         output = log.read()
-    return Launch(rc, time.monotonic() - t0, output)
+    took = time.monotonic() - t0
+    (where / f"{mode}.seconds").write_text(f"{took:.2f}\n")
+    return Launch(rc, took, output)
 
 
 def reports(path: Path) -> dict[int, dict]:

@@ -40,11 +40,22 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     chosen = [item.callspec.params["cell"] for item in request.session.items
               if getattr(item, "callspec", None) and "cell" in item.callspec.params]
 
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+
+    def say(line: str) -> None:
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"\n{line}")
+
     class Lazy(dict):
         def __missing__(self, n: int) -> dict[str, CaseRun]:
             t0 = time.monotonic()
             self[n] = run_matrix([c for c in chosen if c.n == n], base / f"n{n}", WORKERS)
-            print(f"fault matrix, {n} ranks: {time.monotonic() - t0:.0f} s")
+            launches = {id(r.launch): r.launch for r in self[n].values()}
+            launches |= {id(r.verify_launch): r.verify_launch for r in self[n].values()}
+            say(f"fault matrix, {n} ranks: {len(self[n])} cells, {len(launches)} launches, "
+                f"{time.monotonic() - t0:.0f} s")
             return self[n]
 
     return Lazy()
