@@ -29,6 +29,8 @@ QUARANTINE = "quarantine"
 QUARANTINE_LOG = "QUARANTINE.jsonl"
 ROLLBACK = "ROLLBACK.json"
 _ANY_STEP_RE = re.compile(r"^step-(\d{8,})")
+# what Checkpointer.restore() loads: intact, or with damaged HDF5 metadata (it never reads that)
+LOADABLE = ("committed", "hdf5-damaged")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Problem:
     rank: int | None = None
     file: str | None = None
     unsupported: bool = False  # a manifest of another mpickpt version: not damage
+    restorable: bool = False  # HDF5 metadata only: the tensors verify, restore still loads it
 
     def to_json(self) -> dict[str, Any]:
         return {"reason": self.reason, "rank": self.rank, "file": self.file}
@@ -48,7 +51,7 @@ class Problem:
 class Entry:
     name: str
     path: str
-    status: str  # committed | corrupt | unsupported | partial | quarantined
+    status: str  # committed | corrupt | unsupported | hdf5-damaged | partial | quarantined
     step: int | None
     time: float | None = None  # the manifest's creation time, else the newest mtime inside
     world_size: int | None = None
@@ -66,11 +69,15 @@ class Entry:
         return self.problems[0] if self.problems else None
 
     def fail(self, problems: list[Problem]) -> None:
-        """Mark as corrupt (or unsupported); the problems sorted by rank, the manifest's first."""
-        unsupported = any(p.unsupported for p in problems)
-        self.status, self.verified = "unsupported" if unsupported else "corrupt", None
+        """Mark as corrupt (or unsupported, or hdf5-damaged when only HDF5 metadata is wrong);
+        the problems sorted by rank, the manifest's first."""
         self.problems = sorted(self.problems + problems,
                                key=lambda p: -1 if p.rank is None else p.rank)
+        unsupported = any(p.unsupported for p in self.problems)
+        restorable = all(p.restorable for p in self.problems)
+        self.status = ("unsupported" if unsupported else "hdf5-damaged" if restorable
+                       else "corrupt")
+        self.verified = None
 
     def to_json(self, now: float) -> dict[str, Any]:
         return {
@@ -115,12 +122,13 @@ def quarantine_reasons(root: str) -> dict[str, str]:
     """Name in ROOT/quarantine/ -> why it was put there (the last record of the log)."""
     out = {}
     try:
-        with open(os.path.join(root, QUARANTINE, QUARANTINE_LOG)) as f:
+        fd = layout.open_regular(os.path.join(root, QUARANTINE, QUARANTINE_LOG))
+        with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
                     out[str(rec["to_name"])] = str(rec["reason"])
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):
                     continue  # a line cut short by a crash
     except OSError:
         pass
@@ -184,7 +192,7 @@ def _other_version(text: bytes) -> bool:
     """Whether ``text`` is a manifest of another mpickpt format version."""
     try:
         d = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return (isinstance(d, dict) and d.get("format") == FORMAT
             and d.get("version") != VERSION and isinstance(d.get("version"), int))

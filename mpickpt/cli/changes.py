@@ -112,7 +112,7 @@ class Changes:
     def _move(self, a: Action) -> None:
         assert a.dest is not None
         if not os.path.lexists(self.qdir):
-            os.mkdir(self.qdir)
+            os.mkdir(self.qdir, layout.DIR_MODE)
             layout.fsync_path(self.root)
         if not layout.is_real_dir(self.qdir):
             raise NotADirectoryError(0, "is not a directory (it must not be a link)", self.qdir)
@@ -123,7 +123,7 @@ class Changes:
                "from": a.path, "to_name": os.path.basename(a.dest), "step": a.step,
                "reason": a.reason}
         fd = os.open(os.path.join(self.qdir, QUARANTINE_LOG),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, layout.FILE_MODE)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
             os.fsync(fd)
@@ -144,11 +144,11 @@ class Changes:
         assert record is not None
         earlier: list[Any] = []
         try:
-            with open(path) as f:
+            with os.fdopen(layout.open_regular(path)) as f:
                 prev = json.load(f)
             if isinstance(prev, dict):
                 earlier = [*prev.pop("earlier", []), prev]
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             pass
         record["earlier"] = earlier
         layout.atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
@@ -156,8 +156,8 @@ class Changes:
 
 def read_rollback(root: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(root, ROLLBACK)) as f:
+        with os.fdopen(layout.open_regular(os.path.join(root, ROLLBACK))) as f:
             r = json.load(f)
         return r if isinstance(r, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None

@@ -5,10 +5,15 @@ quick: the manifest parses and validates (strict JSON, its own checksum), every 
 (:func:`mpickpt.shard.check_records`). Reads a few hundred bytes per shard.
 
 full: quick, then every block of every tensor is read and its xxh3-64 compared with the manifest's
-(the check restore makes before it touches the state). Blocks are read by a few threads into
-reused buffers, so memory stays at ``threads`` blocks whatever the size of the shard. Every shard
-and every block is checked (no early stop), so the verdict is the same whichever process checks
-which shard, and the first problem reported is the one of the lowest rank, tensor and block.
+(the check restore makes before it touches the state). Blocks are read by a few threads in pieces
+of at most :data:`CHUNK` bytes into reused buffers, so memory stays at ``threads`` pieces whatever
+the manifest says the block size is. Every shard and every block is checked (no early stop), so
+the verdict is the same whichever process checks which shard, and the first problem reported is
+the one of the lowest rank, tensor and block. Then the shard's HDF5 metadata is read and compared
+with the manifest (:mod:`.h5meta`): restore does not need it, h5py and h5dump do.
+
+A shard that fails because it is another rank's, or another checkpoint's, is named as such
+(:func:`mpickpt.provenance.explain`, the sentence restore logs).
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import checksum
+import xxhash
+
+from .. import checksum, layout, provenance
 from ..errors import ShardError
 from ..manifest import Manifest, RankEntry
-from ..shard import check_records, read_shard
-from . import EXIT_ERROR, EXIT_NO_CHECKPOINT
+from ..shard import check_file, check_records
+from . import EXIT_ERROR, EXIT_NO_CHECKPOINT, h5meta
 from .catalog import (
     MANIFEST,
     QUARANTINE,
@@ -41,13 +48,21 @@ def shard_path(checkpoint: str, entry: RankEntry) -> str:
     return os.path.join(checkpoint, entry.file)
 
 
-def _problem(e: ShardError) -> Problem:
-    return Problem(str(e), e.rank, e.path)
+CHUNK = 8 << 20  # the most one reader thread holds
+
+
+def _problem(e: ShardError, m: Manifest | None = None, checkpoint: str | None = None) -> Problem:
+    """The problem, with where the shard came from when it is another's (given the manifest)."""
+    why = str(e)
+    if m is not None and checkpoint is not None:
+        why += provenance.explain(e.rank, e.path, m, checkpoint)
+    return Problem(why, e.rank, e.path)
 
 
 def _check_shard(path: str, m: Manifest, r: RankEntry) -> None:
-    """Open the shard as restore does, check its size and that every record fits it."""
-    read_shard(r.rank, path, [], r.bytes)  # with no records it reads nothing
+    """Check the shard as restore does: a regular file (no link, no FIFO) of the recorded size,
+    and every record fits it."""
+    check_file(r.rank, path, r.bytes)
     check_records(r.rank, path, r.tensors, r.bytes, m.checksum_block)
 
 
@@ -67,7 +82,7 @@ def quick(entry: Entry) -> None:
         try:
             _check_shard(path, m, r)
         except ShardError as e:
-            problems.append(_problem(e))
+            problems.append(_problem(e, m, entry.path))
     if problems:
         entry.fail(problems)
     else:
@@ -76,15 +91,16 @@ def quick(entry: Entry) -> None:
 
 def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
                  on_bytes: Callable[[int], None] | None = None) -> Problem | None:
-    """Read every block of rank ``rank``'s shard and compare its checksum; the first problem."""
+    """Read every block of rank ``rank``'s shard and compare its checksum, then its HDF5
+    metadata; the first problem."""
     entry = m.ranks[rank]
     path = shard_path(checkpoint, entry)
     block = m.checksum_block
     try:
         _check_shard(path, m, entry)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = layout.open_regular(path)
     except ShardError as e:
-        return _problem(e)
+        return _problem(e, m, checkpoint)
     except OSError as e:
         return _problem(ShardError(rank, path, f"cannot open: {e.strerror}"))
     try:
@@ -98,16 +114,18 @@ def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
             r, lo = entry.tensors[i], b * block
             n = min(block, r.nbytes - lo)
             buf = getattr(local, "buf", None)
-            if buf is None or len(buf) < n:
-                buf = local.buf = bytearray(max(n, 1))
-            view = memoryview(buf)[:n]
+            if buf is None:
+                buf = local.buf = bytearray(CHUNK)
+            h = xxhash.xxh3_64()
             got = 0
             while got < n:
-                k = os.preadv(fd, [view[got:]], r.offset + lo + got)
+                view = memoryview(buf)[: min(CHUNK, n - got)]
+                k = os.preadv(fd, [view], r.offset + lo + got)
                 if k == 0:
                     return ShardError(rank, path, "unexpected end of file", tensor=r.name)
+                h.update(view[:k])
                 got += k
-            if checksum.digest(view) != r.checksums[b]:
+            if h.hexdigest() != r.checksums[b]:
                 return ShardError(rank, path, f"checksum mismatch in block {b} (bytes "
                                   f"{r.offset + lo}..{r.offset + lo + n}): the data is corrupt",
                                   tensor=r.name)
@@ -118,8 +136,10 @@ def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
         with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="mpickpt-verify") as pool:
             errors = [e for e in pool.map(lambda t: check(*t), tasks) if e is not None]
         if not errors:
-            return None
-        first = _problem(errors[0])
+            why = h5meta.problem(fd, m, entry)
+            return None if why is None else Problem(f"rank {rank}: {path}: {why}", rank, path,
+                                                    restorable=True)
+        first = _problem(errors[0], m, checkpoint)
         if len(errors) > 1:
             first.reason += f"; {len(errors) - 1} more damaged block(s) in this shard"
         return first

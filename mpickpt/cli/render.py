@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 _CODES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 STATUS_STYLE = {"committed": "green", "corrupt": "red", "unsupported": "red",
-                "partial": "yellow", "quarantined": "yellow"}
+                "hdf5-damaged": "yellow", "partial": "yellow", "quarantined": "yellow"}
 
 
 def use_colour(stream: TextIO) -> bool:

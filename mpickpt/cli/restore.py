@@ -156,6 +156,10 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             left_alone.append({"path": e.path, "reason": (
                 f"{e.problem.reason}: not damaged, so left in place; this mpickpt cannot "
                 "load it")})
+        if e.status == "hdf5-damaged" and e.path not in planned:
+            assert e.problem is not None
+            left_alone.append({"path": e.path, "reason": (
+                f"{e.problem.reason}: restore still loads it, so it is left in place")})
         if e.status == "corrupt" and e.path not in planned:
             assert e.problem is not None
             (changes.delete if args.delete else changes.quarantine)(e, e.problem.reason)
@@ -164,7 +168,8 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     if args.prune and chosen is not None:
         assert chosen.step is not None
         older = [e for e in s.committed
-                 if e.status == "committed" and e.step is not None and e.step < chosen.step]
+                 if e.status in catalog.LOADABLE and e.step is not None
+                 and e.step < chosen.step]
         for e in older[args.keep - 1:]:
             changes.delete(e, f"pruned: --keep {args.keep} keeps step {chosen.step} and the "
                            f"{args.keep - 1} newest before it")

@@ -15,6 +15,7 @@ import os
 from datetime import datetime
 from typing import Any
 
+from .. import layout
 from . import EXIT_ERROR, EXIT_OK
 from .render import Out, human_bytes, local_time
 from .team import Team
@@ -34,7 +35,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def read(path: str) -> tuple[list[dict[str, Any]], list[int]]:
     """The records of a stats.jsonl, in order of time, and the numbers of the lines skipped."""
     records, skipped = [], []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with os.fdopen(layout.open_regular(path), encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -43,7 +44,7 @@ def read(path: str) -> tuple[list[dict[str, Any]], list[int]]:
                 if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) \
                         or not isinstance(rec.get("time"), (int, float)):
                     raise ValueError("no step or time")
-            except ValueError:
+            except (ValueError, RecursionError):
                 skipped.append(i)
                 continue
             records.append(rec)

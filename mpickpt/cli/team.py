@@ -28,8 +28,9 @@ from .render import Out, Progress
 
 # one shard to check: (checkpoint directory, rank of the shard, its tensor bytes, manifest digest)
 Job = tuple[str, int, int, str]
-# its verdict: (checkpoint directory, rank, reason or None, file or None, bytes checked)
-Verdict = tuple[str, int, str | None, str | None, int]
+# its verdict: (checkpoint directory, rank, reason or None, file or None, bytes checked,
+# whether restore loads it all the same: the problem is in its HDF5 metadata only)
+Verdict = tuple[str, int, str | None, str | None, int, bool]
 
 
 def _digest(m: Manifest) -> str:
@@ -83,7 +84,7 @@ class Team:
                 verdicts = self._check(msg[1][self.rank], None)
             except Exception as e:  # say so rather than leave rank 0 waiting for the deadline
                 verdicts = [(path, rank, f"rank {rank}: {path}: rank {self.rank} of this command "
-                             f"could not check it: {type(e).__name__}: {e}", None, 0)
+                             f"could not check it: {type(e).__name__}: {e}", None, 0, False)
                             for path, rank, _, _ in msg[1][self.rank]]
             self.proto.gather(verdicts, "cli-verdicts")
 
@@ -112,10 +113,11 @@ class Team:
             verdicts = [v for share in gathered for v in share]
         by_path = {e.path: e for e in entries}
         checked = 0
-        for path, rank, reason, file, nbytes in sorted(verdicts, key=lambda v: (v[0], v[1])):
+        for path, rank, reason, file, nbytes, restorable in sorted(verdicts,
+                                                                  key=lambda v: (v[0], v[1])):
             checked += nbytes
             if reason is not None:
-                by_path[path].fail([Problem(reason, rank, file)])
+                by_path[path].fail([Problem(reason, rank, file, restorable=restorable)])
         for e in entries:
             if e.status == "committed" and e.manifest is not None:
                 e.verified = "full"
@@ -136,12 +138,13 @@ class Team:
                     m = f"{e} (it changed while it was being verified)"
                 manifests[path] = m
             if isinstance(m, str):
-                out.append((path, rank, m, os.path.join(path, MANIFEST), 0))
+                out.append((path, rank, m, os.path.join(path, MANIFEST), 0, False))
                 continue
             try:
                 p = verify_shard(path, m, rank, self.threads,
                                  progress.add if progress is not None else None)
             except Exception as e:  # an I/O error of this process: report it, do not hang others
                 p = Problem(f"rank {rank}: {path}: {type(e).__name__}: {e}", rank, None)
-            out.append((path, rank, p and p.reason, p and p.file, nbytes))
+            out.append((path, rank, p and p.reason, p and p.file, nbytes,
+                        bool(p and p.restorable)))
         return out

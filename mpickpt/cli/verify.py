@@ -23,7 +23,7 @@ from .team import Team
 LEVELS = {
     "quick": "quick (manifests, shard sizes and records; not the data: --verify full reads "
              "every byte)",
-    "full": "full (every checksum of every shard)",
+    "full": "full (every checksum of every shard, and its HDF5 metadata)",
 }
 
 
@@ -37,7 +37,8 @@ class Survey:
 
     @property
     def committed(self) -> list[Entry]:
-        return [e for e in self.entries if e.status in ("committed", "corrupt", "unsupported")]
+        return [e for e in self.entries
+                if e.status in ("committed", "corrupt", "unsupported", "hdf5-damaged")]
 
     @property
     def current(self) -> Entry | None:
@@ -74,11 +75,11 @@ def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> 
                 if e.status == "committed":
                     n, t = team.verify([e], out)
                     s.checked_bytes, s.seconds = s.checked_bytes + n, s.seconds + t
-                    if e.status == "committed":
+                    if e.status in catalog.LOADABLE:
                         break
         else:
             s.checked_bytes, s.seconds = team.verify(committed, out)
-    good = next((e for e in committed if e.status == "committed"), None)
+    good = next((e for e in committed if e.status in catalog.LOADABLE), None)
     if good is not None:
         good.current = True
     return s
@@ -144,9 +145,15 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
     out.json({"command": "verify" if verify_mode else "list", "exit_code": code, "error": None,
               **s.to_json(now)})
     show(out, s, now)
-    if bad and code != EXIT_NO_CHECKPOINT:
-        out.line(f"{len(bad)} checkpoint(s) fail verification; restore skips them by itself. "
-                 f"`mpickpt-restore {root}` moves the damaged ones into {root}/quarantine/.")
+    hdf5 = [e for e in bad if e.status == "hdf5-damaged"]
+    if len(bad) > len(hdf5) and code != EXIT_NO_CHECKPOINT:
+        out.line(f"{len(bad) - len(hdf5)} checkpoint(s) fail verification; restore skips them by "
+                 f"itself. `mpickpt-restore {root}` moves the damaged ones into "
+                 f"{root}/quarantine/.")
+    if hdf5:
+        out.line(f"{len(hdf5)} checkpoint(s) have damaged HDF5 metadata: restore still loads "
+                 "them (it reads the tensors without HDF5 and they verify), but h5py and h5dump "
+                 "cannot read them.")
     return code
 
 
@@ -161,7 +168,8 @@ def verify_one(root: str, path: str, args: argparse.Namespace, out: Out, team: T
     out.json({"command": "verify", "exit_code": code, "error": None, "root": root,
               "verify": args.verify, "checkpoints": [e.to_json(now)]})
     if e.problem:
-        out.line(f"{out.style('CORRUPT', 'red bold')} {path}")
+        label = "HDF5-DAMAGED" if e.status == "hdf5-damaged" else "CORRUPT"
+        out.line(f"{out.style(label, 'red bold')} {path}")
         for p in e.problems:
             out.line(f"  {p.reason}")
     else:
