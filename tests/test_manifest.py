@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import signal
 
 import pytest
+import xxhash
 
 from mpickpt.errors import ManifestError
-from mpickpt.manifest import Manifest, RankEntry, shard_name
+from mpickpt.manifest import MAX_BYTES, MAX_TREE_DEPTH, Manifest, RankEntry, read_bytes, shard_name
 from mpickpt.shard import TensorRecord
 
 
@@ -31,6 +35,8 @@ def test_round_trip_and_readable():
     (lambda d: d.update(format="other"), "format"),
     (lambda d: d["ranks"][1].update(file="../../etc/passwd"), "is not 'rank-00001.h5'"),
     (lambda d: d["ranks"][0].update(file="/abs/rank-00000.h5"), "is not 'rank-00000.h5'"),
+    (lambda d: d["ranks"][1].update(file="a/../../b"), "is not 'rank-00001.h5'"),
+    (lambda d: d["ranks"][1].update(file="rank-00000.h5"), "is not 'rank-00001.h5'"),
     (lambda d: d.update(world_size=3), "world_size 3 but 2"),
     (lambda d: d["ranks"][0].update(rank=1), "rank field"),
     (lambda d: d["ranks"][0]["tensors"][0].update(shape=["2"]), "not a list of integers"),
@@ -48,3 +54,79 @@ def test_bad_manifests_are_refused(mutate, message):
 def test_garbled_json_names_the_file():
     with pytest.raises(ManifestError, match=r"/r/MANIFEST.json: not valid JSON"):
         Manifest.from_json('{"format": "mpickpt", ', "/r/MANIFEST.json")
+
+
+def _nested(depth: int) -> dict:
+    """A tree whose JSON nests ``depth`` (odd) levels: a list node is a dict and a list."""
+    node: dict = {"type": "none"}
+    for _ in range((depth - 1) // 2):
+        node = {"type": "list", "items": [node]}
+    return node
+
+
+def test_json_nested_too_deeply_is_a_manifest_error():
+    """json.loads raises RecursionError, not ValueError: it escaped restore and the CLI."""
+    text = sample().to_json().replace('"lr": 0.1', '"lr": ' + "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ManifestError, match="M: nested too deeply"):
+        Manifest.from_json(text, "M")
+
+
+def _with_tree(tree: dict) -> str:
+    """sample()'s manifest with rank 1's tree replaced and a valid checksum, written without
+    Manifest.to_json (dataclasses.asdict recurses too deep for such trees)."""
+    d = json.loads(sample().to_json())
+    d["ranks"][1]["tree"] = tree
+    body = {k: v for k, v in d.items() if k != "manifest_checksum"}
+    d["manifest_checksum"] = xxhash.xxh3_64_hexdigest(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps(d)
+
+
+def test_state_trees_deeper_than_the_limit_are_refused():
+    """Deeper trees would exhaust the recursion of the code that walks them (apply, reshard)."""
+    tree = _nested(MAX_TREE_DEPTH - 1)
+    assert Manifest.from_json(_with_tree(tree), "M").ranks[1].tree == tree
+    with pytest.raises(ManifestError, match=f"rank entry 1: the state tree is nested deeper "
+                                            f"than {MAX_TREE_DEPTH} levels"):
+        Manifest.from_json(_with_tree(_nested(MAX_TREE_DEPTH + 1)), "M")
+
+
+def _write(directory, text: str = "{}") -> None:
+    directory.mkdir()
+    (directory / "MANIFEST.json").write_text(text)
+
+
+@pytest.mark.parametrize("kind", ["dir-link", "file-link", "fifo", "directory"])
+def test_read_bytes_refuses_what_is_not_a_manifest_file_of_its_own(tmp_path, kind):
+    """Never through a symbolic link (the step directory's or the manifest's), never a FIFO
+    (open() would wait for a writer forever), never a directory."""
+    step = tmp_path / "step-00000001"
+    if kind == "dir-link":
+        _write(tmp_path / "elsewhere")
+        step.symlink_to(tmp_path / "elsewhere")
+        said = f"{step} is a symbolic link"
+    else:
+        step.mkdir()
+        target = step / "MANIFEST.json"
+        {"file-link": lambda: target.symlink_to(tmp_path / "x.json"),
+         "fifo": lambda: os.mkfifo(target), "directory": target.mkdir}[kind]()
+        (tmp_path / "x.json").write_text("{}")
+        said = {"file-link": "it is a symbolic link", "fifo": "it is a FIFO",
+                "directory": "it is a directory"}[kind]
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("read_bytes blocked"))
+    signal.alarm(10)
+    try:
+        with pytest.raises(ManifestError, match=f"MANIFEST.json: cannot open: {said}"):
+            read_bytes(str(step))
+    finally:
+        signal.alarm(0)
+
+
+def test_an_oversized_manifest_is_refused_unread(tmp_path):
+    step = tmp_path / "step-00000001"
+    _write(step)
+    os.truncate(step / "MANIFEST.json", MAX_BYTES + 1)  # sparse
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ManifestError, match=f"{MAX_BYTES + 1} bytes is too large"):
+        read_bytes(str(step))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # kB

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import stat
 import subprocess
 
 import h5py
@@ -130,3 +132,74 @@ def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
                            buffer=lambda n: dst[:n])
     for k, t in tensors.items():
         assert torch.equal(out[k], t), k
+
+
+# ------------------------------------------------------------- hostile records and files
+
+
+def _records(tmp_path, tensors):
+    records, size = write(tmp_path / "s.h5", tensors)
+    return {r.name: r for r in records}, size
+
+
+def test_overlapping_records_are_refused(tmp_path, tensors):
+    by, size = _records(tmp_path, tensors)
+    by["bf16"].offset = by["big"].offset + 4
+    with pytest.raises(ShardError, match=r"tensor 'bf16': bytes .* overlap those of tensor 'big'"):
+        shard.check_records(0, "s.h5", list(by.values()), size, BLOCK)
+
+
+def test_a_name_recorded_twice_is_refused(tmp_path, tensors):
+    by, size = _records(tmp_path, tensors)
+    twin = shard.TensorRecord(**{**by["scalar"].__dict__, "offset": by["scalar"].offset})
+    with pytest.raises(ShardError, match="tensor 'scalar': recorded twice"):
+        shard.check_records(0, "s.h5", [*by.values(), twin], size, BLOCK)
+
+
+@pytest.mark.parametrize("shape", [[1 << 63, 0], [-1, 0], [1] * 65])
+def test_impossible_shapes_are_refused(tmp_path, tensors, shape):
+    by, size = _records(tmp_path, tensors)
+    by["empty"].shape = shape
+    with pytest.raises(ShardError, match="impossible shape"):
+        shard.check_records(0, "s.h5", list(by.values()), size, BLOCK)
+
+
+def test_a_file_of_another_size_is_refused_before_anything_is_allocated(tmp_path, tensors):
+    """The manifest claims a larger file and records that fit the claim: read_shard refuses on
+    the real size before it asks for a buffer."""
+    _, size = _records(tmp_path, tensors)
+    huge = 1 << 40
+    liar = shard.TensorRecord("huge", "float32", [(huge - (1 << 20)) // 4], 1 << 20,
+                              huge - (1 << 20), ["0"] * (-(-(huge - (1 << 20)) // BLOCK)))
+    asked = []
+    with pytest.raises(ShardError, match=f"size is {size} bytes, the manifest says {huge}"):
+        shard.read_shard(0, str(tmp_path / "s.h5"), [liar], huge, block=BLOCK,
+                         buffer=lambda n: asked.append(n) or torch.empty(0, dtype=torch.uint8))
+    assert asked == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(tmp_path, tensors, kind):
+    """A FIFO would block the reader forever in open(); a directory or link is no shard."""
+    by, size = _records(tmp_path, tensors)
+    path = tmp_path / "odd.h5"
+    {"fifo": lambda: os.mkfifo(path), "directory": path.mkdir,
+     "symlink": lambda: path.symlink_to(tmp_path / "s.h5")}[kind]()
+    said = {"fifo": "it is a FIFO", "directory": "it is a directory",
+            "symlink": "it is a symbolic link"}[kind]
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the reader blocked"))
+    signal.alarm(10)
+    try:
+        with pytest.raises(ShardError, match=f"cannot open: {said}"):
+            shard.read_shard(0, str(path), list(by.values()), size, block=BLOCK)
+    finally:
+        signal.alarm(0)
+
+
+def test_the_writer_never_makes_a_world_writable_shard(tmp_path, tensors):
+    old = os.umask(0)
+    try:
+        write(tmp_path / "s.h5", tensors)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "s.h5").stat().st_mode) == 0o664
