@@ -618,3 +618,60 @@ def test_cli(name: str, matrix: dict[str, Prepared], expected, tmp_path, guarant
     outcome, detail = cli_outcome(case, p, tmp_path, expected)
     guarantees.record(case.suite, f"cli {name}", outcome, detail)
     assert outcome == "correct", detail
+
+
+# ------------------------------------------------------------- links met by a save and by the CLI
+
+
+def test_a_save_never_writes_through_links_in_root(tmp_path: Path, guarantees) -> None:
+    """ROOT/stats.jsonl is a link to a file outside ROOT, ROOT/step-00000005 a link to a
+    checkpoint outside ROOT: the job starts fresh (the link is refused, saying so), saves steps 5
+    and 10 as real directories (the step-5 link replaced, not followed), warns that it cannot
+    append to stats.jsonl, and nothing outside ROOT changes."""
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "victim").write_text("precious\n")
+    (outside / "step-00000005").mkdir()
+    (outside / "step-00000005" / "MANIFEST.json").write_text("{}")
+    (root / "stats.jsonl").symlink_to(outside / "victim")
+    step_dir(root, 5).symlink_to(outside / "step-00000005")
+    before = snapshot(outside)
+    job = train(N, root, 10, every=5, keep=3, timeout=120)
+    steps = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+    checks = {
+        "the job ends well": job.returncode == 0,
+        "nothing outside ROOT changes": snapshot(outside) == before,
+        "steps 5 and 10 are real directories": steps == ["step-00000005", "step-00000010"]
+        and not step_dir(root, 5).is_symlink(),
+        "the link is refused at restore": "is a symbolic link" in job.stderr,
+        "stats.jsonl is not appended through the link": "could not append" in job.stderr
+        and (root / "stats.jsonl").is_symlink(),
+    }
+    failed = [k for k, ok in checks.items() if not ok]
+    guarantees.record("hostile", "save with links to outside ROOT in ROOT",
+                      "failed" if failed else "correct", "; ".join(failed))
+    assert not failed, f"{failed}\n{job.output}"
+
+
+@pytest.mark.parametrize("delete", [False, True], ids=["quarantine", "delete"])
+def test_mpickpt_restore_moves_or_removes_a_linked_step_directory_not_its_target(
+        pristine: Path, tmp_path: Path, delete: bool, guarantees) -> None:
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    shutil.copytree(pristine, root)
+    outside.mkdir()
+    step_dir_link(root, outside)
+    before = snapshot(outside)
+    code, out, err = cli("restore", root, *(["--delete"] if delete else []))
+    moved = root / "quarantine" / "step-00000025"
+    checks = {
+        "exit 0": code == 0,
+        "the link is gone from ROOT": not os.path.lexists(step_dir(root, 25)),
+        "the link itself was moved": delete or moved.is_symlink(),
+        "nothing outside ROOT changes": snapshot(outside) == before,
+        "step 20 is still the newest": step_dir(root, NEWEST).is_dir(),
+    }
+    failed = [k for k, ok in checks.items() if not ok]
+    guarantees.record("hostile", f"mpickpt-restore {'--delete' if delete else ''} on a step "
+                      "link out of ROOT", "failed" if failed else "correct", "; ".join(failed))
+    assert not failed, f"{failed}\n{out}\n{err}"
