@@ -326,7 +326,11 @@ class Checkpointer:
             self._timed_out(e)
             raise
         if result.committed:
-            self._after_commit(result)
+            try:
+                self._after_commit(result)
+            except Exception as e:  # the checkpoint is committed on every rank all the same
+                self.log.error("checkpoint step %d is committed, but what follows the commit "
+                               "failed on rank %d: %s: %s", step, self.rank, type(e).__name__, e)
         else:
             self.log.error("checkpoint of step %d aborted on all ranks: %s; the previous "
                            "checkpoints are untouched and training goes on", step, result.error)
@@ -493,14 +497,22 @@ class Checkpointer:
             if self.rank == 0:
                 self._discard(partial)
             return SaveResult(step, False, error=why, stats=stats)
-        if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
-            faults.hit("after-vote-before-manifest", self.rank, step)
-        entries = self._proto.gather(asdict(entry) if entry else None, "gather")
+        payload: dict[str, Any] | None = None
+        try:
+            if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
+                faults.hit("after-vote-before-manifest", self.rank, step)
+            payload = asdict(entry) if entry else None
+        except Exception as e:  # rank 0 aborts the commit, naming this rank
+            payload = {"error": f"rank {self.rank}: {type(e).__name__}: {e}"}
+        entries = self._proto.gather(payload, "gather")
         outcome: tuple[str | None, str | None] = (None, None)
         if self.rank == 0:
             t = time.perf_counter()
             try:
                 faults.hit("after-vote-before-manifest", 0, step)
+                failed = [e["error"] for e in entries or [] if e and "error" in e]
+                if failed:
+                    raise CheckpointError("; ".join(failed))
                 ranks = [RankEntry(**{**e, "tensors": [TensorRecord(**r) for r in e["tensors"]]})
                          for e in entries or []]
                 _check_pieces(ranks)
@@ -513,7 +525,11 @@ class Checkpointer:
                 outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}")
                 self._discard(partial)
         else:  # rank 0 writes the manifest and commits while this rank waits for the outcome
-            faults.hit("mid-manifest-write", self.rank, step)
+            try:
+                faults.hit("mid-manifest-write", self.rank, step)
+            except Exception as e:  # rank 0 decides alone now: wait for its outcome
+                self.log.error("rank %d: %s: %s while rank 0 commits step %d", self.rank,
+                               type(e).__name__, e, step)
         path, error = self._proto.bcast(outcome, "commit")
         return SaveResult(step, error is None, path=path, error=error, stats=stats)
 
