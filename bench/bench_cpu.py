@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from mpickpt.layout import fsync_path
+
 HERE = Path(__file__).resolve().parent
 TAG = "BENCH-WORKER "
 Pair = tuple[torch.nn.Module, torch.optim.Optimizer]
@@ -161,14 +163,6 @@ def drop_caches() -> str | None:
         return None
     except OSError as e:
         return f"{type(e).__name__}: {e}"
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def clear_dir(path: str) -> None:

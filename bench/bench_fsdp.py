@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,15 +28,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def build(seed: int, gb: float, width: int):
@@ -117,6 +107,7 @@ def phase(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from bench_gpu import drop_caches  # bench/ is sys.path[0]
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import mpickpt

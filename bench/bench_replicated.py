@@ -19,27 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from bench_gpu import drop_caches  # bench/ is sys.path[0]
 from mpi4py import MPI
 
 import mpickpt
 
 HERE = Path(__file__).resolve().parent
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def make(gb: float, fill: float | None) -> dict:
