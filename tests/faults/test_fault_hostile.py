@@ -24,6 +24,7 @@ import math
 import os
 import pickle
 import shutil
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -675,3 +676,38 @@ def test_mpickpt_restore_moves_or_removes_a_linked_step_directory_not_its_target
     guarantees.record("hostile", f"mpickpt-restore {'--delete' if delete else ''} on a step "
                       "link out of ROOT", "failed" if failed else "correct", "; ".join(failed))
     assert not failed, f"{failed}\n{out}\n{err}"
+
+
+def test_the_cli_reads_no_side_file_through_a_link_or_fifo(pristine: Path, tmp_path: Path,
+                                                          guarantees) -> None:
+    """stats.jsonl a link to /dev/zero, ROLLBACK.json a FIFO, quarantine/QUARANTINE.jsonl a link
+    to /dev/zero: each would hang a reader or fill its memory. ls, verify, stats and
+    mpickpt-restore --dry-run end at once, changing nothing; stats says why it cannot read."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    (root / "stats.jsonl").unlink()
+    (root / "stats.jsonl").symlink_to("/dev/zero")
+    os.mkfifo(root / "ROLLBACK.json")
+    (root / "quarantine").mkdir()
+    (root / "quarantine" / "QUARANTINE.jsonl").symlink_to("/dev/zero")
+    before = snapshot(root)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a command blocked"))
+    results = {}
+    signal.alarm(60)
+    try:
+        for argv in (["ls", root], ["verify", root], ["stats", root],
+                     ["restore", root, "--dry-run"]):
+            results[argv[0]] = cli(*argv)
+    finally:
+        signal.alarm(0)
+    checks = {
+        "ls, verify and restore --dry-run find step 20 good":
+            all(results[c][0] == 0 for c in ("ls", "verify", "restore")),
+        "stats refuses the link": results["stats"][0] == 1
+        and "symbolic link" in results["stats"][2],
+        "nothing changed": snapshot(root) == before,
+    }
+    failed = [k for k, ok in checks.items() if not ok]
+    guarantees.record("hostile", "CLI with side files that are links or FIFOs",
+                      "failed" if failed else "correct", "; ".join(failed))
+    assert not failed, f"{failed}: {results}"
