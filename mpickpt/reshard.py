@@ -184,6 +184,11 @@ def _cover(t: Target, stored: list[tuple[int, TensorRecord]], where: str) -> Tar
         if box is not None:
             t.sources.append((src_rank, rec, *box))
             got += math.prod(box[1])
+    clash = sharding.first_overlap([(off, shape) for _, _, off, shape in t.sources])
+    if clash is not None:  # the stored pieces must not overlap, or their sizes prove nothing
+        src_rank, rec, _, _ = t.sources[clash[1]]
+        raise ShardError(src_rank, where, f"its piece {rec.shape} at {rec.offsets} overlaps "
+                         f"another stored piece of {list(t.global_shape)}", tensor=t.name)
     if got != math.prod(t.shape):
         raise ShardError(t.sources[0][0] if t.sources else 0, where,
                          f"the stored pieces hold {got} of the {math.prod(t.shape)} elements "

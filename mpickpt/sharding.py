@@ -169,6 +169,25 @@ def flat_span(piece: Sequence[int], box_off: Sequence[int], box_shape: Sequence[
     return first, last + 1
 
 
+def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+                  ) -> tuple[int, int] | None:
+    """Indices of two non-empty boxes (offsets, shape) that overlap, or None. A sweep along the
+    first dimension: only boxes whose row ranges meet are compared (one at a time for FSDP's
+    row shards)."""
+    order = sorted((i for i, (_, shape) in enumerate(boxes) if math.prod(shape)),
+                   key=lambda i: boxes[i][0][:1])
+    active: list[int] = []
+    for i in order:
+        off, shape = boxes[i]
+        start = off[0] if off else 0
+        active = [j for j in active if not off or boxes[j][0][0] + boxes[j][1][0] > start]
+        for j in active:
+            if overlap(off, shape, *boxes[j]) is not None:
+                return j, i
+        active.append(i)
+    return None
+
+
 def check_coverage(pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...],
                                                 tuple[int, ...], str]]]) -> None:
     """Raise ValueError unless the written pieces of each sharded tensor tile it exactly.
@@ -176,17 +195,19 @@ def check_coverage(pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int,
     ``pieces``: name -> [(rank, global_shape, offsets, shape, dtype)] over all ranks' records."""
     for name, ps in pieces.items():
         g, dtype = ps[0][1], ps[0][4]
-        seen: set[tuple[int, ...]] = set()
         volume = 0
         for rank, gs, off, shape, dt in ps:
             if gs != g or dt != dtype:
                 raise ValueError(f"tensor {name!r}: rank {rank} holds a piece of {dt}{list(gs)}, "
                                  f"rank {ps[0][0]} of {dtype}{list(g)}")
             check_box(gs, off, shape, f"tensor {name!r} on rank {rank}")
-            if off in seen and math.prod(shape):
-                raise ValueError(f"tensor {name!r}: two ranks wrote the piece at {off}")
-            seen.add(off)
             volume += math.prod(shape)
+        clash = first_overlap([(p[2], p[3]) for p in ps])
+        if clash is not None:
+            a, b = (ps[k] for k in clash)
+            raise ValueError(f"tensor {name!r}: the pieces of rank {a[0]} ({list(a[3])} at "
+                             f"{list(a[2])}) and rank {b[0]} ({list(b[3])} at {list(b[2])}) "
+                             "overlap")
         if volume != math.prod(g):
             raise ValueError(f"tensor {name!r}: the ranks' pieces hold {volume} of its "
                              f"{math.prod(g)} elements; every element must be held by exactly "

@@ -27,6 +27,9 @@ from . import dtypes, sharding
 from .errors import StateMismatchError, StateTreeError
 from .sharding import Layout, Shard
 
+MAX_DEPTH = 64  # levels of nesting in a state (its JSON tree takes about 3 per level: the
+# manifest refuses trees deeper than 256)
+
 
 @dataclass(frozen=True)
 class ArraySpec:
@@ -133,6 +136,9 @@ class _Flattener:
         return node
 
     def node(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        if len(path) > MAX_DEPTH:
+            raise StateTreeError(f"state[{_path_str(path[:8])}/...]: nested more than "
+                                 f"{MAX_DEPTH} levels deep; a restore would refuse its tree")
         # bool before int: bool is a subclass of int
         if x is None:
             return {"type": "none"}

@@ -67,8 +67,21 @@ def test_coverage_refuses_gaps_overlaps_and_disagreements():
     with pytest.raises(ValueError, match="hold 8 of its 12 elements"):
         sharding.check_coverage(gap)
     twice = {"w": [(0, (6, 2), (0, 0), (3, 2), "float32"), (1, (6, 2), (0, 0), (3, 2), "float32")]}
-    with pytest.raises(ValueError, match="two ranks wrote the piece at"):
+    with pytest.raises(ValueError, match=r"rank 0 \(\[3, 2\] at \[0, 0\]\) and rank 1 .* overlap"):
         sharding.check_coverage(twice)
+    # sizes that add up, but [0, 60) and [40, 80) overlap and [80, 100) is missing
+    shifted = {"v": [(0, (100,), (0,), (60,), "int8"), (1, (100,), (40,), (40,), "int8")]}
+    with pytest.raises(ValueError, match="overlap"):
+        sharding.check_coverage(shifted)
+
+
+def test_first_overlap_sweeps_rows_and_ignores_empty_pieces():
+    rows = [((i * 4, 0), (4, 8)) for i in range(50)]
+    assert sharding.first_overlap(rows) is None
+    assert sharding.first_overlap([*rows, ((10, 2), (1, 1))]) == (2, 50)
+    grid = [((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)]
+    assert sharding.first_overlap(grid) is None
+    assert sharding.first_overlap([((0, 0), (0, 5)), ((0, 0), (2, 2))]) is None
     other = {"w": [(0, (6, 2), (0, 0), (3, 2), "float32"), (1, (6, 2), (3, 0), (3, 2), "int64")]}
     with pytest.raises(ValueError, match="rank 1 holds a piece of int64"):
         sharding.check_coverage(other)

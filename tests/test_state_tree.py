@@ -10,6 +10,7 @@ import torch
 
 from mpickpt import RNGState, state_tree
 from mpickpt.errors import StateMismatchError, StateTreeError
+from mpickpt.manifest import Manifest, RankEntry
 
 
 def roundtrip(saved: dict, into: dict) -> dict:
@@ -110,3 +111,22 @@ def test_malformed_tree_is_a_clear_error_not_a_crash():
                 {"type": "int", "value": "x"}, {"type": "tensor", "name": "missing"}]:
         with pytest.raises(StateMismatchError):
             state_tree.apply({"type": "dict", "items": [["k", bad]]}, {"k": None}, {})
+
+
+def test_a_state_nested_deeper_than_a_restore_accepts_is_refused_at_save():
+    deep: dict = {}
+    cur = deep
+    for _ in range(state_tree.MAX_DEPTH + 1):
+        cur["d"] = {}
+        cur = cur["d"]
+    with pytest.raises(StateTreeError, match="nested more than 64 levels deep"):
+        state_tree.flatten(deep)
+    ok: dict = {}
+    cur = ok
+    for _ in range(state_tree.MAX_DEPTH - 1):
+        cur["d"] = {}
+        cur = cur["d"]
+    cur["t"] = torch.ones(1)
+    tree, _ = state_tree.flatten(ok)
+    m = Manifest(1, 1, "r", [RankEntry(0, "rank-00000.h5", 0, tree, [])])
+    assert Manifest.from_json(m.to_json(), "here").ranks[0].tree == tree  # within the limit
