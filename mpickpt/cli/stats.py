@@ -1,4 +1,5 @@
-"""``mpickpt stats ROOT``: the figures of every committed checkpoint, from ``ROOT/stats.jsonl``.
+"""``mpickpt stats ROOT``: the figures of every committed checkpoint, from ``ROOT/stats.jsonl``
+(and ``stats.jsonl.1``, the older lines, once it has been rotated).
 
 Rank 0 appends one line per commit: step, time, total bytes, the training thread's stall, rank 0's
 persist time and throughput, the commit's duration, and the parts of the shard write. The table
@@ -110,6 +111,14 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     except OSError as e:
         return fail(f"{path}: cannot read: {e.strerror} (rank 0 writes it at every commit; "
                     "no checkpoint has committed yet?)")
+    older = path + ".1"  # what the Checkpointer rotated out at 16 MiB
+    if os.path.lexists(older):
+        try:
+            more, _ = read(older)
+        except OSError as e:
+            out.problem(f"{older}: cannot read: {e.strerror}; showing {STATS} alone")
+        else:
+            records = sorted(more + records, key=lambda r: r["time"])
     png = None
     if args.plot:
         if not records:

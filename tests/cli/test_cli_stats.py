@@ -43,3 +43,15 @@ def test_stats_table_json_and_plot(tmp_path, tmp_path_factory):
 def test_stats_without_a_file(tmp_path):
     code, doc = cli_json("stats", tmp_path)
     assert code == EXIT_ERROR and "stats.jsonl: cannot read" in doc["error"]
+
+
+def test_stats_reads_the_rotated_file_too(tmp_path, tmp_path_factory):
+    """Once the Checkpointer has rotated stats.jsonl to stats.jsonl.1, both are shown, in order."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine(2, tmp_path_factory), root)
+    lines = (root / "stats.jsonl").read_text().splitlines()
+    (root / "stats.jsonl.1").write_text("\n".join(lines[:2]) + "\n")
+    (root / "stats.jsonl").write_text("\n".join(lines[2:]) + "\n")
+    code, doc = cli_json("stats", root)
+    assert code == EXIT_OK
+    assert [r["step"] for r in doc["records"]] == [5, 10, 15, 20]
