@@ -26,7 +26,6 @@ saved.
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -39,30 +38,12 @@ import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_restore import image, report
+from fault_restore import fill, image, report
 from train import make_state, train_step
 
 FAILED = 15
 WIDTH = 256  # about 0.9 MB per shard (parameters and Adam's two moments)
 FREE = 128 << 10
-
-
-def fill(path: str, leave: int) -> int:
-    """Write ``path`` until its file system is full, then give back ``leave`` bytes; return the
-    free bytes."""
-    chunk = b"\xa5" * (1 << 20)
-    with open(path, "wb", buffering=0) as f:
-        while chunk:
-            try:
-                f.write(chunk)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                chunk = chunk[: len(chunk) // 2]
-        f.truncate(f.tell() - leave)
-        os.fsync(f.fileno())
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def mount(*opts: str, where: str) -> None:

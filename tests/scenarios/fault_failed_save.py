@@ -14,7 +14,6 @@ failed save, and the outcome of both restores (step, and whether the state equal
 
 from __future__ import annotations
 
-import errno
 import os
 import resource
 import signal
@@ -29,23 +28,10 @@ from mpickpt import layout
 from mpickpt.manifest import shard_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from fault_restore import image, report
+from fault_restore import fill, image, report
 from train import make_state, train_step
 
 FAILED = 10
-
-
-def fill(path: str) -> None:
-    """Write ``path`` until its file system has no space left."""
-    chunk = b"\xa5" * (1 << 20)
-    with open(path, "wb", buffering=0) as f:
-        while chunk:
-            try:
-                f.write(chunk)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                chunk = chunk[: len(chunk) // 2]
 
 
 def break_save(mode: str, root: str, ck: mpickpt.Checkpointer):

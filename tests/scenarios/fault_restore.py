@@ -10,6 +10,7 @@ initial values ("untouched": model, optimizer, scheduler, data generator, global
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -45,6 +46,25 @@ def image(state: dict) -> object:
         "sched": state["sched"].state_dict(), "data": state["data"].get_state(),
         "rng": torch.get_rng_state(), "losses": state["losses"],
     })
+
+
+def fill(path: str, leave: int = 0) -> int:
+    """Write ``path`` until its file system is full, then give back ``leave`` bytes; return the
+    free bytes (a real full disk for the scenarios that need one)."""
+    chunk = b"\xa5" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while chunk:
+            try:
+                f.write(chunk)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                chunk = chunk[: len(chunk) // 2]
+        if leave:
+            f.truncate(f.tell() - leave)
+        os.fsync(f.fileno())
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def report(reports: str, data: dict) -> None:
