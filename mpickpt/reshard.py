@@ -23,7 +23,7 @@ from . import dtypes, sharding, state_tree
 from .errors import ShardError, StateMismatchError
 from .manifest import Manifest, RankEntry
 from .pinned_pool import align
-from .shard import TensorRecord, check_records, read_spans
+from .shard import TensorRecord, read_spans
 from .state_tree import ArraySpec
 
 
@@ -93,6 +93,14 @@ def _array_names(node: Any, out: list[str]) -> list[str]:
     return out
 
 
+def _elements(rec: TensorRecord, off: tuple[int, ...], shape: tuple[int, ...]
+              ) -> tuple[int, int]:
+    """The element range [first, end) of stored record ``rec`` that holds the box at global
+    ``off`` of ``shape``."""
+    rel = tuple(o - s for o, s in zip(off, rec.offsets or [0] * len(off), strict=True))
+    return sharding.flat_span(tuple(rec.shape), rel, shape)
+
+
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
@@ -127,8 +135,7 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     for t in targets.values():
         for src_rank, rec, off, shape in t.sources:
             item = dtypes.itemsize(rec.dtype)
-            rel = tuple(o - s for o, s in zip(off, rec.offsets or [0] * len(off), strict=True))
-            first, end = sharding.flat_span(tuple(rec.shape), rel, shape)
+            first, end = _elements(rec, off, shape)
             lo = first * item // block * block
             hi = min(-(-end * item // block) * block, rec.nbytes)
             wanted.setdefault((src_rank, rec.name), []).append((lo, hi))
@@ -200,7 +207,9 @@ def _cover(t: Target, stored: list[tuple[int, TensorRecord]], where: str) -> Tar
 def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
             buffer: Callable[[int], torch.Tensor],
             on_block: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
-    """Read and verify the planned spans; assemble and return every target by name."""
+    """Read and verify the planned spans; assemble and return every target by name. The records
+    of the shards read must have passed :func:`mpickpt.shard.check_records` (restore checks
+    them before it plans, and before anything is allocated)."""
     offsets, pos = {}, 0
     for name, t in p.targets.items():
         offsets[name] = pos
@@ -233,10 +242,8 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
             staged[key] = dests
     for src_rank, spans in by_rank.items():
         entry: RankEntry = manifest.ranks[src_rank]
-        path = os.path.join(directory, entry.file)
-        check_records(src_rank, path, entry.tensors, entry.bytes, manifest.checksum_block)
-        read_spans(src_rank, path, entry.bytes, spans, block=manifest.checksum_block,
-                   threads=threads, on_block=on_block)
+        read_spans(src_rank, os.path.join(directory, entry.file), entry.bytes, spans,
+                   block=manifest.checksum_block, threads=threads, on_block=on_block)
     for n, t in p.targets.items():
         for src_rank, rec, off, shape in t.sources:
             if (src_rank, rec.name) not in direct:
@@ -251,8 +258,7 @@ def _copy_box(dest: torch.Tensor, t: Target, rec: TensorRecord,
     if math.prod(shape) == 0:
         return
     item = dtypes.itemsize(rec.dtype)
-    rel = tuple(o - s for o, s in zip(off, rec.offsets or [0] * len(off), strict=True))
-    first, _ = sharding.flat_span(tuple(rec.shape), rel, shape)
+    first, _ = _elements(rec, off, shape)
     lo, span = next((lo, s) for lo, s in reversed(spans) if lo <= first * item)
     flat = span.view(dtypes.torch_dtype(rec.dtype))[first - lo // item:]
     strides = tuple(math.prod(rec.shape[d + 1:]) for d in range(len(rec.shape)))

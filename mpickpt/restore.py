@@ -127,11 +127,14 @@ class Restorer:
         try:
             # records that cannot be are damage (fall back), before they are compared with the
             # state (a mismatch stops the restore) or anything is allocated for them
-            _check_sources(manifest, {self.rank % manifest.world_size}, path, files=False)
+            source = self.rank % manifest.world_size
+            _check_records(manifest, {source}, path)
             plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
-            where = os.path.join(path, manifest.ranks[plan.source_rank].file)
+            where = os.path.join(path, manifest.ranks[source].file)
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
-            _check_sources(manifest, {rank for rank, _ in plan.spans}, path)
+            needed = {rank for rank, _ in plan.spans}
+            _check_records(manifest, needed - {source}, path)
+            _check_files(manifest, needed, path)
             arrays = reshard.execute(
                 plan, manifest, path, threads=self.io_threads, buffer=buffer,
                 on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
@@ -195,14 +198,18 @@ def _per_rank_state_differs(manifest: Manifest) -> bool:
     return any(signature(e) != first for e in manifest.ranks[1:])
 
 
-def _check_sources(manifest: Manifest, ranks: set[int], directory: str, *,
-                   files: bool = True) -> None:
-    """The records of these ranks' shards fit the sizes the manifest gives, and (``files``) each
-    shard is a regular file of that size: :class:`ShardError` otherwise. Before anything is
-    allocated for them."""
+def _check_records(manifest: Manifest, ranks: set[int], directory: str) -> None:
+    """The records of these ranks' shards fit the sizes the manifest gives
+    (:class:`ShardError` otherwise); before anything is allocated for them."""
     for src in sorted(ranks):
         entry = manifest.ranks[src]
-        path = os.path.join(directory, entry.file)
-        check_records(src, path, entry.tensors, entry.bytes, manifest.checksum_block)
-        if files:
-            check_file(src, path, entry.bytes)
+        check_records(src, os.path.join(directory, entry.file), entry.tensors, entry.bytes,
+                      manifest.checksum_block)
+
+
+def _check_files(manifest: Manifest, ranks: set[int], directory: str) -> None:
+    """Each of these ranks' shards is a regular file of the size its manifest gives
+    (:class:`ShardError` otherwise); before anything is allocated for it."""
+    for src in sorted(ranks):
+        entry = manifest.ranks[src]
+        check_file(src, os.path.join(directory, entry.file), entry.bytes)
