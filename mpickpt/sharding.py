@@ -18,6 +18,7 @@ it, whatever the number of ranks or the sharding was (:mod:`mpickpt.reshard`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -108,13 +109,23 @@ def dtensor_layout(t: Any, where: str) -> Layout:
     coord = mesh.get_coordinate()
     if coord is None:
         raise StateTreeError(f"state[{where}]: this rank is not in the DTensor's device mesh")
+    holders = None  # sharded along every mesh dimension: the piece is this rank's alone
+    if any(isinstance(p, Replicate) for p in placements):
+        sharded_dims = tuple(d for d, p in enumerate(placements) if isinstance(p, TShard))
+        holders = _replica_group(mesh, sharded_dims, tuple(coord))
+    return Layout(tuple(t.shape), tuple(offsets), tuple(shape), holders)
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_group(mesh: Any, sharded_dims: tuple[int, ...], coord: tuple[int, ...]
+                   ) -> tuple[int, ...]:
+    """The ranks of ``mesh`` that share this rank's coordinates along ``sharded_dims``: they hold
+    the same piece. Computed once per mesh and placements, not at every save."""
     ranks = mesh.mesh
-    sharded_dims = [d for d, p in enumerate(placements) if isinstance(p, TShard)]
-    holders = sorted(
+    return tuple(sorted(
         int(ranks[idx]) for idx in itertools.product(*(range(n) for n in ranks.shape))
         if all(idx[d] == coord[d] for d in sharded_dims)
-    )
-    return Layout(tuple(t.shape), tuple(offsets), tuple(shape), tuple(holders))
+    ))
 
 
 def layout_of(x: Any, where: str, replicated: bool, world: int) -> Layout | None:

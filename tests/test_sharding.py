@@ -96,3 +96,24 @@ def test_shard_declaration_is_checked():
         Shard(torch.zeros(2))
     r = Shard(torch.zeros(3), replicated=True)
     assert r.global_shape == (3,) and r.offsets == (0,)
+
+
+def test_dtensor_layouts_on_a_one_rank_mesh(tmp_path):
+    """Shard and Replicate placements on a real (one-rank, gloo) device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Shard as TShard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(6, 2)
+        sharded = sharding.dtensor_layout(distribute_tensor(full, mesh, [TShard(0)]), "w")
+        assert sharded == sharding.Layout((6, 2), (0, 0), (6, 2), None)
+        rep = distribute_tensor(full, mesh, [Replicate()])
+        assert sharding.dtensor_layout(rep, "w").holders == (0,)
+        assert sharding.dtensor_layout(rep, "w").holders == (0,)  # from the cache
+        assert sharding._replica_group.cache_info().hits >= 1
+    finally:
+        dist.destroy_process_group()
