@@ -15,16 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from harness import manifest
-from test_fsdp import SAVE_AT, STEPS, WORLD, full_nbytes, losses, scenario
+from test_fsdp import SAVE_AT, STEPS, WORLD, full_nbytes, losses, scenario, trained
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The 4-rank run: (checkpoint root, output directory)."""
-    base = tmp_path_factory.mktemp("ddp")
-    root, out = base / "ckpt", base / "out"
-    scenario("ddp_train.py", WORLD, "train", root, out, "--save-at", str(SAVE_AT))
-    return root, out
+    """The 4-rank DDP run: (checkpoint root, output directory)."""
+    return trained("ddp_train.py", tmp_path_factory)
 
 
 def test_ddp_state_is_written_once_spread_over_the_ranks(saved):

@@ -52,13 +52,18 @@ def full_nbytes(ref: dict) -> dict[str, int]:
     return out
 
 
+def trained(script: str, factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 4-rank training run of ``script`` that saves at SAVE_AT: (checkpoint root, output)."""
+    base = factory.mktemp(script.removesuffix("_train.py"))
+    root, out = base / "ckpt", base / "out"
+    scenario(script, WORLD, "train", root, out, "--save-at", str(SAVE_AT))
+    return root, out
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The 4-rank run: (checkpoint root, output directory)."""
-    base = tmp_path_factory.mktemp("fsdp")
-    root, out = base / "ckpt", base / "out"
-    scenario("fsdp_train.py", WORLD, "train", root, out, "--save-at", str(SAVE_AT))
-    return root, out
+    """The 4-rank FSDP2 run: (checkpoint root, output directory)."""
+    return trained("fsdp_train.py", tmp_path_factory)
 
 
 def test_fsdp_checkpoint_holds_each_shard_once(saved):
