@@ -2,13 +2,16 @@
 
 Types numpy knows are stored as themselves, so h5py reads them as numbers. The others (bfloat16,
 the float8 family, complex32) are stored as unsigned integers of the same width, and the
-``torch_dtype`` attribute says how to view them.
+``torch_dtype`` attribute says how to view them. The names, sizes and storage types are
+:data:`mpickpt.records.DTYPES` (torch-free, for the operator's tools); this module adds torch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .records import DTYPES
 
 # name -> (torch dtype, numpy storage dtype)
 _TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {}
@@ -20,14 +23,7 @@ def _add(name: str, storage: str) -> None:
         _TABLE[name] = (dt, np.dtype(storage))
 
 
-for _n, _s in [
-    ("float64", "<f8"), ("float32", "<f4"), ("float16", "<f2"), ("bfloat16", "<u2"),
-    ("complex128", "<c16"), ("complex64", "<c8"), ("complex32", "<u4"),
-    ("int64", "<i8"), ("int32", "<i4"), ("int16", "<i2"), ("int8", "i1"),
-    ("uint64", "<u8"), ("uint32", "<u4"), ("uint16", "<u2"), ("uint8", "u1"), ("bool", "?"),
-    ("float8_e4m3fn", "u1"), ("float8_e5m2", "u1"), ("float8_e4m3fnuz", "u1"),
-    ("float8_e5m2fnuz", "u1"), ("float8_e8m0fnu", "u1"),
-]:
+for _n, (_, _s) in DTYPES.items():
     _add(_n, _s)
 
 _BY_DTYPE = {dt: name for name, (dt, _) in _TABLE.items()}

@@ -25,6 +25,13 @@ FILE_MODE = 0o664  # 0o666 less world-write; the umask takes away more
 DIR_MODE = 0o775
 
 
+def not_shared_hint() -> str:
+    """The advice for a ROOT that was not one directory shared by every rank (each rank then
+    wrote into its own node's copy): the same words wherever mpickpt finds that."""
+    return ("ROOT was probably not one directory shared by every rank (node-local storage such "
+            "as /tmp or $TMPDIR); give every rank the same path on a shared filesystem")
+
+
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
 

@@ -8,7 +8,8 @@ Rules, in one place:
 * Rank ``r``'s shard is the file ``rank-{r:05d}.h5`` beside the manifest; any other name (a path,
   ``..``, an absolute path) is refused, so a manifest cannot point outside its directory.
 * ``bytes`` is the exact size of the shard; every tensor record must fit in it (see
-  :func:`mpickpt.shard.check_records`), and its ``checksums`` cover ``checksum_block``-byte blocks.
+  :func:`mpickpt.records.check_records`), and its ``checksums`` cover ``checksum_block``-byte
+  blocks.
 * ``tree`` is the rank's state tree (see :mod:`mpickpt.state_tree`), plain JSON.
 * ``manifest_checksum`` covers every other field (canonical JSON, xxh3-64), so damage that leaves
   the file valid JSON (a flipped digit of a shape, a letter of a key) is refused as corruption
@@ -25,7 +26,7 @@ from typing import Any
 
 from . import checksum, layout
 from .errors import ManifestError
-from .shard import TensorRecord
+from .records import TensorRecord
 
 NAME = "MANIFEST.json"
 FORMAT = "mpickpt"

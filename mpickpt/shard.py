@@ -13,12 +13,10 @@ more than it holds.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
@@ -27,27 +25,17 @@ import torch
 from . import checksum, dtypes, layout
 from .errors import ShardError
 from .pinned_pool import align
+from .records import (  # the torch-free half, re-exported: mpickpt.shard.TensorRecord etc.
+    FORMAT,
+    TENSORS_GROUP,
+    VERSION,
+    TensorRecord,
+    check_file,
+    check_records,
+)
+from .records import open_shard as _open_shard
 
-FORMAT = "mpickpt-shard"
-VERSION = 1
 DEFAULT_ALIGNMENT = 1 << 20
-TENSORS_GROUP = "tensors"
-
-
-@dataclass
-class TensorRecord:
-    """Where one tensor lies in its shard, and the checksums of its blocks."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-    checksums: list[str] = field(default_factory=list)
-    # a piece of a sharded or replicated tensor: the whole tensor's shape and where this piece
-    # (of shape ``shape``) begins in it; None for a rank's own tensor
-    global_shape: list[int] | None = None
-    offsets: list[int] | None = None
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -272,67 +260,6 @@ class ShardWriter:
                 if fd >= 0:
                     os.close(fd)
             self._fd = self._dfd = -1
-
-
-def check_records(
-    rank: int, path: str, records: list[TensorRecord], file_bytes: int, block: int
-) -> None:
-    """Refuse records that cannot describe a real file of ``file_bytes`` bytes: unknown dtypes,
-    impossible shapes, sizes that do not match the shape, byte ranges outside the file or
-    overlapping another record's, a name recorded twice."""
-    total = 0
-    names: set[str] = set()
-    for r in records:
-        def bad(reason: str, r: TensorRecord = r) -> ShardError:
-            return ShardError(rank, path, reason, tensor=r.name)
-
-        try:
-            size = dtypes.itemsize(r.dtype)
-        except KeyError:
-            raise bad(f"unknown dtype {r.dtype!r}") from None
-        if any(d < 0 or d >= 1 << 63 for d in r.shape) or len(r.shape) > 64:
-            raise bad(f"impossible shape {r.shape}")
-        if r.name in names:
-            raise bad("recorded twice")
-        names.add(r.name)
-        if r.nbytes != math.prod(r.shape) * size:
-            raise bad(f"{r.nbytes} bytes recorded, but {r.dtype}{r.shape} needs "
-                      f"{math.prod(r.shape) * size}")
-        if r.offset < 0 or r.offset + r.nbytes > file_bytes:
-            raise bad(f"bytes {r.offset}..{r.offset + r.nbytes} lie outside the "
-                      f"{file_bytes}-byte file")
-        if len(r.checksums) != checksum.block_count(r.nbytes, block):
-            raise bad(f"{len(r.checksums)} checksums recorded for "
-                      f"{checksum.block_count(r.nbytes, block)} blocks")
-        total += r.nbytes
-    if total > file_bytes:
-        raise ShardError(rank, path, f"records claim {total} bytes, the file has {file_bytes}")
-    end, last = 0, None
-    for r in sorted((r for r in records if r.nbytes), key=lambda r: r.offset):
-        if r.offset < end:
-            raise ShardError(rank, path, f"bytes {r.offset}..{r.offset + r.nbytes} overlap those "
-                             f"of tensor {last!r}", tensor=r.name)
-        end, last = r.offset + r.nbytes, r.name
-
-
-def check_file(rank: int, path: str, file_bytes: int) -> None:
-    """Refuse a shard that is not a regular file of exactly ``file_bytes`` bytes (a symbolic
-    link, a FIFO, a truncated or replaced file) before anything is allocated for it."""
-    try:
-        os.close(_open_shard(rank, path, file_bytes))
-    except OSError as e:
-        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
-
-
-def _open_shard(rank: int, path: str, file_bytes: int) -> int:
-    """:func:`mpickpt.layout.open_regular`, and the size must be ``file_bytes``."""
-    fd = layout.open_regular(path)
-    actual = os.fstat(fd).st_size
-    if actual != file_bytes:
-        os.close(fd)
-        raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
-                         "(truncated or replaced)")
-    return fd
 
 
 def read_shard(

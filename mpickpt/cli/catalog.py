@@ -3,7 +3,8 @@
 * ``step-XXXXXXXX/``: a committed checkpoint, what ``Checkpointer.restore()`` considers (the same
   listing, :func:`mpickpt.layout.committed` with directories whose manifest is missing). Its status
   is ``committed`` until a check fails, then ``corrupt``.
-* ``step-XXXXXXXX.partial-<run>/`` (a save that never committed) and ``*.deleting-<run>`` or
+* ``step-XXXXXXXX.partial-<run>/`` (a save that never committed: its note says which ranks'
+  shards are incomplete or missing, see :mod:`.diagnose`) and ``*.deleting-<run>`` or
   ``*.replaced-<run>`` (a removal that was interrupted): status ``partial``. Restore never loads
   them; the next ``Checkpointer`` removes those of other runs.
 * ``quarantine/<name>``: moved aside by these tools (see :mod:`.changes`); status ``quarantined``.
@@ -23,6 +24,7 @@ from .. import layout
 from ..errors import ManifestError
 from ..manifest import FORMAT, VERSION, Manifest, read_bytes
 from ..manifest import NAME as MANIFEST
+from . import diagnose
 from .render import iso_utc
 
 QUARANTINE = "quarantine"
@@ -63,6 +65,7 @@ class Entry:
     current: bool = False
     modified: float | None = None  # newest mtime of the directory and its files
     manifest: Manifest | None = field(default=None, repr=False)
+    shards: dict[str, Any] | None = None  # a partial directory's shards (diagnose.PartialShards)
 
     @property
     def problem(self) -> Problem | None:
@@ -87,6 +90,7 @@ class Entry:
             "age_s": None if self.time is None else round(now - self.time, 3),
             "world_size": self.world_size, "bytes": self.bytes, "run_id": self.run_id,
             "problems": [p.to_json() for p in self.problems], "note": self.note,
+            "shards": self.shards,
         }
 
 
@@ -144,8 +148,13 @@ def scan(root: str) -> list[Entry]:
         path = os.path.join(root, name)
         if not layout.is_real_dir(path):
             continue
-        if layout.PARTIAL_RE.match(name):
-            loose.append(_loose(name, path, "partial", "a save that never committed"))
+        if m := layout.PARTIAL_RE.match(name):
+            shards = diagnose.partial_shards(path, m.group(2), [e.path for e in out])
+            e = _loose(name, path, "partial", shards.note())
+            e.shards = shards.to_json()
+            if shards.basis is None:  # the run's own world size
+                e.world_size = shards.world_size
+            loose.append(e)
         elif m := layout.LEFTOVER_RE.match(name):
             loose.append(_loose(name, path, "partial", f"a removal that did not finish "
                                                         f"({m.group(2)})"))
@@ -210,6 +219,19 @@ def read_manifest(path: str) -> Manifest:
         return Manifest.from_json(text.decode("utf-8", errors="replace"), mpath)
     except ManifestError as e:
         raise ManifestUnreadable(str(e), unsupported=_other_version(text)) from None
+
+
+def root_problem(root: str) -> str | None:
+    """Why ``root`` cannot be a ROOT (the operator's sentence), or None: it is a directory."""
+    advice = "Give the directory the job checkpoints into (its Checkpointer(ROOT))."
+    if os.path.isdir(root):
+        return None
+    if os.path.islink(root) and not os.path.exists(root):
+        return f"{root} is a symbolic link to nothing ({os.readlink(root)}). {advice}"
+    if not os.path.lexists(root):
+        return f"{root}: no such directory. {advice}"
+    what = "a file" if os.path.isfile(root) else "not a directory"
+    return f"{root} is {what}, not a checkpoint directory. {advice}"
 
 
 def locate(path: str) -> tuple[str, str | None]:

@@ -2,7 +2,7 @@
 
 quick: the manifest parses and validates (strict JSON, its own checksum), every rank's shard opens
 (no symbolic link), has exactly the size the manifest records, and every tensor record fits in it
-(:func:`mpickpt.shard.check_records`). Reads a few hundred bytes per shard.
+(:func:`mpickpt.records.check_records`). Reads a few hundred bytes per shard.
 
 full: quick, then every block of every tensor is read and its xxh3-64 compared with the manifest's
 (the check restore makes before it touches the state). Blocks are read by a few threads in pieces
@@ -28,8 +28,8 @@ import xxhash
 from .. import checksum, layout, provenance
 from ..errors import ShardError
 from ..manifest import Manifest, RankEntry
-from ..shard import check_file, check_records
-from . import EXIT_ERROR, EXIT_NO_CHECKPOINT, h5meta
+from ..records import check_file, check_records
+from . import EXIT_ERROR, EXIT_NO_CHECKPOINT
 from .catalog import (
     MANIFEST,
     QUARANTINE,
@@ -38,6 +38,7 @@ from .catalog import (
     Problem,
     locate,
     read_manifest,
+    root_problem,
     scan,
     set_from_manifest,
     step_of,
@@ -136,6 +137,8 @@ def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
         with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="mpickpt-verify") as pool:
             errors = [e for e in pool.map(lambda t: check(*t), tasks) if e is not None]
         if not errors:
+            from . import h5meta  # h5py: only full verification needs it
+
             why = h5meta.problem(fd, m, entry)
             return None if why is None else Problem(f"rank {rank}: {path}: {why}", rank, path,
                                                     restorable=True)
@@ -172,8 +175,9 @@ def pick(path: str, step: int | None) -> Entry:
         if e.status == "committed" and os.path.basename(os.path.dirname(one)) == QUARANTINE:
             e.status = "quarantined"  # intact, but moved aside: restore will not load it
         return e
-    if not os.path.isdir(root):
-        raise Unusable(f"{root}: no such directory", EXIT_ERROR)
+    why = root_problem(root)
+    if why is not None:
+        raise Unusable(why, EXIT_ERROR)
     committed = [e for e in scan(root) if e.status == "committed"]
     if step is not None:
         for e in committed:

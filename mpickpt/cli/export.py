@@ -19,21 +19,22 @@ without ``--force``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 from typing import Any
 
-import torch
-
-from .. import dtypes, layout
+from .. import layout
 from ..errors import ShardError
-from ..pinned_pool import available_memory
-from ..shard import TensorRecord, read_shard
+from ..records import TensorRecord
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from .checks import Unusable, pick, shard_path
 from .render import Out, human_bytes
 from .team import Team
+
+NO_SAFETENSORS = ("the safetensors package is not installed: pip install 'mpickpt[export]', or "
+                  "export to a .pt file only (OUT ending in .pt)")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -59,8 +60,25 @@ def targets(out: str) -> dict[str, str]:
     return {"torch": out + ".pt", "safetensors": out + ".safetensors"}
 
 
+def make_parents(paths: list[str], created: list[str]) -> None:
+    """Create the missing parent directories of ``paths``, appending each to ``created``
+    (outermost first), so that a failure can remove them again."""
+    for p in paths:
+        missing, d = [], os.path.dirname(p)
+        while d and not os.path.isdir(d) and d != os.path.dirname(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            if not os.path.isdir(d):
+                os.mkdir(d, layout.DIR_MODE)
+                created.append(d)
+
+
 def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
+    import torch
     from safetensors.torch import save
+
+    from .. import dtypes
 
     bad = []
     for dt in sorted(set(names_dtypes.values())):
@@ -72,6 +90,11 @@ def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
 
 
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
+    import torch
+
+    from ..pinned_pool import available_memory
+    from ..shard import read_shard
+
     t0 = time.monotonic()
 
     def fail(code: int, msg: str) -> int:
@@ -105,8 +128,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         try:
             bad = _unsupported_by_safetensors(names)
         except ImportError:
-            return fail(EXIT_ERROR, "the safetensors package is not installed (pip install "
-                        "safetensors), or export to a .pt file only")
+            return fail(EXIT_ERROR, NO_SAFETENSORS)
         if bad:
             return fail(EXIT_ERROR, f"safetensors cannot hold {len(bad)} tensor(s): "
                         f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; export to a .pt "
@@ -146,7 +168,9 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     umask = os.umask(0)
     os.umask(umask)
     mode = layout.FILE_MODE & ~umask  # as torch.save's file would be, but never world-writable
+    created: list[str] = []
     try:
+        make_parents(list(files.values()), created)
         if "torch" in temps:
             torch.save(tensors, temps["torch"])
             os.chmod(temps["torch"], mode)
@@ -166,6 +190,9 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         for tmp in temps.values():
             if os.path.lexists(tmp):
                 os.unlink(tmp)
+        for d in reversed(created):  # the folders this export made, if they are still empty
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
         return fail(EXIT_ERROR, f"writing the export failed: {err}; nothing was written")
 
     seconds = time.monotonic() - t0

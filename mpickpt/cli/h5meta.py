@@ -20,7 +20,7 @@ from typing import Any
 import h5py
 
 from ..manifest import Manifest, RankEntry
-from ..shard import FORMAT, TENSORS_GROUP
+from ..records import FORMAT, TENSORS_GROUP
 
 
 def _int(x: Any) -> int | None:

@@ -3,7 +3,8 @@
 Per rank: every tensor's name, dtype, shape, bytes and checksum (xxh3-64 of each block); for the
 checkpoint: step, time, world size, run, size and the user metadata given to ``save()``. Rank 0 by
 default, ``--rank R`` or ``--all``; ``--tree`` adds each rank's state tree (the non-tensor values:
-epoch counters, scheduler settings, ...). Reads the manifest and the shards' sizes, not the data.
+epoch counters, scheduler settings, ...) as an indented outline, and with ``--json`` as the raw
+JSON tree. Reads the manifest and the shards' sizes, not the data.
 Exit 0, or 5 when the quick check fails (what the manifest says is still shown when it parses).
 """
 
@@ -14,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
+from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, treeview
 from .checks import Unusable, pick
 from .render import STATUS_STYLE, Out, human_age, human_bytes, iso_utc, local_time
 from .team import Team
@@ -29,7 +30,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, metavar="R", help="show rank R (default 0)")
     which.add_argument("--all", action="store_true", help="show every rank")
-    p.add_argument("--tree", action="store_true", help="also show each rank's state tree")
+    p.add_argument("--tree", action="store_true",
+                   help="also show each rank's state tree: keys, types, tensor dtypes and "
+                   "shapes, values (with --json: the raw JSON tree)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -110,7 +113,8 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
                   right=(3,), indent="  ")
         if args.tree:
             out.line("  state tree:")
-            out.line("  " + json.dumps(rj["tree"], indent=1).replace("\n", "\n  "))
+            for text in treeview.lines(rj["tree"], m.ranks[rj["rank"]].tensors):
+                out.line("    " + text)
     if not args.all and m.world_size > 1:
         out.line()
         out.line(f"(rank {ranks[0]} of {m.world_size}: --rank R for another, --all for every "

@@ -3,6 +3,7 @@
 ``ls`` (= ``mpickpt-restore ROOT --list``), ``verify``, ``inspect``, ``export``, ``stats``, and
 ``restore`` (= ``mpickpt-restore``). Every command takes ``--json``; the exit codes are those of
 :mod:`mpickpt.cli`. Under ``mpiexec -n N`` rank 0 runs the command and the others help verify.
+Only ``export`` imports torch (it writes .pt files); the other commands start without it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from . import common_options, export, inspect, restore, stats, verify
 from .render import Out
 from .team import Team
+
+VERSION = f"mpickpt {__version__}"
 
 EPILOG = """\
 exit codes: 0 ok; 1 could not do what was asked; 2 bad command line; 4 no checkpoint passes
@@ -24,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpickpt", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=VERSION)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="every checkpoint with its status (changes nothing)")
     ls.add_argument("root", metavar="ROOT")
@@ -48,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     team = Team(getattr(args, "timeout", 3600.0), getattr(args, "threads", 4))
     out = Out(args.json, quiet=team.rank != 0)
     if args.cmd in ("ls", "verify"):
-        return team.lead(lambda: verify.command(args, out, team, verify_mode=args.cmd == "verify"))
+        return team.lead(team.checked(out, "list" if args.cmd == "ls" else args.cmd, args.root,
+                                      lambda: verify.command(args, out, team,
+                                                             verify_mode=args.cmd == "verify")))
     module = {"inspect": inspect, "export": export, "stats": stats}[args.cmd]
-    return team.lead(lambda: module.command(args, out, team))
+    path = args.src if args.cmd == "export" else args.path if args.cmd == "inspect" else args.root
+    return team.lead(team.checked(out, args.cmd, path, lambda: module.command(args, out, team)))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,23 @@ class Out:
             self.line((indent + "  ".join(parts)).rstrip())
 
 
+def rank_list(ranks: Sequence[int]) -> str:
+    """``[1, 2, 3]`` -> ``"1-3"``, ``[0, 1, 3]`` -> ``"0,1,3"`` (a range from three on)."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}-{b}" if b - a >= 2 else ",".join(map(str, range(a, b + 1)))
+                    for a, b in spans)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``"rank 2"``, ``"ranks 1-3"``."""
+    return f"rank{'s' if len(set(ranks)) != 1 else ''} {rank_list(ranks)}"
+
+
 def human_bytes(n: float | None) -> str:
     if n is None:
         return "-"

@@ -8,8 +8,11 @@
    longer cost a failed read at every start, and nobody mistakes them for good ones.
 3. ``--step N`` rolls back: every committed checkpoint newer than N is quarantined, so N is the
    newest and the next ``Checkpointer.restore()`` loads it; ``ROOT/ROLLBACK.json`` records it.
-4. ``--prune --keep N`` removes committed checkpoints older than the N newest good ones (the
-   chosen one always stays).
+4. ``--prune --keep N`` removes the good committed checkpoints that no rule of the retention
+   policy keeps (:mod:`mpickpt.retention`, the Checkpointer's own): the N newest, with
+   ``--keep-every K`` every step divisible by K, with ``--best METRIC[:min|max] --keep-best M``
+   the M best by that number in the checkpoints' metadata; the chosen one always stays. The report
+   says why each one is kept.
 5. The report: step, age, world size, size and path of the checkpoint the job will resume from,
    what was done, and what to run next. Exit 0, or 4 when no checkpoint passes (see
    :mod:`mpickpt.cli` for every code).
@@ -22,9 +25,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from .. import layout
+from .. import __version__, layout, retention
 from . import (
     EXIT_DAMAGED,
     EXIT_ERROR,
@@ -32,10 +36,11 @@ from . import (
     EXIT_OK,
     catalog,
     common_options,
+    diagnose,
     verify,
 )
 from .changes import Changes
-from .render import Out, human_age, human_bytes, local_time
+from .render import Out, human_age, human_bytes, local_time, ranks_text
 from .team import Team
 
 EPILOG = """\
@@ -49,6 +54,7 @@ examples:
   mpiexec -n 8 mpickpt-restore /scratch/run42 --verify full    # read every byte, 8 readers
   mpickpt-restore /scratch/run42 --step 1200 --dry-run         # what a rollback would do
   mpickpt-restore /scratch/run42 --prune --keep 2              # free space by hand
+  mpickpt-restore /scratch/run42 --prune --keep 2 --keep-every 1000 --best val_loss --keep-best 3
 """
 
 
@@ -57,6 +63,7 @@ def parser() -> argparse.ArgumentParser:
         prog="mpickpt-restore", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Find the newest checkpoint under ROOT that passes verification, move "
         "broken and partial ones into ROOT/quarantine/, and say how to resume.")
+    p.add_argument("--version", action="version", version=f"mpickpt {__version__}")
     p.add_argument("root", metavar="ROOT", help="the checkpoint directory (Checkpointer(ROOT))")
     p.add_argument("--list", action="store_true",
                    help="print a table of every checkpoint and its status; change nothing")
@@ -65,8 +72,18 @@ def parser() -> argparse.ArgumentParser:
                    help="roll back to step N: quarantine every committed checkpoint newer than "
                    "N, so that the next restore() loads N (recorded in ROOT/ROLLBACK.json)")
     p.add_argument("--prune", action="store_true",
-                   help="remove committed checkpoints older than the --keep newest good ones")
-    p.add_argument("--keep", type=int, metavar="N", help="with --prune: how many to keep (>= 1)")
+                   help="remove the good committed checkpoints that no rule below keeps (the "
+                   "newest always stays); the report says why each one is kept")
+    p.add_argument("--keep", type=int, metavar="N",
+                   help="with --prune: keep the N newest good ones (>= 1)")
+    p.add_argument("--keep-every", type=int, metavar="K",
+                   help="with --prune: also keep every step divisible by K, for good")
+    p.add_argument("--best", metavar="METRIC[:min|max]",
+                   help="with --prune and --keep-best: rank the checkpoints by the number "
+                   "METRIC in their metadata (save(..., metadata=...)), lowest best (min, the "
+                   "default) or highest (max); one without a finite number there is not ranked")
+    p.add_argument("--keep-best", type=int, metavar="M", default=0,
+                   help="with --prune and --best: also keep the M best")
     p.add_argument("--delete", action="store_true",
                    help="remove broken and partial directories instead of quarantining them")
     p.add_argument("--dry-run", action="store_true", help="say what would be done; do nothing")
@@ -76,20 +93,61 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def policy(p: argparse.ArgumentParser, args: argparse.Namespace) -> retention.Policy | None:
+    """The retention policy of --prune and its options (None without --prune); exits 2 with
+    the option to fix when they do not make one."""
+    rules = args.keep_every is not None or args.best is not None or args.keep_best
+    if args.prune != (args.keep is not None):
+        p.error("--prune and --keep N go together")
+    if rules and not args.prune:
+        p.error("--keep-every, --best and --keep-best go with --prune --keep N")
+    if not args.prune:
+        return None
+    for flag, value in (("--keep", args.keep), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be at least 1, not {value}")
+    if args.keep_best < 0:
+        p.error(f"--keep-best must be at least 0, not {args.keep_best}")
+    if (args.best is None) != (args.keep_best == 0):
+        p.error("--best METRIC[:min|max] and --keep-best M go together")
+    metric, mode = args.best, "min"
+    if metric is not None and ":" in metric:
+        metric, mode = metric.rsplit(":", 1)
+        if mode not in ("min", "max"):
+            p.error(f"--best {args.best}: the part after the last ':' must be min or max "
+                    f"(a metadata key with ':' in it: --best {args.best}:min)")
+    if metric is not None and not metric:
+        p.error("--best needs the name of a number in the checkpoints' metadata")
+    pol = retention.Policy(args.keep, args.keep_every, metric, mode, args.keep_best)
+    try:
+        pol.check()
+    except ValueError as e:
+        p.error(str(e))
+    return pol
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    if args.prune != (args.keep is not None):
-        p.error("--prune and --keep N go together")
-    if args.keep is not None and args.keep < 1:
-        p.error("--keep must be at least 1")
+    args.policy = policy(p, args)
     if args.list and (args.step is not None or args.prune or args.delete):
         p.error("--list changes nothing; run --step, --prune or --delete without it")
     team = Team(args.timeout, args.threads)
     out = Out(args.json, quiet=team.rank != 0)
     if args.list:
-        return team.lead(lambda: verify.command(args, out, team, verify_mode=False))
-    return team.lead(lambda: command(args, out, team))
+        return team.lead(team.checked(out, "list", args.root,
+                                      lambda: verify.command(args, out, team, verify_mode=False)))
+    return team.lead(team.checked(out, "restore", args.root, lambda: command(args, out, team)))
+
+
+def describe_policy(pol: retention.Policy) -> str:
+    """The policy as its command-line options."""
+    text = f"--keep {pol.keep}"
+    if pol.keep_every:
+        text += f" --keep-every {pol.keep_every}"
+    if pol.best:
+        text += f" --best {pol.best}:{pol.mode} --keep-best {pol.keep_best}"
+    return text
 
 
 def fail(out: Out, code: int, message: str, **extra: Any) -> int:
@@ -104,14 +162,20 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     if one is not None:
         return fail(out, EXIT_ERROR, f"{args.root} is one checkpoint; give its parent directory "
                     "(ROOT), or inspect it with `mpickpt inspect`")
-    if verify.root_dir(root, out) is None:
-        return fail(out, EXIT_ERROR, f"{root}: no such directory", root=root)
+    why = catalog.root_problem(root)
+    if why is not None:
+        return fail(out, EXIT_ERROR, why, root=root)
     rolling = args.step is not None
     s = verify.survey(root, "quick" if rolling else args.verify, team, out, chain=True)
     changes = Changes(root, args.dry_run)
     left_alone = []
+    held = stranded(s)  # node-local ROOT: what may hold the only copy of some rank's shards
+    for path, why in held.items():
+        left_alone.append({"path": path, "reason": (
+            f"{why} (ROOT NOT SHARED?, below): left in place, so that the shards can be "
+            "brought together")})
     for e in s.entries:
-        if e.status != "partial":
+        if e.status != "partial" or e.path in held:
             continue
         age = now - (e.modified if e.modified is not None else now)
         if age < args.grace:
@@ -160,19 +224,14 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             assert e.problem is not None
             left_alone.append({"path": e.path, "reason": (
                 f"{e.problem.reason}: restore still loads it, so it is left in place")})
-        if e.status == "corrupt" and e.path not in planned:
+        if e.status == "corrupt" and e.path not in planned and e.path not in held:
             assert e.problem is not None
             (changes.delete if args.delete else changes.quarantine)(e, e.problem.reason)
     if args.prune and chosen is None:
         out.problem("--prune: nothing pruned, since no checkpoint passes verification")
-    if args.prune and chosen is not None:
-        assert chosen.step is not None
-        older = [e for e in s.committed
-                 if e.status in catalog.LOADABLE and e.step is not None
-                 and e.step < chosen.step]
-        for e in older[args.keep - 1:]:
-            changes.delete(e, f"pruned: --keep {args.keep} keeps step {chosen.step} and the "
-                           f"{args.keep - 1} newest before it")
+    pruning = None
+    if args.policy is not None and chosen is not None:
+        pruning = prune(s, chosen, changes, args.policy)
     changes.apply()
     code = EXIT_OK if chosen is not None else EXIT_NO_CHECKPOINT
     if changes.failed:
@@ -186,13 +245,66 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     out.json({"command": "restore", "exit_code": code, "error": None, "dry_run": args.dry_run,
               **s.to_json(now), "chosen": chosen.to_json(now) if chosen else None,
               "resume": resume, "actions": [a.to_json() for a in changes.actions],
-              "left_alone": left_alone, "rollback": changes.rollback_record()})
-    report(out, s, chosen, changes, left_alone, args, now)
+              "left_alone": left_alone, "rollback": changes.rollback_record(),
+              "retention": pruning.to_json() if pruning else None})
+    report(out, s, chosen, changes, left_alone, args, now, pruning)
     return code
 
 
+def stranded(s: verify.Survey) -> dict[str, str]:
+    """When ROOT looks node-local (``s.not_shared``): the directories that may hold the only copy
+    of some rank's shards, and why; restore leaves them where they are."""
+    if s.not_shared is None:
+        return {}
+    missing, present = s.not_shared["missing_ranks"], s.not_shared["present_ranks"]
+    if not s.committed:  # another node's copy: partial directories of the other ranks' shards
+        return {e.path: f"it holds the shards of {ranks_text(present)}, not rank 0's, and may "
+                "be their only copy" for e in s.entries
+                if e.status == "partial" and ".partial-" in e.name}
+    return {e.path: f"the shards of {ranks_text(missing)} are not here, probably on another node"
+            for e in s.committed
+            if e.manifest is not None and diagnose.absent_ranks(e.path, e.manifest) == missing}
+
+
+@dataclass
+class Pruning:
+    """What --prune decided: {kept step: why} newest first, the steps deleted, and those --best
+    could not rank (no finite number under its key)."""
+
+    policy: retention.Policy
+    kept: dict[int, str]
+    deleted: list[int]
+    unranked: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policy": describe_policy(self.policy),
+                "kept": [{"step": st, "why": why} for st, why in self.kept.items()],
+                "deleted": self.deleted, "unranked": self.unranked}
+
+
+def prune(s: verify.Survey, chosen: catalog.Entry, changes: Changes,
+          pol: retention.Policy) -> Pruning:
+    """Plan the deletion of the good checkpoints ``pol`` does not keep, among the chosen one and
+    those older (newer ones are being rolled back)."""
+    assert chosen.step is not None
+    planned = {a.path for a in changes.actions}
+    good = {e.step: e for e in s.committed
+            if e.status in catalog.LOADABLE and e.step is not None and e.step <= chosen.step
+            and e.path not in planned}
+    doomed, kept = retention.plan(pol, [(st, e.manifest.metadata if e.manifest else {})
+                                        for st, e in good.items()])
+    for st in doomed:
+        changes.delete(good[st], f"pruned: no rule of {describe_policy(pol)} keeps it")
+    unranked = [] if not pol.best else [
+        st for st, e in good.items()
+        if retention.metric(e.manifest.metadata if e.manifest else {}, pol.best) is None]
+    return Pruning(pol, dict(sorted(kept.items(), reverse=True)), doomed,
+                   sorted(unranked, reverse=True))
+
+
 def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Changes,
-           left_alone: list[dict[str, str]], args: argparse.Namespace, now: float) -> None:
+           left_alone: list[dict[str, str]], args: argparse.Namespace, now: float,
+           pruning: Pruning | None) -> None:
     out.line(f"{out.style('ROOT', 'bold')} {s.root}")
     if changes.actions:
         out.line()
@@ -213,12 +325,23 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
         if record is not None and not args.dry_run and all(a.done for a in changes.actions):
             out.line(f"  rolled back from step {record['from_step']} to step "
                      f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")
+    if pruning is not None:
+        out.line()
+        out.line(f"kept by the retention policy ({describe_policy(pruning.policy)}):")
+        for st, why in pruning.kept.items():
+            out.line(f"  step {st:<10} {why}")
+        if pruning.unranked:
+            out.line(f"  not ranked by --best (no finite number {pruning.policy.best!r} in "
+                     f"their metadata): step(s) {', '.join(map(str, pruning.unranked))}")
     if left_alone:
         out.line()
         out.line("left alone:")
         for item in left_alone:
             out.line(f"  {item['path'][len(s.root) + 1:]}")
             out.line(f"    {item['reason']}")
+    if s.not_shared is not None:
+        out.line()
+        out.line(out.style(f"ROOT NOT SHARED? {s.not_shared['message']}.", "red bold"))
     if changes.failed:
         out.line()
         out.line(out.style("some changes failed (above): fix the cause (permissions? a full "

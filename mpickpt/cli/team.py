@@ -5,7 +5,13 @@ ranks wait for work. Full verification is the one piece of work shared: rank 0 s
 check over the ranks (largest first, each to the least loaded rank), broadcasts the plan, checks
 its own share, and gathers everyone's verdicts. All communication goes through
 :class:`mpickpt.protocol.Protocol` (deadlines included); payloads are plain tuples of paths,
-numbers and sentences. A single process does everything itself and never communicates.
+numbers and sentences. A single process does everything itself and never communicates: MPI
+(mpi4py) is imported only when the environment says that a launcher started this process
+(:func:`launched`), so a plain ``mpickpt ls`` never initialises it.
+
+Before a command that reads ROOT, :meth:`Team.same_root` makes sure every rank sees the same
+directory: each rank lists the path it was given (resolved in its own working directory, as the
+job's ranks would) and hashes the newest manifest; nothing is written into ROOT.
 """
 
 from __future__ import annotations
@@ -15,16 +21,18 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import checksum
+from .. import checksum, layout
 from ..errors import CollectiveTimeout
 from ..manifest import Manifest
-from ..protocol import Protocol
 from . import EXIT_ERROR
 from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
 from .checks import verify_shard
-from .render import Out, Progress
+from .render import Out, Progress, ranks_text
+
+if TYPE_CHECKING:
+    from ..protocol import Protocol
 
 # one shard to check: (checkpoint directory, rank of the shard, its tensor bytes, manifest digest)
 Job = tuple[str, int, int, str]
@@ -32,20 +40,97 @@ Job = tuple[str, int, int, str]
 # whether restore loads it all the same: the problem is in its HDF5 metadata only)
 Verdict = tuple[str, int, str | None, str | None, int, bool]
 
+# set by the process managers of MPICH/Intel MPI (Hydra), Open MPI, PMIx and MVAPICH in every rank
+LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+              "OMPI_COMM_WORLD_RANK", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+
+
+def launched() -> bool:
+    """Whether an MPI launcher (mpiexec, mpirun, srun with PMI) started this process."""
+    return any(os.environ.get(k) for k in LAUNCH_ENV)
+
 
 def _digest(m: Manifest) -> str:
     return checksum.digest(m.to_json().encode())
 
 
+View = tuple[str, list[str], str | None, str]
+
+
+def root_view(path: str) -> View:
+    """What this process sees at ``path``: (what it is, the committed checkpoints' names, the
+    hash of the newest one's MANIFEST.json, the absolute path). Reads, never writes."""
+    root = os.path.abspath(path)
+    kind = "directory" if os.path.isdir(root) else "file" if os.path.exists(root) else "nothing"
+    found = layout.committed(root) if kind == "directory" else []
+    digest = None
+    if found:
+        try:
+            fd = layout.open_regular(os.path.join(found[0][1], MANIFEST))
+            with os.fdopen(fd, "rb") as f:
+                digest = checksum.digest(f.read())
+        except OSError as e:
+            digest = f"unreadable: {e.strerror}"
+    return kind, [os.path.basename(p) for _, p in found], digest, root
+
+
+def _seen(view: View) -> str:
+    kind, names, digest, where = view
+    if kind != "directory":
+        what = {"nothing": "no such directory", "file": "a file"}.get(kind, f"{kind} {digest}")
+    elif not names:
+        what = "no committed checkpoint"
+    else:
+        what = f"{len(names)} committed checkpoint(s), the newest {names[0]} (manifest {digest})"
+    return f"{where}: {what}"
+
+
 class Team:
     def __init__(self, timeout: float, threads: int) -> None:
-        proto = Protocol(None, timeout)
-        self.rank, self.size = proto.rank, proto.size
+        self.rank, self.size = 0, 1
         self.threads = threads
-        self.proto: Protocol | None = proto
-        if proto.size == 1:
-            proto.free()
-            self.proto = None
+        self.proto: Protocol | None = None  # when several ranks run the command
+        if launched():
+            from ..protocol import Protocol  # initialises MPI
+
+            proto = Protocol(None, timeout)
+            self.rank, self.size = proto.rank, proto.size
+            if proto.size == 1:
+                proto.free()
+            else:
+                self.proto = proto
+
+    def same_root(self, path: str) -> str | None:
+        """Rank 0: None when every rank sees the same ``path`` (the same committed checkpoints,
+        the same newest manifest), else the sentence saying which ranks do not, and what to do."""
+        if self.proto is None:
+            return None
+        self.proto.bcast(("root", path), "cli-work")
+        views = self.proto.gather(root_view(path), "cli-verdicts") or []
+        # the absolute paths may differ (mount points, working directories): not compared
+        differ = [r for r, v in enumerate(views) if v[:3] != views[0][:3]]
+        if not differ:
+            return None
+        verb = "sees" if len(differ) == 1 else "see"
+        return (f"{path}: {ranks_text(differ)} of this command {verb} another directory there "
+                f"than rank 0 (rank 0, {_seen(views[0])}; rank {differ[0]}, "
+                f"{_seen(views[differ[0]])}): {layout.not_shared_hint()}. If a job is writing "
+                "into ROOT right now, run the command again once it has committed.")
+
+    def checked(self, out: Out, name: str, path: str, command: Callable[[], int]
+                ) -> Callable[[], int]:
+        """``command`` for :meth:`lead`, run only once every rank sees the same ``path``; else
+        exit 1 with the reason (also as ``--json``, command ``name``)."""
+
+        def run() -> int:
+            why = self.same_root(path)
+            if why is None:
+                return command()
+            out.problem(why)
+            out.json({"command": name, "exit_code": EXIT_ERROR, "error": why})
+            return EXIT_ERROR
+
+        return run
 
     def lead(self, command: Callable[[], int]) -> int:
         """Run ``command`` on rank 0 while the other ranks serve; every rank returns its code."""
@@ -80,6 +165,13 @@ class Team:
             if msg[0] == "stop":
                 self.proto.free()
                 return int(msg[1])
+            if msg[0] == "root":
+                try:
+                    view: Any = root_view(msg[1])
+                except Exception as e:  # say so rather than leave rank 0 waiting
+                    view = ("error", [], f"{type(e).__name__}: {e}", msg[1])
+                self.proto.gather(view, "cli-verdicts")
+                continue
             try:
                 verdicts = self._check(msg[1][self.rank], None)
             except Exception as e:  # say so rather than leave rank 0 waiting for the deadline

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK, catalog, checks
+from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK, catalog, checks, diagnose
 from .catalog import Entry
-from .changes import read_rollback
+from .changes import active_rollback
 from .render import STATUS_STYLE, Cell, Out, human_age, human_bytes, local_time
 from .team import Team
 
@@ -34,6 +34,7 @@ class Survey:
     level: str
     checked_bytes: int = 0
     seconds: float = 0.0
+    not_shared: dict[str, Any] | None = None  # diagnose.not_shared: ROOT was node-local
 
     @property
     def committed(self) -> list[Entry]:
@@ -48,17 +49,8 @@ class Survey:
         return {"root": self.root, "verify": self.level,
                 "current": self.current.step if self.current else None,
                 "checked_bytes": self.checked_bytes, "verify_seconds": round(self.seconds, 3),
+                "not_shared": self.not_shared,
                 "checkpoints": [e.to_json(now) for e in self.entries]}
-
-
-def root_dir(path: str, out: Out) -> str | None:
-    """ROOT as an absolute path, or None after saying why it cannot be used."""
-    root = os.path.abspath(path)
-    if not os.path.isdir(root):
-        out.problem(f"{root}: no such directory. Give the directory the job checkpoints into "
-                    "(its Checkpointer(ROOT)).")
-        return None
-    return root
 
 
 def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> Survey:
@@ -82,6 +74,9 @@ def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> 
     good = next((e for e in committed if e.status in catalog.LOADABLE), None)
     if good is not None:
         good.current = True
+    s.not_shared = diagnose.not_shared(
+        [(e.path, e.manifest) for e in s.committed],
+        [e.path for e in entries if e.status == "partial" and ".partial-" in e.name])
     return s
 
 
@@ -92,10 +87,12 @@ def show(out: Out, s: Survey, now: float) -> None:
     if s.level == "full" and s.checked_bytes:
         out.line(f"read {human_bytes(s.checked_bytes)} of tensor data in {s.seconds:.1f} s "
                  f"({human_bytes(s.checked_bytes / max(s.seconds, 1e-6))}/s)")
-    rb = read_rollback(s.root)
+    rb = active_rollback(s.root)
     if rb is not None:
+        back = ", ".join(str(x) for x in rb["undone"])
         out.line(f"rolled back from step {rb.get('from_step')} to step {rb.get('to_step')} "
-                 f"by {rb.get('by')} at {local_time(rb.get('time'))} ({catalog.ROLLBACK})")
+                 f"by {rb.get('by')} at {local_time(rb.get('time'))} ({catalog.ROLLBACK})"
+                 + (f"; partly undone: step(s) {back} moved back into ROOT" if back else ""))
     out.line()
     if not s.entries:
         out.line("no checkpoints (and no partial ones)")
@@ -126,6 +123,8 @@ def show(out: Out, s: Survey, now: float) -> None:
     for e in s.committed:
         for p in e.problems[1:]:
             out.line(f"  step {e.step}, also: {p.reason}")
+    if s.not_shared is not None:
+        out.line(out.style(f"ROOT NOT SHARED? {s.not_shared['message']}.", "red bold"))
 
 
 def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -> int:
@@ -134,16 +133,22 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
     if one is not None and verify_mode:
         return verify_one(root, one, args, out, team)
     if one is not None:
-        out.problem(f"{args.root} is a checkpoint; give its parent directory (ROOT)")
+        why = f"{args.root} is a checkpoint; give its parent directory (ROOT)"
+        out.problem(why)
+        out.json({"command": "list", "exit_code": EXIT_ERROR, "error": why})
         return EXIT_ERROR
-    if root_dir(root, out) is None:
+    why = catalog.root_problem(root)
+    if why is not None:
+        out.problem(why)
+        out.json({"command": "verify" if verify_mode else "list", "exit_code": EXIT_ERROR,
+                  "error": why})
         return EXIT_ERROR
     s = survey(root, args.verify, team, out)
     bad = [e for e in s.committed if e.status != "committed"]
     code = (EXIT_NO_CHECKPOINT if s.current is None
             else EXIT_DAMAGED if verify_mode and bad else EXIT_OK)
     out.json({"command": "verify" if verify_mode else "list", "exit_code": code, "error": None,
-              **s.to_json(now)})
+              **s.to_json(now), "rollback": active_rollback(root)})
     show(out, s, now)
     hdf5 = [e for e in bad if e.status == "hdf5-damaged"]
     if len(bad) > len(hdf5) and code != EXIT_NO_CHECKPOINT:

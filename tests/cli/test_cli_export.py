@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from clikit import cli, cli_json, copy_tree, pristine
@@ -101,3 +103,25 @@ def test_export_of_a_damaged_checkpoint_writes_nothing(tmp_path, tmp_path_factor
     assert list(out.iterdir()) == []
     code, _, err = cli("export", step_dir(root, 20), out / "model.pt")
     assert "nothing was written" in err and "--verify full" in err
+
+
+def test_export_creates_missing_parent_folders(tmp_path, tmp_path_factory):
+    root = pristine(2, tmp_path_factory)
+    target = tmp_path / "not" / "yet" / "there" / "model.pt"
+    code, doc = cli_json("export", root, target)
+    assert code == EXIT_OK, doc
+    assert [o["path"] for o in doc["outputs"]] == [str(target)]
+    loaded = torch.load(target, weights_only=True)
+    assert "rank0/model/0.weight" in loaded
+    assert oct(target.parent.stat().st_mode & 0o002) == "0o0"  # never world-writable
+
+
+def test_export_without_safetensors_names_the_extra(tmp_path, tmp_path_factory, monkeypatch):
+    """With safetensors not importable, export says which extra to install, writes nothing."""
+    root = pristine(1, tmp_path_factory)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors: ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    code, doc = cli_json("export", root, tmp_path / "model")
+    assert code == EXIT_ERROR
+    assert "pip install 'mpickpt[export]'" in doc["error"] and ".pt" in doc["error"]
+    assert list(tmp_path.iterdir()) == []

@@ -58,3 +58,29 @@ def test_inspect_damaged(tmp_path, tmp_path_factory):
     assert code == EXIT_DAMAGED and doc["ranks"] == [] and doc["metadata"] is None
     code, out, _ = cli("inspect", step_dir(root, 15))
     assert "not valid JSON" in out and "nothing more to show" in out
+
+
+def test_inspect_tree_is_an_indented_outline_and_raw_json_with_json(tmp_path_factory):
+    root = pristine(2, tmp_path_factory)
+    m = manifest(root, 20)
+    code, out, _ = cli("inspect", root, "--tree")
+    assert code == EXIT_OK
+    tree = out[out.index("  state tree:\n"):].splitlines()[1:]
+    assert "{" not in "\n".join(tree) and '"type"' not in out  # no raw JSON for a person
+    lines = [x.rstrip() for x in tree]
+    # key paths by indentation, types, tensor dtype and shape from the manifest, scalar values
+    assert "    model: torch.nn.modules.container.Sequential (state_dict)" in lines
+    assert "      0.weight: tensor float32 [64, 32]" in lines
+    assert "    optim: torch.optim.adam.Adam (state_dict)" in lines
+    assert "        0: dict, 3 items" in lines
+    assert "          step: tensor float32 []" in lines
+    assert "          betas: (0.9, 0.999)" in lines
+    assert "          amsgrad: False" in lines and "          foreach: None" in lines
+    lr = next(x for x in lines if x.startswith("          lr: "))
+    groups = dict(dict(m["ranks"][0]["tree"]["items"])["optim"]["state"]["items"])
+    want_lr = dict(groups["param_groups"]["items"][0]["items"])["lr"]["value"]
+    assert float(lr.split(": ")[1]) == want_lr
+    assert "    data: torch.Generator (cpu)" in lines
+    # --json keeps the raw tree, exactly the manifest's
+    code, doc = cli_json("inspect", root, "--tree")
+    assert doc["ranks"][0]["tree"] == m["ranks"][0]["tree"]

@@ -233,3 +233,41 @@ def test_bad_command_lines_exit_2(root2):
         with pytest.raises(SystemExit) as e:
             cli(root2, *argv, restore=True)
         assert e.value.code == 2
+
+
+def test_a_missing_or_file_root_is_said_once_and_plainly(tmp_path):
+    code, out, err = cli(tmp_path / "nowhere", restore=True)
+    assert code == EXIT_ERROR and out == ""
+    assert err.count("no such directory") == 1 and len(err.strip().splitlines()) == 1, err
+    afile = tmp_path / "ckpt.txt"
+    afile.write_text("not a checkpoint")
+    for argv, restore in (([afile], True), (["ls", afile], False), ([afile, "--list"], True),
+                          (["inspect", afile], False), (["stats", afile], False)):
+        code, out, err = cli(*argv, restore=restore)
+        assert code == EXIT_ERROR, (argv, out, err)
+        assert err.count(f"{afile} is a file, not a checkpoint directory") == 1, (argv, err)
+        assert "does not exist" not in err and "no such directory" not in err
+        code, doc = cli_json(*argv, restore=restore)
+        assert code == EXIT_ERROR and "is a file, not a checkpoint directory" in doc["error"]
+
+
+def test_the_rollback_notice_goes_once_the_rollback_is_undone(root2):
+    """README: a rollback quarantines the newer checkpoints and writes ROLLBACK.json; moving
+    them back (`mv`) undoes it. ls shows the notice while it is in effect, not after."""
+    assert cli_json(root2, "--step", "10", restore=True)[0] == EXIT_OK
+    code, out, _ = cli("ls", root2)
+    assert "rolled back from step 20 to step 10" in out and "partly" not in out
+    code, doc = cli_json("ls", root2)
+    assert doc["current"] == 10 and doc["rollback"]["to_step"] == 10
+    assert doc["rollback"]["undone"] == []
+    # the documented undo, one directory at a time
+    os.rename(root2 / "quarantine" / "step-00000020", step_dir(root2, 20))
+    code, out, _ = cli("ls", root2)
+    assert "rolled back from step 20 to step 10" in out
+    assert "partly undone: step(s) 20 moved back into ROOT" in out
+    os.rename(root2 / "quarantine" / "step-00000015", step_dir(root2, 15))
+    code, out, _ = cli("ls", root2)
+    assert code == EXIT_OK and "rolled back" not in out
+    code, doc = cli_json("ls", root2)
+    assert doc["current"] == 20 and doc["rollback"] is None
+    assert (root2 / "ROLLBACK.json").exists()  # the record stays: it is history

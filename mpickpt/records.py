@@ -1,0 +1,114 @@
+"""What a manifest says of one tensor, and the checks of those records against a shard file.
+
+Torch-free (and numpy- and h5py-free), so that the operator's tools can read and check a
+checkpoint without importing either: the element types are known here by name, with their size
+and the numpy type their HDF5 dataset is declared with (:mod:`mpickpt.dtypes` maps them to torch).
+:mod:`mpickpt.shard` re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from . import checksum, layout
+from .errors import ShardError
+
+FORMAT = "mpickpt-shard"
+VERSION = 1
+TENSORS_GROUP = "tensors"
+
+# name -> (bytes per element, numpy storage type). Types numpy knows are stored as themselves;
+# the others (bfloat16, the float8 family, complex32) as unsigned integers of the same width.
+DTYPES: dict[str, tuple[int, str]] = {
+    "float64": (8, "<f8"), "float32": (4, "<f4"), "float16": (2, "<f2"),
+    "bfloat16": (2, "<u2"), "complex128": (16, "<c16"), "complex64": (8, "<c8"),
+    "complex32": (4, "<u4"), "int64": (8, "<i8"), "int32": (4, "<i4"), "int16": (2, "<i2"),
+    "int8": (1, "i1"), "uint64": (8, "<u8"), "uint32": (4, "<u4"), "uint16": (2, "<u2"),
+    "uint8": (1, "u1"), "bool": (1, "?"), "float8_e4m3fn": (1, "u1"), "float8_e5m2": (1, "u1"),
+    "float8_e4m3fnuz": (1, "u1"), "float8_e5m2fnuz": (1, "u1"), "float8_e8m0fnu": (1, "u1"),
+}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a stored dtype name; KeyError for a name not in :data:`DTYPES`."""
+    return DTYPES[dtype][0]
+
+
+@dataclass
+class TensorRecord:
+    """Where one tensor lies in its shard, and the checksums of its blocks."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    checksums: list[str] = field(default_factory=list)
+    # a piece of a sharded or replicated tensor: the whole tensor's shape and where this piece
+    # (of shape ``shape``) begins in it; None for a rank's own tensor
+    global_shape: list[int] | None = None
+    offsets: list[int] | None = None
+
+
+def check_records(
+    rank: int, path: str, records: list[TensorRecord], file_bytes: int, block: int
+) -> None:
+    """Refuse records that cannot describe a real file of ``file_bytes`` bytes: unknown dtypes,
+    impossible shapes, sizes that do not match the shape, byte ranges outside the file or
+    overlapping another record's, a name recorded twice."""
+    total = 0
+    names: set[str] = set()
+    for r in records:
+        def bad(reason: str, r: TensorRecord = r) -> ShardError:
+            return ShardError(rank, path, reason, tensor=r.name)
+
+        try:
+            size = itemsize(r.dtype)
+        except KeyError:
+            raise bad(f"unknown dtype {r.dtype!r}") from None
+        if any(d < 0 or d >= 1 << 63 for d in r.shape) or len(r.shape) > 64:
+            raise bad(f"impossible shape {r.shape}")
+        if r.name in names:
+            raise bad("recorded twice")
+        names.add(r.name)
+        if r.nbytes != math.prod(r.shape) * size:
+            raise bad(f"{r.nbytes} bytes recorded, but {r.dtype}{r.shape} needs "
+                      f"{math.prod(r.shape) * size}")
+        if r.offset < 0 or r.offset + r.nbytes > file_bytes:
+            raise bad(f"bytes {r.offset}..{r.offset + r.nbytes} lie outside the "
+                      f"{file_bytes}-byte file")
+        if len(r.checksums) != checksum.block_count(r.nbytes, block):
+            raise bad(f"{len(r.checksums)} checksums recorded for "
+                      f"{checksum.block_count(r.nbytes, block)} blocks")
+        total += r.nbytes
+    if total > file_bytes:
+        raise ShardError(rank, path, f"records claim {total} bytes, the file has {file_bytes}")
+    end, last = 0, None
+    for r in sorted((r for r in records if r.nbytes), key=lambda r: r.offset):
+        if r.offset < end:
+            raise ShardError(rank, path, f"bytes {r.offset}..{r.offset + r.nbytes} overlap those "
+                             f"of tensor {last!r}", tensor=r.name)
+        end, last = r.offset + r.nbytes, r.name
+
+
+def check_file(rank: int, path: str, file_bytes: int) -> None:
+    """Refuse a shard that is not a regular file of exactly ``file_bytes`` bytes (a symbolic
+    link, a FIFO, a truncated or replaced file) before anything is allocated for it."""
+    try:
+        os.close(open_shard(rank, path, file_bytes))
+    except OSError as e:
+        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+
+
+def open_shard(rank: int, path: str, file_bytes: int) -> int:
+    """:func:`mpickpt.layout.open_regular`, and the size must be ``file_bytes``
+    (:class:`ShardError` otherwise)."""
+    fd = layout.open_regular(path)
+    actual = os.fstat(fd).st_size
+    if actual != file_bytes:
+        os.close(fd)
+        raise ShardError(rank, path, f"size is {actual} bytes, the manifest says {file_bytes} "
+                         "(truncated or replaced)")
+    return fd
