@@ -1,19 +1,39 @@
-"""mpickpt: consistent global checkpoints for PyTorch jobs launched with MPI."""
+"""mpickpt: consistent global checkpoints for PyTorch jobs launched with MPI.
 
-from .checkpointer import Checkpointer, SaveHandle, SaveResult
+The names below are imported on first use (PEP 562), so that ``import mpickpt`` and the operator's
+tools (``mpickpt ls``, ``mpickpt-restore``) start without importing torch or initialising MPI;
+``mpickpt.Checkpointer`` and ``from mpickpt import Checkpointer`` import them then.
+
+Importing it (in the main thread) holds the preemption signal (SIGUSR2, or ``$MPICKPT_SIGNAL``):
+one that arrives before the Checkpointer exists is kept for its first ``should_exit`` instead of
+killing the rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from . import preempt
 from .errors import (
     CheckpointError,
     CollectiveTimeout,
     ManifestError,
+    MetadataError,
+    RootNotSharedError,
     SaveAborted,
     ShardError,
     StateMismatchError,
     StateTreeError,
     WorldSizeMismatchError,
 )
-from .restore import RestoreInfo
-from .sharding import Shard
-from .state_tree import RNGState
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, SaveHandle, SaveResult
+    from .restore import RestoreInfo
+    from .sharding import Shard
+    from .state_tree import RNGState, Values
 
 __version__ = "0.1.0"
 __all__ = [
@@ -21,8 +41,10 @@ __all__ = [
     "Checkpointer",
     "CollectiveTimeout",
     "ManifestError",
+    "MetadataError",
     "RNGState",
     "RestoreInfo",
+    "RootNotSharedError",
     "SaveAborted",
     "SaveHandle",
     "SaveResult",
@@ -30,6 +52,33 @@ __all__ = [
     "ShardError",
     "StateMismatchError",
     "StateTreeError",
+    "Values",
     "WorldSizeMismatchError",
     "__version__",
 ]
+
+# name -> the submodule that defines it, imported on first access
+_LAZY = {
+    "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
+    "RestoreInfo": "restore", "Shard": "sharding", "RNGState": "state_tree",
+    "Values": "state_tree",
+}
+
+preempt.install(term=False)
+
+
+def __getattr__(name: str) -> Any:
+    """The lazy names, and the submodules (``mpickpt.state_tree`` after ``import mpickpt``, as
+    when this module imported them all)."""
+    module = _LAZY.get(name)
+    if module is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later accesses do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,9 +16,12 @@ should_exit: preemption signals agreed across ranks, then an emergency save and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -30,19 +33,23 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import faults, layout, log, preempt, sharding, state_tree
+from . import faults, layout, log, preempt, retention, sharding, state_tree
+from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .errors import (
     CheckpointError,
     CollectiveTimeout,
+    ManifestError,
+    MetadataError,
+    RootNotSharedError,
     SaveAborted,
     StateTreeError,
 )
-from .exitcodes import EXIT_COLLECTIVE_TIMEOUT, EXIT_PREEMPTED
+from .exitcodes import EXIT_COLLECTIVE_TIMEOUT, EXIT_FAILED, EXIT_PREEMPTED
 from .manifest import NAME as MANIFEST
-from .manifest import Manifest, RankEntry, shard_name
+from .manifest import Manifest, RankEntry, read_bytes, shard_name
 from .pinned_pool import HostPool
-from .protocol import Protocol
+from .protocol import Protocol, ranks_text
 from .restore import RestoreInfo, Restorer
 from .shard import DEFAULT_ALIGNMENT, ShardWriter, TensorRecord
 from .snapshot import Snapshot, Snapshotter
@@ -52,6 +59,45 @@ T = TypeVar("T")
 # ROOT/stats.jsonl grows by a line (about 400 bytes) per commit; at this size it becomes
 # stats.jsonl.1, replacing the older one, so that the two never hold much more than twice this
 STATS_MAX_BYTES = 16 << 20
+
+NOT_SHARED_ADVICE = (
+    "every rank's shard must land in the same directory for a checkpoint to commit: give every "
+    "rank the same path on a filesystem that all nodes mount (/scratch, $HOME, ...), not "
+    "node-local storage such as /tmp, /dev/shm or $TMPDIR")
+
+# Checkpointers not yet closed: their saves in flight are finished at interpreter exit
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_EXIT_HOOKED = False
+
+
+def finish_saves(why: str) -> bool:
+    """Wait for the saves in flight of every Checkpointer not yet closed; whether all of them
+    committed. Called at interpreter exit (and by :mod:`mpickpt.run` when the program returns):
+    a forgotten ``close()`` must not drop the last checkpoint."""
+    ok = True
+    for ckpt in list(_OPEN):
+        ok = ckpt._finish_in_flight(why) and ok
+    return ok
+
+
+def _at_exit() -> None:
+    """Before Python joins its threads and stops the thread pools: finish the saves in flight;
+    if one cannot commit, the process must not exit 0 as if all were saved."""
+    if not finish_saves("the program ended without Checkpointer.close()"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+
+
+def _hook_exit() -> None:
+    """Run :func:`_at_exit` at interpreter exit, before ``concurrent.futures`` refuses new work
+    (its own hook, registered earlier, runs later: they run in reverse order)."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_at_exit)
+        _EXIT_HOOKED = True
 
 
 def _collect(x: Any, out: list[Any]) -> None:
@@ -75,6 +121,7 @@ class SaveResult:
     path: str | None = None
     error: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # as committed in the manifest
 
 
 class SaveHandle:
@@ -151,9 +198,16 @@ class Checkpointer:
         requeue: bool | None = None,
         replicated: tuple[str, ...] | list[str] = (),
         world_change: str = "reshard",
+        keep_every: int | None = None,
+        best: tuple[str, str] | None = None,
+        keep_best: int = 0,
     ) -> None:
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be at least 1, not {keep}")
+        if best is not None and not (isinstance(best, (tuple, list)) and len(best) == 2
+                                     and isinstance(best[0], str)):
+            raise ValueError(f"best must be (metadata key, 'min' or 'max'), not {best!r}")
+        self.retention = retention.Policy(keep, keep_every, best[0] if best else None,
+                                          best[1] if best else "min", keep_best)
+        self.retention.check()
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
         if world_change not in ("reshard", "fail"):
@@ -191,10 +245,15 @@ class Checkpointer:
         self.requeue = requeue
         self.preempted = False
         self._last: SaveResult | None = None  # the last committed save
+        self._waits: list[float] = []  # rank 0: the seconds each save of a run of waits waited
+        self._metadata: dict[int, dict[str, Any]] = {}  # rank 0: of committed steps, for retention
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
         self._collective(self._prepare_root, "init", root_only=True)
+        self._check_shared_root()
+        _OPEN.add(self)
+        _hook_exit()
 
     # ---------------------------------------------------------------------------------- plumbing
 
@@ -233,6 +292,52 @@ class Checkpointer:
                 self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
                                  "a later start", path, e)
 
+    def _check_shared_root(self) -> None:
+        """Prove that every rank sees ROOT as the same directory, or raise RootNotSharedError on
+        every rank naming the ranks that do not: rank 0 writes a token there and every rank reads
+        it back through its own path. A ROOT rank 0 cannot write (read-only, for a restore) is
+        compared by its inode and its listing instead."""
+        name = f".mpickpt-root-check-{self.run_id}"
+        token: str | None = uuid.uuid4().hex
+        listing = None
+        if self.rank == 0:
+            try:
+                layout.atomic_write(os.path.join(self.root, name), token.encode())
+            except OSError:
+                token, listing = None, _fingerprint(self.root)
+        token, listing, root0 = self._collective(lambda: (token, listing, self.root), "root",
+                                                 root_only=True)
+        why = None
+        try:
+            if token is not None:
+                with open(os.path.join(self.root, name), "rb") as f:
+                    if f.read() != token.encode():
+                        why = "it holds another run's token"
+            elif _fingerprint(self.root) != listing:
+                why = (f"{self.root} is another directory than rank 0's (its inode or "
+                       "entries differ)")
+        except OSError as e:
+            why = e.strerror or str(e)
+        try:
+            ok = self._proto.all_ok(why is None, "root")
+            bad = [] if ok else self._proto.allgather(
+                (self.rank, socket.gethostname(), self.root, why), "root-report")
+        except CollectiveTimeout as e:
+            self._timed_out(e)
+            raise
+        if self.rank == 0 and token is not None:
+            with contextlib.suppress(OSError):  # a leftover is harmless, and never loaded
+                os.unlink(os.path.join(self.root, name))
+        if ok:
+            return
+        bad = [b for b in bad if b[3] is not None]
+        hosts = ", ".join(sorted({h for _, h, _, _ in bad}))
+        r, _, path, reason = bad[0]
+        raise RootNotSharedError(
+            f"ROOT {root0} (rank 0) is not one directory shared by every rank: "
+            f"{ranks_text(b[0] for b in bad)} on {hosts} cannot read the file rank 0 wrote "
+            f"there (rank {r}, {os.path.join(path, name)}: {reason}); {NOT_SHARED_ADVICE}")
+
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -243,9 +348,12 @@ class Checkpointer:
              ) -> SaveHandle:
         """Checkpoint ``state`` as ``step`` on every rank, all or nothing; collective.
 
-        Returns once the state is snapshotted (the training thread's whole cost); the write, the
-        vote and the commit go on in the background. A state mpickpt cannot save raises
-        :class:`StateTreeError` here, on every rank, after the others have aborted the save too.
+        ``step`` is the number of training steps completed: ``restore`` returns it, and the loop
+        resumes there. ``metadata`` (JSON values, see :mod:`mpickpt.metadata`) goes into the
+        manifest. Returns once the state is snapshotted (the training thread's whole cost); the
+        write, the vote and the commit go on in the background. A state or metadata mpickpt
+        cannot save raises :class:`StateTreeError` or :class:`MetadataError` here, after every
+        rank has aborted the save.
         """
         self._check_open()
         if not isinstance(step, int) or step < 0:
@@ -254,18 +362,18 @@ class Checkpointer:
         t0 = time.perf_counter()
         snap, tree, err, user_error = None, None, None, None
         layouts: dict[str, sharding.Layout] = {}
+        md: dict[str, Any] = {}
         try:
             faults.hit("before-snapshot", self.rank, step)
-            json.dumps(metadata or {}, allow_nan=False)
+            md = user_metadata.check(metadata)
             tree, tensors, layouts = state_tree.flatten_layouts(
                 state, self.replicated, self.world_size)
             self._keep_mine(tensors, layouts)
             self._hook(state)
-            if self._pool.in_flight() >= self._pool.slots:
-                self.log.info("save of step %d waits for an earlier save to finish persisting "
-                              "(max_in_flight=%d)", step, self._pool.slots)
+            waits = self._pool.in_flight() >= self._pool.slots
             snap = self._snapshotter.take(tensors)
-        except StateTreeError as e:
+            self._log_wait(step, waits)
+        except (StateTreeError, MetadataError) as e:
             err, user_error = str(e), e
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
@@ -273,14 +381,29 @@ class Checkpointer:
         if snap is not None:
             stats["snapshot_bytes"] = snap.nbytes
             stats["waited_for_buffer_s"] = self._pool.waited_s
-        future = self._worker.submit(self._persist, step, snap, tree, layouts, err,
-                                     metadata or {}, stats)
+        future = self._worker.submit(self._persist, step, snap, tree, layouts, err, md, stats)
         handle = SaveHandle(step, future, self.on_error == "raise")
         self._pending.append(handle)
         if user_error is not None:
             handle.wait()
             raise user_error
         return handle
+
+    def _log_wait(self, step: int, waited: bool) -> None:
+        """Rank 0 says once when saves start waiting for earlier ones, and once when they stop."""
+        if self.rank != 0:
+            return
+        if waited:
+            if not self._waits:
+                self.log.info("save of step %d waits for an earlier save to finish persisting "
+                              "(waited %.2f s, max_in_flight=%d): saves come faster than they "
+                              "persist; the next waits are logged once they end", step,
+                              self._pool.waited_s, self._pool.slots)
+            self._waits.append(self._pool.waited_s)
+        elif self._waits:
+            self.log.info("saves no longer wait: %d in a row waited for an earlier one, %.2f s "
+                          "in all", len(self._waits), sum(self._waits))
+            self._waits = []
 
     def _keep_mine(self, tensors: dict[str, torch.Tensor],
                    layouts: dict[str, sharding.Layout]) -> None:
@@ -505,7 +628,7 @@ class Checkpointer:
         except Exception as e:  # rank 0 aborts the commit, naming this rank
             payload = {"error": f"rank {self.rank}: {type(e).__name__}: {e}"}
         entries = self._proto.gather(payload, "gather")
-        outcome: tuple[str | None, str | None] = (None, None)
+        outcome: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
         if self.rank == 0:
             t = time.perf_counter()
             try:
@@ -516,13 +639,15 @@ class Checkpointer:
                 ranks = [RankEntry(**{**e, "tensors": [TensorRecord(**r) for r in e["tensors"]]})
                          for e in entries or []]
                 _check_pieces(ranks)
+                _check_shards(partial, ranks)
+                metadata = user_metadata.resolve(metadata)
                 manifest = Manifest(step, self.world_size, self.run_id, ranks, metadata,
                                     checksum_block=self.block)
-                outcome = (self._commit(partial, manifest), None)
+                outcome = (self._commit(partial, manifest), None, metadata)
                 stats["commit_s"] = time.perf_counter() - t
                 stats["bytes"] = manifest.total_bytes
             except Exception as e:
-                outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}")
+                outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}", {})
                 self._discard(partial)
         else:  # rank 0 writes the manifest and commits while this rank waits for the outcome
             try:
@@ -530,8 +655,9 @@ class Checkpointer:
             except Exception as e:  # rank 0 decides alone now: wait for its outcome
                 self.log.error("rank %d: %s: %s while rank 0 commits step %d", self.rank,
                                type(e).__name__, e, step)
-        path, error = self._proto.bcast(outcome, "commit")
-        return SaveResult(step, error is None, path=path, error=error, stats=stats)
+        path, error, metadata = self._proto.bcast(outcome, "commit")
+        return SaveResult(step, error is None, path=path, error=error, stats=stats,
+                          metadata=metadata)
 
     def _commit(self, partial: str, manifest: Manifest) -> str:
         """Publish: manifest into the partial directory, then the directory into place."""
@@ -541,6 +667,10 @@ class Checkpointer:
         )
         final = os.path.join(self.root, layout.step_name(manifest.step))
         if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
+            self.log.warning(
+                "step %d was already committed; this save replaces it. The number saved is the "
+                "count of training steps done: a loop that resumes at the restored number and "
+                "saves after training a step should save step + 1", manifest.step)
             layout.remove(final, self.run_id)
         os.rename(partial, final)
         layout.fsync_path(self.root)
@@ -560,10 +690,10 @@ class Checkpointer:
             faults.hit("after-commit-before-retention", self.rank, result.step)
             return
         s = result.stats
-        self.log.info("checkpoint step %d committed: %.3f GB, stall %.3f s, persist %.2f GB/s "
-                      "(rank 0), commit %.0f ms -> %s", result.step, s.get("bytes", 0) / 1e9,
-                      s["stall_s"], s.get("persist_GBps", 0), s.get("commit_s", 0) * 1e3,
-                      result.path)
+        self.log.info("checkpoint step %d committed: %s, stall %.3f s, persist %.2f GB/s "
+                      "(rank 0), commit %.0f ms -> %s", result.step,
+                      log.human_bytes(s.get("bytes", 0)), s["stall_s"], s.get("persist_GBps", 0),
+                      s.get("commit_s", 0) * 1e3, result.path)
         # the checkpoint is committed on every rank: what follows may fail (a full disk, no
         # write permission) without undoing it or stopping the training
         stats = os.path.join(self.root, "stats.jsonl")
@@ -576,16 +706,39 @@ class Checkpointer:
         except OSError as e:
             self.log.warning("could not append step %d's figures to %s: %s", result.step, stats, e)
         faults.hit("after-commit-before-retention", 0, result.step)
-        if self.keep is None:
+        self._retain(result)
+
+    def _retain(self, result: SaveResult) -> None:
+        """Rank 0, after a commit: remove the committed checkpoints no rule of the retention
+        policy keeps (the one just committed is always kept)."""
+        policy = self.retention
+        if not policy.deletes:
             return
-        for step, path in layout.committed(self.root)[self.keep:]:
-            if step != result.step:
-                self.log.info("retention (keep=%d): removing step %d", self.keep, step)
-                try:
-                    layout.remove(path, self.run_id)
-                except OSError as e:
-                    self.log.warning("retention could not remove %s: %s; what is left of it is "
-                                     "removed at a later start", path, e)
+        committed = dict(layout.committed(self.root))
+        self._metadata[result.step] = result.metadata
+        doomed, _ = retention.plan(policy, [(step, self._metadata_of(step, path) if policy.best
+                                             else {}) for step, path in committed.items()])
+        for step in doomed:
+            if step == result.step:
+                continue
+            self.log.info("retention (%s): removing step %d", policy.describe(), step)
+            self._metadata.pop(step, None)
+            try:
+                layout.remove(committed[step], self.run_id)
+            except OSError as e:
+                self.log.warning("retention could not remove %s: %s; what is left of it is "
+                                 "removed at a later start", committed[step], e)
+
+    def _metadata_of(self, step: int, path: str) -> dict[str, Any]:
+        """The user metadata of a committed step (read from its manifest once)."""
+        if step not in self._metadata:
+            try:
+                self._metadata[step] = Manifest.from_json(read_bytes(path), path).metadata
+            except ManifestError as e:  # unranked, so kept only by the other rules
+                self.log.warning("retention cannot rank step %d by %s: %s", step,
+                                 self.retention.best, e)
+                self._metadata[step] = {}
+        return self._metadata[step]
 
     # ----------------------------------------------------------------------------------- restore
 
@@ -597,6 +750,7 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        t0 = time.perf_counter()
         candidates = self._collective(
             lambda: layout.committed(self.root, require_manifest=False), "list", root_only=True)
         if step is not None:
@@ -607,16 +761,21 @@ class Checkpointer:
             info = Restorer(self._proto, self._pool, self.io_threads, self.log,
                             self.replicated, self.world_change).run(
                 state, candidates, explicit=step is not None)
+            info.total_bytes_read = self._proto.sum(info.bytes_read, "restored")
         except CollectiveTimeout as e:
             self._timed_out(e)
             raise
+        info.seconds = time.perf_counter() - t0
         self.restore_info = info
         if self.rank == 0:
             if info.step is None:
                 self.log.info("no loadable checkpoint under %s: fresh start%s", self.root,
                               f" ({len(info.skipped)} skipped)" if info.skipped else "")
             else:
-                self.log.info("restored step %d from %s", info.step, info.path)
+                self.log.info("restored step %d from %s in %.2f s: %s read by %d rank(s), "
+                              "%.2f GB/s", info.step, info.path, info.seconds,
+                              log.human_bytes(info.total_bytes_read), self.world_size,
+                              info.total_bytes_read / max(info.seconds, 1e-9) / 1e9)
         return info.step
 
     # ------------------------------------------------------------------------------------- close
@@ -630,6 +789,7 @@ class Checkpointer:
             self.wait()
             self._worker.shutdown()
             self._closed = True
+            _OPEN.discard(self)
             try:
                 self._exit_vote.free()
                 self._proto.barrier("close")
@@ -637,6 +797,21 @@ class Checkpointer:
                 self._timed_out(e)
                 raise
             self._proto.free()
+
+    def _finish_in_flight(self, why: str) -> bool:
+        """Wait for this Checkpointer's saves in flight; whether they all committed."""
+        if self._closed or not self._pending:
+            return True
+        steps = ", ".join(str(h.step) for h in self._pending)
+        if self.rank == 0:
+            self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
+        results = [h._future.result() for h in self._pending]
+        self._pending = []
+        failed = [r for r in results if not r.committed]
+        for r in failed:
+            self.log.error("%s, and the save of step %d could not commit (%s): it is lost; "
+                           "exiting with code %d", why, r.step, r.error, EXIT_FAILED)
+        return not failed
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -656,6 +831,29 @@ def _check_pieces(ranks: list[RankEntry]) -> None:
                 pieces.setdefault(r.name, []).append(
                     (e.rank, tuple(r.global_shape), tuple(r.offsets), tuple(r.shape), r.dtype))
     sharding.check_coverage(pieces)
+
+
+def _check_shards(partial: str, ranks: list[RankEntry]) -> None:
+    """Before the commit, on rank 0: every rank's shard is in the partial directory as rank 0
+    sees it, of the size its rank wrote (a ROOT that is not shared leaves them elsewhere)."""
+    sizes: dict[str, int] = {}
+    with os.scandir(partial) as entries:
+        for e in entries:
+            if e.is_file(follow_symlinks=False):
+                sizes[e.name] = e.stat(follow_symlinks=False).st_size
+    missing = [e.rank for e in ranks if e.file not in sizes]
+    if missing:
+        raise CheckpointError(f"the shards of {ranks_text(missing)} are not in {partial} as "
+                              f"rank 0 sees it, although they were written: {NOT_SHARED_ADVICE}")
+    wrong = [e.rank for e in ranks if sizes[e.file] != e.bytes]
+    if wrong:
+        raise CheckpointError(f"the shards of {ranks_text(wrong)} in {partial} are not of the "
+                              "size their ranks wrote")
+
+
+def _fingerprint(root: str) -> tuple[int, list[str]]:
+    """What tells two directories apart without writing to them: inode and entries."""
+    return os.stat(root).st_ino, sorted(os.listdir(root))
 
 
 def _rotate(stats: str) -> None:

@@ -11,6 +11,14 @@ class StateTreeError(CheckpointError, TypeError):
     """The user's state holds something mpickpt cannot save; the message names the key path."""
 
 
+class MetadataError(CheckpointError, TypeError):
+    """``save(metadata=...)`` holds a value that is not JSON; the message names the key."""
+
+
+class RootNotSharedError(CheckpointError):
+    """ROOT is not one directory that every rank sees (node-local storage, different paths)."""
+
+
 class StateMismatchError(CheckpointError):
     """A checkpoint does not fit the state it is restored into (a missing key, shape or dtype)."""
 

@@ -9,6 +9,17 @@ import sys
 logger = logging.getLogger("mpickpt")
 
 
+def human_bytes(n: float | None) -> str:
+    """``1234567`` -> ``"1.2 MB"``: B, kB, MB, GB or TB, whichever fits."""
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 def setup(rank: int) -> logging.Logger:
     """Give the logger a stderr handler with a rank prefix, unless the application configured one.
 

@@ -308,6 +308,9 @@ class Protocol:
     def max(self, value: int, phase: str) -> int:
         return self._allreduce(value, MPI.MAX, phase)
 
+    def sum(self, value: int, phase: str) -> int:
+        return self._allreduce(value, MPI.SUM, phase)
+
     def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
         self.barrier(phase)
         return self.comm.bcast(obj, root=root)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import faults, provenance, reshard, state_tree
+from . import faults, layout, provenance, reshard, state_tree
 from .errors import (
     CheckpointError,
     ManifestError,
@@ -34,6 +34,8 @@ from .manifest import Manifest, RankEntry, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .shard import check_file, check_records
+
+_MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
 # verdicts, combined with MAX over ranks
 _OK, _CORRUPT, _MISMATCH = 0, 1, 2
@@ -49,6 +51,8 @@ class RestoreInfo:
     skipped: list[tuple[int, str]] = field(default_factory=list)
     world_size: int | None = None  # of the job that wrote it
     bytes_read: int = 0  # by this rank
+    total_bytes_read: int = 0  # by every rank
+    seconds: float = 0.0  # the whole restore, the fallbacks included
 
 
 class Restorer:
@@ -78,6 +82,11 @@ class Restorer:
                                  step, verdict)
             if explicit:
                 raise CheckpointError(f"checkpoint step {step} cannot be restored: {verdict}")
+        if info.step is None and info.skipped and self.rank == 0 and all(
+                _MISSING in why for _, why in info.skipped):
+            self.log.warning("every checkpoint under %s lacks shards of some ranks: %s",
+                             os.path.dirname(candidates[0][1]),
+                             layout.not_shared_hint())
         return info
 
     def _read_manifest(self, path: str) -> tuple[str | None, str | None]:

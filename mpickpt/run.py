@@ -298,6 +298,15 @@ def run_program(program: Callable[[], object], rank: int) -> int:
     return EXIT_OK
 
 
+def finish_saves() -> bool:
+    """The saves a program left in flight (it did not call ``Checkpointer.close()``) finish and
+    commit before the ranks agree on the exit code; False if one could not."""
+    checkpointer = sys.modules.get("mpickpt.checkpointer")  # not imported: no Checkpointer
+    if checkpointer is None:
+        return True
+    return checkpointer.finish_saves("the program returned without Checkpointer.close()")
+
+
 def main(fn: Callable[[], object] | None = None) -> NoReturn:
     """Run ``fn()``, or without it the program on the command line, on this rank; never returns.
 
@@ -319,6 +328,8 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
         program, code = None, exit_code(e)
     if program is not None:
         code = run_program(program, rank)
+        if not finish_saves():
+            code = code or EXIT_FAILED
     grace = float(os.environ.get("MPICKPT_EXIT_GRACE", EXIT_GRACE_S))
     try:
         code = agree_on_exit(exit_comm, code, grace)

@@ -75,6 +75,26 @@ class RNGState:
             torch.cuda.set_rng_state_all(list(sd["cuda"]))
 
 
+class Values:
+    """Plain values restored in place: ``progress = mpickpt.Values(epoch=0, seen=0)`` in the
+    state, ``progress.epoch += 1`` in the loop. A restore sets the attributes of this very
+    object, so every reference to it sees the restored values (a plain ``"epoch": 0`` in the
+    state dict is replaced in the dict, not in the variable it came from). Values are whatever a
+    state may hold: numbers, strings, tensors, lists and dicts of them."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.__dict__.update(sd)
+
+    def __repr__(self) -> str:
+        return f"Values({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+
 def _py_state(state: tuple[Any, ...]) -> dict[str, Any]:
     """``random.getstate()`` with its 625 words as one uint32 array instead of 625 JSON nodes."""
     version, words, gauss = state
@@ -93,6 +113,7 @@ class _Flattener:
         self.arrays: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, Layout] = {}
         self.replicated = replicated
+        self.unmatched = set(replicated)  # replicated key paths not met in the state yet
         self.world = world
 
     def is_replicated(self, path: tuple[Any, ...]) -> bool:
@@ -136,6 +157,8 @@ class _Flattener:
         return node
 
     def node(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        if self.unmatched:
+            self.unmatched.discard(_path_str(path))
         if len(path) > MAX_DEPTH:
             raise StateTreeError(f"state[{_path_str(path[:8])}/...]: nested more than "
                                  f"{MAX_DEPTH} levels deep; a restore would refuse its tree")
@@ -236,6 +259,13 @@ def flatten_layouts(state: Any, replicated: tuple[str, ...] = (), world: int = 1
     ``world`` ranks holds alike."""
     f = _Flattener(replicated, world)
     tree = f.node(state, ())
+    if f.unmatched:
+        keys = ", ".join(repr(k) for k in state) if isinstance(state, Mapping) else "none"
+        raise StateTreeError(
+            f"Checkpointer(replicated=...): {', '.join(repr(p) for p in sorted(f.unmatched))} "
+            f"{'match' if len(f.unmatched) > 1 else 'matches'} nothing in the state "
+            f"(a typo?); its top-level keys are {keys}. Key paths are joined with '/', "
+            "e.g. 'model' or 'optim/state'")
     return tree, f.arrays, f.layouts
 
 
