@@ -5,16 +5,27 @@ ranks restores on 2 with the same parameters and optimizer state and the same tr
 One 4-rank job trains 8 steps, saving at step 4 (tests/scenarios/ddp_train.py, which takes the
 state from ``get_state_dict`` as a user of any wrapped model would) and writing the full tensors
 there as the reference; its losses of steps 5-8 are the uninterrupted run's.
+
+And a 4-rank DDP job killed mid-save and resumed ends bit for bit like an uninterrupted one
+(tests/scenarios/ddp_resume.py, saving every 3 of 9 steps): one rank is SIGKILLed while writing
+step 6, a rerun restores step 3 and trains to 9. This holds because ddp_train.ddp builds DDP with
+``find_unused_parameters=True``: DDP then keeps the gradient buckets it starts with, where by
+default it rebuilds them after its first iteration, so a resumed run (in its first iteration at
+the resume step) would sum that step's gradients in another layout, another float order, than
+the uninterrupted run did (on 4 ranks gloo's ring allreduce orders a sum by the element's place
+in its bucket). The bucket layouts each run recorded show the remedy is in force.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from harness import manifest
+from harness import SCENARIOS, Job, assert_same_final, manifest, run_mpi, starts, step_dir
 from test_fsdp import SAVE_AT, STEPS, WORLD, full_nbytes, losses, scenario, trained
 
 
@@ -57,3 +68,121 @@ def test_ddp_restores_on_two_ranks(saved):
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     assert [resumed[s] for s in sorted(resumed)] == pytest.approx(
         [whole[s] for s in sorted(resumed)], rel=1e-5)
+
+
+# ------------------------------------------------- killed and resumed on 4 ranks, bit for bit
+
+RESUME_STEPS, EVERY, KILLED_AT, KILLED_RANK = 9, 3, 6, 2
+RESUMED_FROM = KILLED_AT - EVERY  # the newest save that committed before the kill
+CASE = (f"DDP on {WORLD} ranks: SIGKILL of rank {KILLED_RANK} mid-write of step {KILLED_AT}, "
+        f"resumed from step {RESUMED_FROM} to {RESUME_STEPS}, bit for bit")
+
+
+@dataclass
+class Runs:
+    """The uninterrupted, killed and resumed jobs (a str where the job hung: why) and their
+    output directories (rank-R.pt, rank-R.json, see ddp_resume.py)."""
+
+    whole: Job | str
+    dead: Job | str
+    resumed: Job | str
+    whole_out: Path
+    resumed_out: Path
+    after_kill: list[str]  # what the killed job left under its checkpoint root
+
+
+def resume_job(root: Path, out: Path, fault: str | None = None) -> Job | str:
+    """ddp_resume.py on WORLD ranks; a job that hangs gives the reason as a str."""
+    t = time.monotonic()
+    try:
+        job = run_mpi(WORLD, ["-m", "mpickpt.run", str(SCENARIOS / "ddp_resume.py"), "--root",
+                              str(root), "--out", str(out), "--steps", str(RESUME_STEPS),
+                              "--every", str(EVERY)],
+                      env={"MPICKPT_FAULT": fault} if fault else None, timeout=120)
+    except pytest.fail.Exception as e:
+        return str(e)
+    print(f"[timing] ddp_resume.py{' ' + fault if fault else ''} on {WORLD} ranks: "
+          f"{time.monotonic() - t:.1f} s wall")
+    return job
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    base = tmp_path_factory.mktemp("ddp_resume")
+    whole = resume_job(base / "whole-ckpt", base / "whole")
+    root = base / "ckpt"
+    dead = resume_job(root, base / "dead", f"mid-write:{KILLED_RANK}:kill:{KILLED_AT}")
+    after_kill = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    resumed = resume_job(root, base / "resumed")
+    return Runs(whole, dead, resumed, base / "whole", base / "resumed", after_kill)
+
+
+def rank_losses(out: Path, r: int) -> dict[int, float]:
+    found = json.loads((out / f"rank-{r}.json").read_text())["losses"]
+    return {int(k): v for k, v in found.items()}
+
+
+def judge(runs: Runs) -> tuple[str, str]:
+    """(outcome, detail) for the guarantee report."""
+    jobs = {"uninterrupted": runs.whole, "killed": runs.dead, "resumed": runs.resumed}
+    for name, job in jobs.items():
+        if isinstance(job, str):
+            return "hang", f"the {name} job: {job[-2000:]}"
+    assert isinstance(runs.whole, Job) and isinstance(runs.dead, Job)
+    assert isinstance(runs.resumed, Job)
+    if runs.whole.returncode != 0:
+        return "failed", f"the uninterrupted job failed: {runs.whole.output[-2000:]}"
+    if runs.dead.returncode == 0:
+        return "failed", f"the job survived a SIGKILL of one rank: {runs.dead.output[-2000:]}"
+    # the save of RESUMED_FROM committed; the torn one is only a partial directory
+    steps = [n for n in runs.after_kill if n.startswith("step-") and ".partial-" not in n]
+    if steps != [step_dir(Path(), RESUMED_FROM).name]:
+        return "failed", f"the killed job left {runs.after_kill}"
+    if runs.resumed.returncode != 0:
+        return "failed", f"the resumed job failed: {runs.resumed.output[-2000:]}"
+    begun = starts(runs.resumed_out, WORLD)
+    if len(set(begun)) > 1:
+        return "torn", f"the ranks resumed from different steps: {begun}"
+    if begun != [RESUMED_FROM] * WORLD:
+        return ("silent-wrong" if begun[0] else "failed"), f"resumed from step {begun[0]}"
+    try:
+        assert_same_final(runs.resumed_out, runs.whole_out, WORLD)
+    except AssertionError as e:
+        return "silent-wrong", f"the resumed run ended otherwise than the uninterrupted one: {e}"
+    for r in range(WORLD):
+        got, whole = rank_losses(runs.resumed_out, r), rank_losses(runs.whole_out, r)
+        if sorted(got) != list(range(RESUMED_FROM + 1, RESUME_STEPS + 1)):
+            return "failed", f"rank {r} ran steps {sorted(got)}"
+        if any(got[s] != whole[s] for s in got):
+            return "silent-wrong", f"rank {r}: losses {got} where the uninterrupted run had {whole}"
+    return "correct", ""
+
+
+def test_ddp_killed_and_resumed_on_four_ranks_ends_bit_identical(ddp_runs, guarantees):
+    """Final parameters, Adam state (exp_avg, exp_avg_sq, step) and every loss after the resume
+    step equal the uninterrupted run's exactly, on every rank."""
+    outcome, detail = judge(ddp_runs)
+    guarantees.record("ddp-resume", CASE, outcome, detail)
+    assert outcome == "correct", detail
+
+
+def test_ddp_bucket_layout_never_changes(ddp_runs):
+    """Every run keeps the bucket layout DDP was built with, the same on every rank, in the
+    resumed and the uninterrupted run: DDP's bucket rebuild is off (find_unused_parameters)."""
+    for job in (ddp_runs.whole, ddp_runs.resumed):
+        assert isinstance(job, Job), job
+        assert job.returncode == 0, job.output
+    built = None
+    model = torch.load(ddp_runs.whole_out / "rank-0.pt", weights_only=True)["model"]
+    for out, first in ((ddp_runs.whole_out, 1), (ddp_runs.resumed_out, RESUMED_FROM + 1)):
+        for r in range(WORLD):
+            got = json.loads((out / f"rank-{r}.json").read_text())
+            assert got["find_unused_parameters"] is True
+            layouts = got["buckets"]
+            # recorded when built and after each step, the first and the last included
+            assert list(layouts) == ["built", *map(str, range(first, RESUME_STEPS + 1))]
+            built = built or layouts["built"]
+            changed = {when: lay for when, lay in layouts.items() if lay != built}
+            assert not changed, f"{out.name} rank {r}: DDP's buckets were {built}, then {changed}"
+    assert built is not None and len(built) >= 3, f"the model should span several buckets: {built}"
+    assert sorted(n for bucket in built for n in bucket) == sorted(model)

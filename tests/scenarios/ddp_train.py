@@ -7,9 +7,14 @@ Every rank holds the whole model and optimizer state alike, so the Checkpointer 
 over the ranks. The state comes from ``get_state_dict(model, optim)`` as for FSDP - what PyTorch
 recommends for any wrapped model: it takes the keys without DDP's ``module.`` prefix (so the
 checkpoint also loads into an unwrapped model) and names the optimizer state by parameter name.
+
+DDP is built by :func:`ddp`, with ``find_unused_parameters=True`` so that a run resumed from a
+checkpoint trains bit for bit like an uninterrupted one (tests/multirank/test_ddp.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,9 +22,15 @@ from fsdp_train import main
 from torch.nn.parallel import DistributedDataParallel
 
 
+def ddp(model: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
+    # DDP rebuilds its gradient buckets after its first iteration, so a resumed run would sum some
+    # step's gradients in another bucket layout (float order); with this it never rebuilds them.
+    return DistributedDataParallel(model, find_unused_parameters=True, **kwargs)
+
+
 def wrap_ddp(model: torch.nn.Sequential, world: int) -> torch.nn.Module:
     assert dist.get_world_size() == world
-    return DistributedDataParallel(model)
+    return ddp(model)
 
 
 if __name__ == "__main__":
