@@ -208,11 +208,14 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             return fail(f"{path} holds no records to plot")
         png = os.path.abspath(args.plot)
         try:
+            layout.make_dirs(os.path.dirname(png))
             plot(records, png, f"{root}: {len(records)} checkpoints, steps "
                  f"{records[0]['step']}..{records[-1]['step']}")
         except ImportError:
             return fail("--plot needs matplotlib, which is not installed: pip install "
                         "'mpickpt[plot]'")
+        except OSError as e:
+            return fail(f"cannot write {png}: {e.strerror or e}")
     breaks = gaps([float(r["time"]) for r in records])
     out.json({"command": "stats", "exit_code": EXIT_OK, "error": None, "root": root,
               "file": path, "records": records, "skipped_lines": skipped, "plot": png,

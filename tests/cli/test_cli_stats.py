@@ -18,7 +18,7 @@ def test_stats_table_json_and_plot(tmp_path, tmp_path_factory):
     lines = (root / "stats.jsonl").read_text().splitlines()
     with open(root / "stats.jsonl", "a") as f:
         f.write('{"step": 30, "time": 17')  # a line cut short by a crash
-    png = tmp_path / "timeline.png"
+    png = tmp_path / "plots" / "new" / "timeline.png"  # its folder is made
     code, doc = cli_json("stats", root, "--plot", png)
     assert code == EXIT_OK
     assert [r["step"] for r in doc["records"]] == [5, 10, 15, 20]
