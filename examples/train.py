@@ -70,13 +70,13 @@ def main() -> None:
     ckpt = None
     if not args.no_checkpoint:
         ckpt = mpickpt.Checkpointer(args.root, keep=args.keep)
-        restored = ckpt.restore(state)
+        restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
     if comm.rank == 0:
         print(f"training steps {start + 1}..{args.steps} on {comm.size} ranks", flush=True)
     for step in range(start, args.steps):
         loss = train_step(state, comm)
-        done = step + 1
+        done = step + 1  # steps completed: the number save() stores and restore() returns
         if ckpt is not None and done % args.every == 0:
             ckpt.save(done, state, metadata={"loss": loss})
         if ckpt is not None:

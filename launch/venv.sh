@@ -89,6 +89,8 @@ mods = ["torch", "numpy", "h5py", "mpi4py", "xxhash"]
 per_extra = {
     "test": ["pytest", "pytest_mpi", "pytest_timeout", "ruff", "psutil"],
     "bench": ["matplotlib"],
+    "plot": ["matplotlib"],
+    "export": ["safetensors"],
 }
 for extra in extras:
     mods += per_extra.get(extra, [])
