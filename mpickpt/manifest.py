@@ -75,6 +75,20 @@ class Manifest:
         return json.dumps(d, indent=1, allow_nan=False)
 
     @classmethod
+    def assemble(cls, step: int, world_size: int, run_id: str,
+                 entries: list[dict[str, Any]], metadata: dict[str, Any],
+                 checksum_block: int) -> Manifest:
+        """The manifest of the ranks' entries (each a :class:`RankEntry` as a dict, as the ranks
+        send them), held to the rules a parsed manifest obeys; ManifestError otherwise."""
+        d = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+             "run_id": run_id, "ranks": entries, "metadata": metadata, "created": time.time(),
+             "checksum_algorithm": checksum.ALGORITHM, "checksum_block": checksum_block}
+        try:
+            return _parse(d)
+        except _Bad as e:
+            raise ManifestError(f"the manifest of step {step}: {e}") from None
+
+    @classmethod
     def from_json(cls, text: str | bytes, where: str) -> Manifest:
         """Parse and validate; every problem is a :class:`ManifestError` naming ``where``."""
         try:

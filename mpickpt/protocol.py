@@ -22,46 +22,33 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from . import knobs
 from .errors import CollectiveTimeout
+from .exitcodes import EXIT_COLLECTIVE_TIMEOUT
 
-DEFAULT_TIMEOUT = 900.0
-DEFAULT_GRACE = 5.0
+DEFAULT_TIMEOUT = knobs.TIMEOUT.default
+DEFAULT_GRACE = knobs.TIMEOUT_GRACE.default
 # point-to-point tags of the roll call on the private communicators (collectives never match them)
 TAG_ALARM, TAG_CALL, TAG_HERE, TAG_REPORT = 0x6D71, 0x6D72, 0x6D73, 0x6D74  # <= 32767, always valid
 _MAX_RANGES = 32  # a rank list longer than this many ranges is cut short in messages
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
-
-
 def resolve_timeout(timeout: float | None) -> float:
     """``timeout``, else ``$MPICKPT_TIMEOUT`` (seconds), else 900 s."""
-    return float(timeout) if timeout is not None else _env_seconds("MPICKPT_TIMEOUT",
-                                                                   DEFAULT_TIMEOUT)
+    return float(timeout) if timeout is not None else knobs.TIMEOUT.get()
 
 
 def resolve_grace(grace: float | None) -> float:
     """``grace``, else ``$MPICKPT_TIMEOUT_GRACE`` (seconds), else 5 s."""
-    return float(grace) if grace is not None else _env_seconds("MPICKPT_TIMEOUT_GRACE",
-                                                               DEFAULT_GRACE)
+    return float(grace) if grace is not None else knobs.TIMEOUT_GRACE.get()
 
 
 def _spans(ranks: Iterable[int]) -> list[list[int]]:
@@ -262,7 +249,7 @@ class Protocol:
         finally:
             local.Free()
 
-    def _poll(self, req: MPI.Request, roll: _RollCall, phase: str) -> None:
+    def complete(self, req: MPI.Request, roll: _RollCall, phase: str) -> None:
         """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
         MPI error) account for the missing ranks and raise :class:`CollectiveTimeout`."""
         deadline = time.monotonic() + self.timeout
@@ -289,7 +276,7 @@ class Protocol:
 
     def _wait(self, req: MPI.Request, phase: str) -> None:
         self._roll.enter(f"phase {phase!r} (collective #{self._roll.seq + 1})")
-        self._poll(req, self._roll, phase)
+        self.complete(req, self._roll, phase)
         self._roll.complete()
 
     def barrier(self, phase: str) -> None:
@@ -340,6 +327,18 @@ class Protocol:
             time.sleep(self._abort_delay)
         MPI.COMM_WORLD.Abort(code)
 
+    @contextlib.contextmanager
+    def fatal_timeouts(self, log: logging.Logger) -> Iterator[None]:
+        """Around collectives whose missed deadline ends the job: the communicator cannot be
+        trusted any more, so say so and abort (exit code 75) rather than hang or go on."""
+        try:
+            yield
+        except CollectiveTimeout as e:
+            log.error("%s; aborting the job (exit code %d), the last committed checkpoint stays "
+                      "loadable", e, EXIT_COLLECTIVE_TIMEOUT)
+            self.abort(EXIT_COLLECTIVE_TIMEOUT)
+            raise
+
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
@@ -370,7 +369,7 @@ class ExitVote:
     def _complete(self) -> None:
         assert self._req is not None
         self._roll.enter(self._label)
-        self._proto._poll(self._req, self._roll, self.PHASE)
+        self._proto.complete(self._req, self._roll, self.PHASE)
         self._roll.complete()
         self._req = None
 

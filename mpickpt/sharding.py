@@ -199,6 +199,22 @@ def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
     return None
 
 
+def keep_mine(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout], rank: int) -> None:
+    """Drop from ``tensors`` the replicated pieces another holder writes (DDP: each rank writes
+    about 1/N of the model). The pieces of each replica group are spread over its ranks by
+    :func:`writers`, which every holder computes alike."""
+    groups: dict[tuple[int, ...], list[tuple[str, int, tuple[int, ...]]]] = {}
+    for name, lay in layouts.items():
+        if lay.holders is not None and len(lay.holders) > 1:
+            t = tensors[name]
+            groups.setdefault(lay.holders, []).append(
+                (name, t.numel() * t.element_size(), lay.holders))
+    for pieces in groups.values():
+        for name, writer in writers(pieces).items():
+            if writer != rank:
+                del tensors[name]
+
+
 def check_coverage(pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...],
                                                 tuple[int, ...], str]]]) -> None:
     """Raise ValueError unless the written pieces of each sharded tensor tile it exactly.

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,10 +46,10 @@ class Snapshot:
     nbytes: int
     buffer: torch.Tensor
     stall_s: float = 0.0  # time take() spent on the training thread
-    _done: list[torch.cuda.Event] = field(default_factory=list)
-    _start: list[torch.cuda.Event] = field(default_factory=list)
-    _keep: list[torch.Tensor] = field(default_factory=list)
-    _drains: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]] = field(
+    done_events: list[torch.cuda.Event] = field(default_factory=list)
+    start_events: list[torch.cuda.Event] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    drains: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]] = field(
         default_factory=list)
     drained: threading.Event = field(default_factory=threading.Event)
     copy_s: float = 0.0
@@ -57,18 +59,18 @@ class Snapshot:
         Called by the persist thread; drains the staging buffers."""
         t0 = time.perf_counter()
         try:
-            for stream, src, dst in self._drains:
+            for stream, src, dst in self.drains:
                 _drain(stream, src, dst)
         finally:
             self.drained.set()
-        for ev in self._done:
+        for ev in self.done_events:
             ev.synchronize()
-        if self._done:
-            self.copy_s = max(s.elapsed_time(d) for s, d in zip(self._start, self._done,
+        if self.done_events:
+            self.copy_s = max(s.elapsed_time(d) for s, d in zip(self.start_events, self.done_events,
                                                                 strict=True)) / 1e3
-        if self._drains:
+        if self.drains:
             self.copy_s += time.perf_counter() - t0
-        self._keep.clear()
+        self.sources.clear()
 
 
 def _drain(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -97,6 +99,8 @@ class Snapshotter:
         self._staging: dict[torch.device, torch.Tensor] = {}
         self._safe: dict[torch.device, torch.cuda.Event] = {}
         self._last: Snapshot | None = None
+        self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._hook_lock = threading.Lock()
 
     def take(self, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         t0 = time.perf_counter()
@@ -128,7 +132,7 @@ class Snapshotter:
                 with torch.no_grad():
                     for n in names:
                         views[n].copy_(tensors[n])
-        if not snap._drains:
+        if not snap.drains:
             snap.drained.set()
         self._last = snap
         snap.stall_s = time.perf_counter() - t0
@@ -153,16 +157,16 @@ class Snapshotter:
                 torch._foreach_copy_(stage_views, srcs, non_blocking=True)
                 safe.record(stream)
                 done.record(stream)
-                snap._drains.append((stream, staging[: hi - lo], buf[lo:hi]))
+                snap.drains.append((stream, staging[: hi - lo], buf[lo:hi]))
             else:
                 for d, s in zip(dsts, srcs, strict=True):
                     d.copy_(s, non_blocking=True)
                 safe.record(stream)
                 done.record(stream)
         self._safe[dev] = safe
-        snap._start.append(start)
-        snap._done.append(done)
-        snap._keep.extend(srcs)
+        snap.start_events.append(start)
+        snap.done_events.append(done)
+        snap.sources.extend(srcs)
 
     def _staging_buffer(self, dev: torch.device, nbytes: int) -> torch.Tensor | None:
         if not self.device_staging:
@@ -175,6 +179,30 @@ class Snapshotter:
             return None  # not enough GPU memory: copy straight to the host buffer
         self._staging[dev] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         return self._staging[dev]
+
+    def release(self, snap: Snapshot) -> None:
+        """The persist thread is done with ``snap``: its staging and host buffers are free
+        again (also when it failed before draining them)."""
+        snap.drained.set()
+        self.pool.release(snap.buffer)
+
+    def guard(self, state: Any) -> None:
+        """Make the optimizers and modules in ``state`` wait for the snapshot before they change
+        the tensors it copies (a GPU-side stream wait, nothing on the CPU): an optimizer step
+        pre-hook and a forward pre-hook, registered once per object."""
+        if not torch.cuda.is_available():
+            return
+        found: list[Any] = []
+        _collect(state, found)
+        with self._hook_lock:
+            for obj in found:
+                if obj in self._hooked:
+                    continue
+                if isinstance(obj, torch.optim.Optimizer):
+                    obj.register_step_pre_hook(lambda *_: self.fence())
+                else:
+                    obj.register_forward_pre_hook(lambda *_: self.fence())
+                self._hooked.add(obj)
 
     def fence(self) -> None:
         """Make the current stream of each device wait until the last snapshot no longer reads
@@ -190,6 +218,18 @@ class Snapshotter:
         for ev in list(self._safe.values()):
             ev.synchronize()
         self._safe.clear()
+
+
+def _collect(x: Any, out: list[Any]) -> None:
+    """The optimizers and modules in a state (not inside modules)."""
+    if isinstance(x, (torch.optim.Optimizer, torch.nn.Module)):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect(v, out)
 
 
 def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

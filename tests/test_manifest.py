@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import resource
@@ -49,6 +51,27 @@ def test_bad_manifests_are_refused(mutate, message):
     mutate(d)
     with pytest.raises(ManifestError, match=message):
         Manifest.from_json(json.dumps(d), "/r/step-7/MANIFEST.json")
+
+
+def test_the_manifest_assembles_itself_from_the_ranks_entries():
+    """What the ranks send (their entries as dicts) becomes the manifest rank 0 commits, held to
+    the rules a parsed manifest obeys: the same mutations are refused the same way."""
+    m = sample()
+    entries = [dataclasses.asdict(e) for e in m.ranks]
+    built = Manifest.assemble(7, 2, "run1", entries, {"lr": 0.1}, m.checksum_block)
+    assert built.ranks == m.ranks and (built.step, built.world_size, built.metadata) == (
+        7, 2, {"lr": 0.1})
+    assert Manifest.from_json(built.to_json(), "M") == built
+    for mutate, message in [
+        (lambda es: es[1].update(file="../../etc/passwd"), "is not 'rank-00001.h5'"),
+        (lambda es: es[0].update(rank=1), "rank field"),
+        (lambda es: es[0]["tensors"][0].update(shape=["2"]), "not a list of integers"),
+        (lambda es: es.pop(), "world_size 2 but 1"),
+    ]:
+        bad = copy.deepcopy(entries)
+        mutate(bad)
+        with pytest.raises(ManifestError, match=f"the manifest of step 7: .*{message}"):
+            Manifest.assemble(7, 2, "run1", bad, {}, m.checksum_block)
 
 
 def test_garbled_json_names_the_file():

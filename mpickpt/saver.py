@@ -1,0 +1,357 @@
+"""The save pipeline, on one background thread per Checkpointer: write, vote, commit (or abort).
+
+The training thread hands over a :class:`SaveRequest` (the snapshot and what describes it) and
+gets a :class:`SaveHandle` at once. The background thread then, in order:
+
+1. **write**: the rank's shard into ``step-XXXXXXXX.partial-<run>/``, fsynced: a
+   :class:`~mpickpt.manifest.RankEntry`;
+2. **vote**: an allreduce of success flags; any failure aborts on every rank, naming the ranks
+   and reasons, and the partial directory goes;
+3. **commit** (rank 0): the ranks' entries become the :class:`~mpickpt.manifest.Manifest` (by the
+   rules a parsed one obeys), the pieces of every sharded tensor must tile it, every shard must
+   be where rank 0 sees it; then MANIFEST.json is written and the directory renamed into place;
+   every rank learns the outcome, a :class:`SaveResult`;
+4. **after the commit** (rank 0): :class:`~mpickpt.upkeep.Upkeep` (figures, retention).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import faults, layout, sharding
+from . import metadata as user_metadata
+from .errors import CheckpointError, SaveAborted
+from .manifest import NAME as MANIFEST
+from .manifest import Manifest, RankEntry, shard_name
+from .protocol import Protocol, ranks_text
+from .shard import ShardWriter
+from .snapshot import Snapshot, Snapshotter
+from .upkeep import Upkeep
+
+NOT_SHARED_ADVICE = (
+    "every rank's shard must land in the same directory for a checkpoint to commit: give every "
+    "rank the same path on a filesystem that all nodes mount (/scratch, $HOME, ...), not "
+    "node-local storage such as /tmp, /dev/shm or $TMPDIR")
+
+
+@dataclass
+class SaveResult:
+    """What became of one save; the same on every rank."""
+
+    step: int
+    committed: bool
+    path: str | None = None
+    error: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # as committed in the manifest
+
+
+class SaveHandle:
+    """Returned by :meth:`Checkpointer.save`: ``done()`` polls, ``wait()`` gives the
+    :class:`SaveResult` once the checkpoint is committed or aborted on every rank."""
+
+    def __init__(self, step: int, future: Future[SaveResult], raise_on_error: bool) -> None:
+        self.step = step
+        self._future = future
+        self._raise = raise_on_error
+        self.reported = False  # whether the caller has seen the outcome through wait()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def outcome(self) -> SaveResult:
+        """The result, once there is one; never raises for an aborted save."""
+        return self._future.result()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        result = self._future.result(timeout)
+        self.reported = True
+        if self._raise and not result.committed:
+            raise SaveAborted(f"checkpoint of step {result.step} aborted: {result.error}")
+        return result
+
+
+@dataclass
+class SaveRequest:
+    """What the training thread hands the pipeline: a snapshot and what describes it, or the
+    error that stopped it (the save is then aborted on every rank)."""
+
+    step: int
+    snapshot: Snapshot | None
+    tree: dict[str, Any] | None
+    placements: dict[str, sharding.Layout]
+    metadata: dict[str, Any]  # checked; CUDA scalars resolved on rank 0 at the commit
+    stats: dict[str, float]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """How a rank's shard is written."""
+
+    alignment: int
+    block: int
+    io_threads: int
+
+
+class Saver:
+    """Runs the pipeline of every save of one Checkpointer on its own thread, in order."""
+
+    def __init__(self, proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
+                 options: ShardOptions, upkeep: Upkeep, logger: logging.Logger,
+                 raise_on_error: bool) -> None:
+        self.proto, self.root, self.run_id = proto, root, run_id
+        self.rank, self.world_size = proto.rank, proto.size
+        self.snapshotter, self.options, self.upkeep, self.log = (snapshotter, options, upkeep,
+                                                                 logger)
+        self.raise_on_error = raise_on_error
+        self.last: SaveResult | None = None  # the last committed save
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
+        self._pending: list[SaveHandle] = []
+
+    # ------------------------------------------------------------------- the training thread
+
+    def submit(self, request: SaveRequest) -> SaveHandle:
+        handle = SaveHandle(request.step, self._thread.submit(self._run, request),
+                            self.raise_on_error)
+        self._pending.append(handle)
+        return handle
+
+    def report_finished(self) -> None:
+        """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
+        still, failed = [], None
+        for h in self._pending:
+            if not h.done():
+                still.append(h)
+            elif not h.reported and not h.outcome().committed:
+                failed = failed or h
+        self._pending = still
+        if failed is not None and self.raise_on_error:
+            failed.wait()
+
+    def wait(self) -> list[SaveResult]:
+        """Block until every save in flight is committed or aborted; their results."""
+        results = [h.outcome() for h in self._pending]
+        self.report_finished()
+        return results
+
+    def finish(self, why: str) -> bool:
+        """At the end of the program without close(): wait for the saves in flight, saying so;
+        whether they all committed."""
+        if not self._pending:
+            return True
+        if self.rank == 0:
+            steps = ", ".join(str(h.step) for h in self._pending)
+            self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
+        results, self._pending = [h.outcome() for h in self._pending], []
+        failed = [r for r in results if not r.committed]
+        for r in failed:
+            self.log.error("%s, and the save of step %d could not commit (%s): it is lost",
+                           why, r.step, r.error)
+        return not failed
+
+    def shutdown(self) -> None:
+        self._thread.shutdown()
+
+    # ----------------------------------------------------------------- the background thread
+
+    def _run(self, req: SaveRequest) -> SaveResult:
+        partial = os.path.join(self.root, layout.partial_name(req.step, self.run_id))
+        entry, error = None, req.error
+        try:
+            if req.snapshot is not None and req.tree is not None:
+                entry = self._write(req, partial)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            if req.snapshot is not None:  # also when it failed before draining
+                self.snapshotter.release(req.snapshot)
+        with self.proto.fatal_timeouts(self.log):
+            result = self._vote_and_commit(req, partial, entry, error)
+        if result.committed:
+            self.last = result
+            try:
+                if self.rank == 0:
+                    self.upkeep.after_commit(result.step, result.path, result.stats,
+                                             result.metadata)
+                else:
+                    faults.hit("after-commit-before-retention", self.rank, result.step)
+            except Exception as e:  # the checkpoint is committed on every rank all the same
+                self.log.error("checkpoint step %d is committed, but what follows the commit "
+                               "failed on rank %d: %s: %s", result.step, self.rank,
+                               type(e).__name__, e)
+        else:
+            self.log.error("checkpoint of step %d aborted on all ranks: %s; the previous "
+                           "checkpoints are untouched and training goes on", req.step,
+                           result.error)
+        return result
+
+    def _write(self, req: SaveRequest, partial: str) -> RankEntry:
+        """Stage 1: this rank's shard, written and fsynced."""
+        assert req.snapshot is not None and req.tree is not None
+        stats, t0 = req.stats, time.perf_counter()
+        req.snapshot.wait()
+        stats["copy_s"] = req.snapshot.copy_s or stats["stall_s"]
+        layout.make_dirs(partial)
+        path = os.path.join(partial, shard_name(self.rank))
+        host = req.snapshot.tensors
+        t1 = time.perf_counter()
+        writer = ShardWriter(
+            path, host,
+            {"rank": self.rank, "step": req.step, "world_size": self.world_size,
+             "tree": json.dumps(req.tree, allow_nan=False)},
+            alignment=self.options.alignment,
+        )
+        for r in writer.records:
+            if r.name in req.placements:
+                r.global_shape = list(req.placements[r.name].global_shape)
+                r.offsets = list(req.placements[r.name].offsets)
+        try:
+            t2 = time.perf_counter()
+            writer.write(host, block=self.options.block, threads=self.options.io_threads,
+                         on_block=lambda: faults.hit("mid-write", self.rank, req.step))
+            t3 = time.perf_counter()
+            size = writer.seal()
+            stats.update(layout_s=t2 - t1, data_s=t3 - t2, seal_s=time.perf_counter() - t3)
+        except OSError as e:
+            writer.close()
+            if e.filename is None:  # pwrite and fsync name no file: say which
+                raise OSError(e.errno, e.strerror, path) from e
+            raise
+        except BaseException:
+            writer.close()
+            raise
+        stats["persist_s"] = time.perf_counter() - t0
+        stats["persist_GBps"] = size / max(stats["persist_s"], 1e-9) / 1e9
+        faults.hit("after-fsync-before-vote", self.rank, req.step)
+        return RankEntry(self.rank, shard_name(self.rank), size, req.tree, writer.records)
+
+    def _vote_and_commit(self, req: SaveRequest, partial: str, entry: RankEntry | None,
+                         error: str | None) -> SaveResult:
+        """Stages 2 and 3: every rank votes; rank 0 commits; every rank learns the outcome."""
+        step, stats = req.step, req.stats
+        if not self.proto.all_ok(error is None, "vote"):
+            reasons = self.proto.allgather(error, "abort")
+            why = "; ".join(f"rank {r}: {m}" for r, m in enumerate(reasons) if m)
+            if self.rank == 0:
+                self._discard(partial)
+            return SaveResult(step, False, error=why, stats=stats)
+        payload: dict[str, Any] | None = None
+        try:
+            if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
+                faults.hit("after-vote-before-manifest", self.rank, step)
+            payload = asdict(entry) if entry else None
+        except Exception as e:  # rank 0 aborts the commit, naming this rank
+            payload = {"error": f"rank {self.rank}: {type(e).__name__}: {e}"}
+        entries = self.proto.gather(payload, "gather")
+        outcome: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
+        if self.rank == 0:
+            t = time.perf_counter()
+            try:
+                faults.hit("after-vote-before-manifest", 0, step)
+                failed = [e["error"] for e in entries or [] if e and "error" in e]
+                if failed:
+                    raise CheckpointError("; ".join(failed))
+                metadata = user_metadata.resolve(req.metadata)
+                manifest = Manifest.assemble(step, self.world_size, self.run_id, entries or [],
+                                             metadata, self.options.block)
+                _check_pieces(manifest.ranks)
+                _check_shards(partial, manifest.ranks)
+                outcome = (self._commit(partial, manifest), None, metadata)
+                stats["commit_s"] = time.perf_counter() - t
+                stats["bytes"] = manifest.total_bytes
+            except Exception as e:
+                outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}", {})
+                self._discard(partial)
+        else:  # rank 0 writes the manifest and commits while this rank waits for the outcome
+            try:
+                faults.hit("mid-manifest-write", self.rank, step)
+            except Exception as e:  # rank 0 decides alone now: wait for its outcome
+                self.log.error("rank %d: %s: %s while rank 0 commits step %d", self.rank,
+                               type(e).__name__, e, step)
+        path, error, metadata = self.proto.bcast(outcome, "commit")
+        return SaveResult(step, error is None, path=path, error=error, stats=stats,
+                          metadata=metadata)
+
+    def _commit(self, partial: str, manifest: Manifest) -> str:
+        """Publish: manifest into the partial directory, then the directory into place."""
+        layout.atomic_write(
+            os.path.join(partial, MANIFEST), manifest.to_json().encode(),
+            on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
+        )
+        final = os.path.join(self.root, layout.step_name(manifest.step))
+        if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
+            self.log.warning(
+                "step %d was already committed; this save replaces it. The number saved is the "
+                "count of training steps done: a loop that resumes at the restored number and "
+                "saves after training a step should save step + 1", manifest.step)
+            layout.remove(final, self.run_id)
+        os.rename(partial, final)
+        layout.fsync_path(self.root)
+        return final
+
+    def _discard(self, partial: str) -> None:
+        try:
+            if os.path.lexists(partial):
+                layout.remove(partial, self.run_id)
+        except OSError as e:
+            self.log.warning("could not remove %s (%s); it is removed at the next start",
+                             partial, e)
+
+
+class WaitLog:
+    """Rank 0 says once when saves start waiting for earlier ones, and once when they stop."""
+
+    def __init__(self, logger: logging.Logger, slots: int) -> None:
+        self.log, self.slots = logger, slots
+        self._waits: list[float] = []  # the seconds each save of a run of waits waited
+
+    def saw(self, step: int, waited: bool, seconds: float) -> None:
+        if waited:
+            if not self._waits:
+                self.log.info("save of step %d waits for an earlier save to finish persisting "
+                              "(waited %.2f s, max_in_flight=%d): saves come faster than they "
+                              "persist; the next waits are logged once they end", step,
+                              seconds, self.slots)
+            self._waits.append(seconds)
+        elif self._waits:
+            self.log.info("saves no longer wait: %d in a row waited for an earlier one, %.2f s "
+                          "in all", len(self._waits), sum(self._waits))
+            self._waits = []
+
+
+def _check_pieces(ranks: list[RankEntry]) -> None:
+    """Before the commit: the written pieces of every sharded or replicated tensor must tile it
+    exactly (ValueError, which aborts the save, otherwise)."""
+    pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], str]]]
+    pieces = {}
+    for e in ranks:
+        for r in e.tensors:
+            if r.global_shape is not None and r.offsets is not None:
+                pieces.setdefault(r.name, []).append(
+                    (e.rank, tuple(r.global_shape), tuple(r.offsets), tuple(r.shape), r.dtype))
+    sharding.check_coverage(pieces)
+
+
+def _check_shards(partial: str, ranks: list[RankEntry]) -> None:
+    """Before the commit, on rank 0: every rank's shard is in the partial directory as rank 0
+    sees it, of the size its rank wrote (a ROOT that is not shared leaves them elsewhere)."""
+    sizes: dict[str, int] = {}
+    with os.scandir(partial) as entries:
+        for e in entries:
+            if e.is_file(follow_symlinks=False):
+                sizes[e.name] = e.stat(follow_symlinks=False).st_size
+    missing = [e.rank for e in ranks if e.file not in sizes]
+    if missing:
+        raise CheckpointError(f"the shards of {ranks_text(missing)} are not in {partial} as "
+                              f"rank 0 sees it, although they were written: {NOT_SHARED_ADVICE}")
+    wrong = [e.rank for e in ranks if sizes[e.file] != e.bytes]
+    if wrong:
+        raise CheckpointError(f"the shards of {ranks_text(wrong)} in {partial} are not of the "
+                              "size their ranks wrote")

@@ -1,0 +1,66 @@
+"""Proof, when a Checkpointer is made, that every rank sees ROOT as one directory.
+
+Rank 0 writes a token into ROOT; every rank reads it back through its own path; an allreduce
+decides. A ROOT rank 0 cannot write (read-only, for a restore) is compared by its inode and its
+entries instead. Otherwise every rank raises :class:`~mpickpt.errors.RootNotSharedError` naming
+the ranks and hosts that do not see it: node-local storage given as ROOT would let rank 0
+"commit" checkpoints whose other shards lie on other nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import uuid
+
+from . import layout
+from .errors import RootNotSharedError
+from .protocol import Protocol, ranks_text
+from .saver import NOT_SHARED_ADVICE
+
+
+def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> None:
+    """Collective over ``proto``: return if every rank's ``root`` is rank 0's directory."""
+    name = f".mpickpt-root-check-{run_id}"
+    token: str | None = uuid.uuid4().hex
+    listing = None
+    if proto.rank == 0:
+        try:
+            layout.atomic_write(os.path.join(root, name), token.encode())
+        except OSError:
+            token, listing = None, _fingerprint(root)
+    with proto.fatal_timeouts(logger):
+        token, listing, root0 = proto.bcast((token, listing, root), "root")
+    why = None
+    try:
+        if token is not None:
+            with open(os.path.join(root, name), "rb") as f:
+                if f.read() != token.encode():
+                    why = "it holds another run's token"
+        elif _fingerprint(root) != listing:
+            why = f"{root} is another directory than rank 0's (its inode or entries differ)"
+    except OSError as e:
+        why = e.strerror or str(e)
+    with proto.fatal_timeouts(logger):
+        ok = proto.all_ok(why is None, "root")
+        bad = [] if ok else proto.allgather((proto.rank, socket.gethostname(), root, why),
+                                            "root-report")
+    if proto.rank == 0 and token is not None:
+        with contextlib.suppress(OSError):  # a leftover is harmless, and never loaded
+            os.unlink(os.path.join(root, name))
+    if ok:
+        return
+    bad = [b for b in bad if b[3] is not None]
+    hosts = ", ".join(sorted({h for _, h, _, _ in bad}))
+    r, _, path, reason = bad[0]
+    raise RootNotSharedError(
+        f"ROOT {root0} (rank 0) is not one directory shared by every rank: "
+        f"{ranks_text(b[0] for b in bad)} on {hosts} cannot read the file rank 0 wrote there "
+        f"(rank {r}, {os.path.join(path, name)}: {reason}); {NOT_SHARED_ADVICE}")
+
+
+def _fingerprint(root: str) -> tuple[int, list[str]]:
+    """What tells two directories apart without writing to them: inode and entries."""
+    return os.stat(root).st_ino, sorted(os.listdir(root))

@@ -1,0 +1,94 @@
+"""What follows a commit, on rank 0: the log line, the figures in ROOT/stats.jsonl, retention.
+
+The checkpoint is committed on every rank before any of this runs, so a failure here (a full
+disk, no write permission) is logged and undoes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from . import faults, layout, log, retention
+from .errors import ManifestError
+from .manifest import Manifest, read_bytes
+
+STATS = "stats.jsonl"
+# ROOT/stats.jsonl grows by a line (about 400 bytes) per commit; at this size it becomes
+# stats.jsonl.1, replacing the older one, so that the two never hold much more than twice this
+STATS_MAX_BYTES = 16 << 20
+
+
+class Upkeep:
+    """Rank 0's work after each commit under ``root``, by ``policy``."""
+
+    def __init__(self, root: str, run_id: str, policy: retention.Policy,
+                 logger: logging.Logger) -> None:
+        self.root, self.run_id, self.policy, self.log = root, run_id, policy, logger
+        self._metadata: dict[int, dict[str, Any]] = {}  # of committed steps, read once each
+
+    def after_commit(self, step: int, path: str | None, stats: dict[str, float],
+                     metadata: dict[str, Any]) -> None:
+        self.log.info("checkpoint step %d committed: %s, stall %.3f s, persist %.2f GB/s "
+                      "(rank 0), commit %.0f ms -> %s", step,
+                      log.human_bytes(stats.get("bytes", 0)), stats["stall_s"],
+                      stats.get("persist_GBps", 0), stats.get("commit_s", 0) * 1e3, path)
+        self.record(step, stats)
+        faults.hit("after-commit-before-retention", 0, step)
+        self._metadata[step] = metadata
+        self.retain(step)
+
+    def record(self, step: int, stats: dict[str, float]) -> None:
+        """Append the figures of a commit to stats.jsonl (never through a link)."""
+        where = os.path.join(self.root, STATS)
+        try:
+            _rotate(where)
+            fd = os.open(where, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                         layout.FILE_MODE)
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), **stats}) + "\n")
+        except OSError as e:
+            self.log.warning("could not append step %d's figures to %s: %s", step, where, e)
+
+    def retain(self, newest: int) -> None:
+        """Remove the committed checkpoints no rule of the policy keeps (never ``newest``)."""
+        if not self.policy.deletes:
+            return
+        committed = dict(layout.committed(self.root))
+        doomed, _ = retention.plan(self.policy, [
+            (step, self._metadata_of(step, path) if self.policy.best else {})
+            for step, path in committed.items()])
+        for step in doomed:
+            if step == newest:
+                continue
+            self.log.info("retention (%s): removing step %d", self.policy.describe(), step)
+            self._metadata.pop(step, None)
+            try:
+                layout.remove(committed[step], self.run_id)
+            except OSError as e:
+                self.log.warning("retention could not remove %s: %s; what is left of it is "
+                                 "removed at a later start", committed[step], e)
+
+    def _metadata_of(self, step: int, path: str) -> dict[str, Any]:
+        """The user metadata of a committed step (read from its manifest once)."""
+        if step not in self._metadata:
+            try:
+                self._metadata[step] = Manifest.from_json(read_bytes(path), path).metadata
+            except ManifestError as e:  # unranked, so kept only by the other rules
+                self.log.warning("retention cannot rank step %d by %s: %s", step,
+                                 self.policy.best, e)
+                self._metadata[step] = {}
+        return self._metadata[step]
+
+
+def _rotate(stats: str) -> None:
+    """Bound ROOT/stats.jsonl: at STATS_MAX_BYTES it becomes ``stats.jsonl.1``."""
+    try:
+        size = os.lstat(stats).st_size
+    except FileNotFoundError:
+        return
+    if size >= STATS_MAX_BYTES:
+        os.replace(stats, stats + ".1")
