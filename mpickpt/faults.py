@@ -17,6 +17,7 @@ import os
 import signal
 import time
 
+from . import knobs
 from .errors import FaultInjected
 
 PHASES = (
@@ -41,7 +42,7 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
     return out
 
 
-_FAULTS = _parse(os.environ.get("MPICKPT_FAULT", ""))
+_FAULTS = _parse(knobs.FAULT.get())
 
 
 def configure(spec: str) -> None:

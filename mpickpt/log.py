@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from . import knobs
 
 logger = logging.getLogger("mpickpt")
 
@@ -30,5 +31,5 @@ def setup(rank: int) -> logging.Logger:
         handler.setFormatter(logging.Formatter(f"[mpickpt rank {rank}] %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    logger.setLevel(os.environ.get("MPICKPT_LOG", "INFO").upper())
+    logger.setLevel(knobs.LOG.get())
     return logger

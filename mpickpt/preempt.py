@@ -7,9 +7,10 @@ always watched, since Slurm and most schedulers send it before they kill a job.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
+
+from . import knobs
 
 _received: list[int] = []
 _installed: set[signal.Signals] = set()
@@ -20,9 +21,7 @@ def _handler(signum: int, frame: object) -> None:
 
 
 def signals() -> list[signal.Signals]:
-    name = os.environ.get("MPICKPT_SIGNAL", "SIGUSR2").upper()
-    if not name.startswith("SIG"):
-        name = "SIG" + name
+    name = knobs.SIGNAL.get()
     try:
         main = signal.Signals[name]
     except KeyError:

@@ -60,7 +60,7 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from . import preempt
+from . import knobs, preempt
 from .exitcodes import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_FAILED,
@@ -73,7 +73,6 @@ from .exitcodes import (
 __all__ = ["EXIT_COLLECTIVE_TIMEOUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK",
            "EXIT_PREEMPTED", "EXIT_USAGE", "LaunchError", "main"]
 
-EXIT_GRACE_S = 30.0  # how long a rank exiting non-zero waits for the others: $MPICKPT_EXIT_GRACE
 
 USAGE = """\
 usage: python -m mpickpt.run [-h] <script.py> [arg ...]
@@ -259,7 +258,7 @@ def abort(code: int, why: str) -> NoReturn:
                    MPI.COMM_WORLD.rank)
     # The launcher forwards our stderr through a pipe; MPI_Abort can tear the job down before
     # the traceback got through it (seen with MPICH's hydra): give the forwarder a moment.
-    time.sleep(float(os.environ.get("MPICKPT_ABORT_DELAY", "1.0")))
+    time.sleep(knobs.ABORT_DELAY.get())
     MPI.COMM_WORLD.Abort(code)
     raise SystemExit(code)  # not reached
 
@@ -330,7 +329,7 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
         code = run_program(program, rank)
         if not finish_saves():
             code = code or EXIT_FAILED
-    grace = float(os.environ.get("MPICKPT_EXIT_GRACE", EXIT_GRACE_S))
+    grace = knobs.EXIT_GRACE.get()
     try:
         code = agree_on_exit(exit_comm, code, grace)
     except KeyboardInterrupt:

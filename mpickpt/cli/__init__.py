@@ -6,17 +6,9 @@ verification of one checkpoint), :mod:`.team` (verification spread over the rank
 :mod:`.render` (tables, colour, progress, JSON), and one module per command (:mod:`.restore`,
 :mod:`.verify`, :mod:`.inspect`, :mod:`.export`, :mod:`.stats`; :mod:`.main` dispatches).
 
-Exit codes, the same for every command, so that batch scripts can branch on them (3 is left out
-on purpose: it is a job's "preempted", :mod:`mpickpt.exitcodes`):
-
-==  ==================================================================================
-0   done; a checkpoint that passes verification exists (for ``verify``: every one passes)
-1   could not do what was asked (no such step, a file in the way, an I/O error); says why
-2   bad command line (argparse)
-4   no checkpoint under ROOT passes verification: the job would start from scratch
-5   the checkpoint asked about (``--step``, ``inspect``, ``export``), or for ``verify`` at
-    least one checkpoint, failed verification; for ``verify``, a good one still exists
-==  ==================================================================================
+Exit codes, the same for every command, so that batch scripts can branch on them:
+:data:`mpickpt.exitcodes.TOOLS` (0 done, 1 could not, 2 bad command line, 4 no good checkpoint,
+5 the checkpoint asked about is damaged; never 3, the job's "preempted").
 
 Nothing here unpickles or executes checkpoint data: manifests are strict JSON, shards are read
 with positional reads at the manifest's offsets, exactly as restore reads them.
@@ -26,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_NO_CHECKPOINT = 4
-EXIT_DAMAGED = 5
+from ..exitcodes import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
+
+__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_NO_CHECKPOINT", "EXIT_OK", "EXIT_USAGE",
+           "common_options"]
 
 
 def common_options(parser: argparse.ArgumentParser, verify: str = "quick"
