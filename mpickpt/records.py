@@ -52,6 +52,18 @@ class TensorRecord:
     offsets: list[int] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """Bytes ``lo`` up to ``hi`` (exclusive) of a stored record's data."""
+
+    lo: int
+    hi: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+
 def check_records(
     rank: int, path: str, records: list[TensorRecord], file_bytes: int, block: int
 ) -> None:

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,8 +23,40 @@ from . import dtypes, sharding, state_tree
 from .errors import ShardError, StateMismatchError
 from .manifest import Manifest, RankEntry
 from .pinned_pool import align
-from .shard import TensorRecord, read_spans
+from .records import ByteRange
+from .shard import Span, TensorRecord, read_spans
 from .state_tree import ArraySpec
+
+
+class RecordKey(NamedTuple):
+    """One stored record: the rank whose shard holds it, and its name. A dict key (a named tuple,
+    so that ``for rank, name in plan.spans`` unpacks it)."""
+
+    rank: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A stored piece of a sharded or replicated tensor, and the rank whose shard holds it."""
+
+    rank: int
+    record: TensorRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """What a target takes from one stored record: the overlap box, at global ``offsets`` of
+    ``shape``, of record ``record`` of rank ``rank``'s shard."""
+
+    rank: int
+    record: TensorRecord
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def key(self) -> RecordKey:
+        return RecordKey(self.rank, self.record.name)
 
 
 @dataclass
@@ -36,9 +68,7 @@ class Target:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
-    # (source rank, record, overlap offsets (global), overlap shape)
-    sources: list[tuple[int, TensorRecord, tuple[int, ...], tuple[int, ...]]] = field(
-        default_factory=list)
+    sources: list[Source] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -68,15 +98,15 @@ class Plan:
     source_rank: int
     tree: dict[str, Any]
     targets: dict[str, Target]
-    # (rank, record name) -> sorted disjoint [lo, hi) byte ranges of that record, block-aligned
-    spans: dict[tuple[int, str], list[tuple[int, int]]]
+    # stored record -> the sorted disjoint byte ranges of it to read, block-aligned
+    spans: dict[RecordKey, list[ByteRange]]
 
     def specs(self) -> dict[str, ArraySpec]:
         return {n: ArraySpec(t.dtype, t.shape) for n, t in self.targets.items()}
 
     @property
     def bytes_to_read(self) -> int:
-        return sum(hi - lo for ranges in self.spans.values() for lo, hi in ranges)
+        return sum(r.nbytes for ranges in self.spans.values() for r in ranges)
 
 
 def _array_names(node: Any, out: list[str]) -> list[str]:
@@ -101,13 +131,14 @@ def _elements(rec: TensorRecord, off: tuple[int, ...], shape: tuple[int, ...]
     return sharding.flat_span(tuple(rec.shape), rel, shape)
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
+def _merge(ranges: list[ByteRange]) -> list[ByteRange]:
+    """The union of ``ranges`` as sorted disjoint ranges (touching ones joined)."""
+    out: list[ByteRange] = []
+    for r in sorted(ranges, key=lambda r: (r.lo, r.hi)):
+        if out and r.lo <= out[-1].hi:
+            out[-1] = ByteRange(out[-1].lo, max(out[-1].hi, r.hi))
         else:
-            out.append((lo, hi))
+            out.append(r)
     return out
 
 
@@ -121,30 +152,30 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     source = rank % manifest.world_size
     entry = manifest.ranks[source]
     own = {r.name: r for r in entry.tensors if r.global_shape is None}
-    pieces: dict[str, list[tuple[int, TensorRecord]]] = {}
+    pieces: dict[str, list[Piece]] = {}
     for e in manifest.ranks:
         for r in e.tensors:
             if r.global_shape is not None:
-                pieces.setdefault(r.name, []).append((e.rank, r))
+                pieces.setdefault(r.name, []).append(Piece(e.rank, r))
     _, live, layouts = state_tree.flatten_layouts(state, replicated, world)
     targets: dict[str, Target] = {}
     for name in dict.fromkeys(_array_names(entry.tree, [])):
         targets[name] = _target(name, own, pieces, source, live, layouts, where)
     block = manifest.checksum_block
-    wanted: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    wanted: dict[RecordKey, list[ByteRange]] = {}
     for t in targets.values():
-        for src_rank, rec, off, shape in t.sources:
-            item = dtypes.itemsize(rec.dtype)
-            first, end = _elements(rec, off, shape)
+        for s in t.sources:
+            item = dtypes.itemsize(s.record.dtype)
+            first, end = _elements(s.record, s.offsets, s.shape)
             lo = first * item // block * block
-            hi = min(-(-end * item // block) * block, rec.nbytes)
-            wanted.setdefault((src_rank, rec.name), []).append((lo, hi))
+            hi = min(-(-end * item // block) * block, s.record.nbytes)
+            wanted.setdefault(s.key, []).append(ByteRange(lo, hi))
     spans = {k: _merge(v) for k, v in wanted.items()}
     return Plan(source, entry.tree, targets, spans)
 
 
 def _target(name: str, own: dict[str, TensorRecord],
-            pieces: dict[str, list[tuple[int, TensorRecord]]], source: int,
+            pieces: dict[str, list[Piece]], source: int,
             live: dict[str, torch.Tensor], layouts: dict[str, sharding.Layout],
             where: str) -> Target:
     layout = layouts.get(name)
@@ -153,12 +184,12 @@ def _target(name: str, own: dict[str, TensorRecord],
             rec = own[name]
             shape = tuple(rec.shape)
             t = Target(name, rec.dtype, shape, (0,) * len(shape), shape)
-            t.sources.append((source, rec, t.offsets, shape))
+            t.sources.append(Source(source, rec, t.offsets, shape))
             return t
         if name not in pieces:
             raise ShardError(source, where, "the stored tree references an array that no rank's "
                              "records hold", tensor=name)
-        rec = pieces[name][0][1]
+        rec = pieces[name][0].record
         g = tuple(rec.global_shape or ())
         return _cover(Target(name, rec.dtype, g, (0,) * len(g), g), pieces[name], where)
     dtype = dtypes.name_of(live[name].dtype)
@@ -166,13 +197,13 @@ def _target(name: str, own: dict[str, TensorRecord],
     stored = pieces.get(name)
     if stored is None and name in own and tuple(own[name].shape) == layout.global_shape:
         rec = own[name]  # stored whole by this rank's source rank: one piece at the origin
-        stored = [(source, TensorRecord(**{**rec.__dict__, "global_shape": list(rec.shape),
-                                           "offsets": [0] * len(rec.shape)}))]
+        stored = [Piece(source, TensorRecord(**{**rec.__dict__, "global_shape": list(rec.shape),
+                                                "offsets": [0] * len(rec.shape)}))]
     if stored is None:
         raise StateMismatchError(
             f"state[{name}]: the checkpoint holds no tensor {name!r} of global shape "
             f"{list(layout.global_shape)}")
-    rec = stored[0][1]
+    rec = stored[0].record
     if rec.dtype != dtype or tuple(rec.global_shape or ()) != layout.global_shape:
         raise StateMismatchError(
             f"state[{name}]: checkpoint holds {rec.dtype}{list(rec.global_shape or [])}, the "
@@ -180,24 +211,27 @@ def _target(name: str, own: dict[str, TensorRecord],
     return _cover(t, stored, where)
 
 
-def _cover(t: Target, stored: list[tuple[int, TensorRecord]], where: str) -> Target:
+def _cover(t: Target, stored: list[Piece], where: str) -> Target:
     """Attach the stored pieces overlapping ``t``; they must cover all of it."""
     got = 0
-    for src_rank, rec in stored:
+    for p in stored:
+        rec = p.record
         if rec.dtype != t.dtype or tuple(rec.global_shape or ()) != t.global_shape:
-            raise ShardError(src_rank, where, f"a piece of {rec.dtype}{rec.global_shape} among "
+            raise ShardError(p.rank, where, f"a piece of {rec.dtype}{rec.global_shape} among "
                              f"pieces of {t.dtype}{list(t.global_shape)}", tensor=t.name)
         box = sharding.overlap(t.offsets, t.shape, tuple(rec.offsets or ()), tuple(rec.shape))
         if box is not None:
-            t.sources.append((src_rank, rec, *box))
-            got += math.prod(box[1])
-    clash = sharding.first_overlap([(off, shape) for _, _, off, shape in t.sources])
+            off, shape = box
+            t.sources.append(Source(p.rank, rec, off, shape))
+            got += math.prod(shape)
+    clash = sharding.first_overlap([(s.offsets, s.shape) for s in t.sources])
     if clash is not None:  # the stored pieces must not overlap, or their sizes prove nothing
-        src_rank, rec, _, _ = t.sources[clash[1]]
-        raise ShardError(src_rank, where, f"its piece {rec.shape} at {rec.offsets} overlaps "
-                         f"another stored piece of {list(t.global_shape)}", tensor=t.name)
+        s = t.sources[clash[1]]
+        raise ShardError(s.rank, where, f"its piece {s.record.shape} at {s.record.offsets} "
+                         f"overlaps another stored piece of {list(t.global_shape)}",
+                         tensor=t.name)
     if got != math.prod(t.shape):
-        raise ShardError(t.sources[0][0] if t.sources else 0, where,
+        raise ShardError(t.sources[0].rank if t.sources else 0, where,
                          f"the stored pieces hold {got} of the {math.prod(t.shape)} elements "
                          f"this rank needs (at {list(t.offsets)} of {list(t.global_shape)})",
                          tensor=t.name)
@@ -217,52 +251,51 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
     buf = buffer(pos)
     out = {n: buf[offsets[n]: offsets[n] + t.nbytes].view(dtypes.torch_dtype(t.dtype))
            .view(t.shape) for n, t in p.targets.items()}
-    direct: dict[tuple[int, str], int] = {}  # stored record -> byte offset in its target
+    direct: dict[RecordKey, int] = {}  # stored record -> byte offset in its target
     for t in p.targets.values():
-        for src_rank, rec, off, shape in t.sources:
-            at = t.in_place(rec, off, shape)
+        for src in t.sources:
+            at = t.in_place(src.record, src.offsets, src.shape)
             if at is not None:
-                direct[(src_rank, rec.name)] = at
-    by_rank: dict[int, list[tuple[TensorRecord, int, int, torch.Tensor]]] = {}
-    staged: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}
+                direct[src.key] = at
+    by_rank: dict[int, list[Span]] = {}
+    staged: dict[RecordKey, list[Span]] = {}  # stored record -> its spans, in byte order
     for n, t in p.targets.items():
-        for src_rank, rec, _, _ in t.sources:
-            key = (src_rank, rec.name)
+        for src in t.sources:
+            key = src.key
             if key in staged:
                 continue
-            dests: list[tuple[int, torch.Tensor]] = []
-            for lo, hi in p.spans[key]:
+            spans: list[Span] = []
+            for r in p.spans[key]:
                 if key in direct:
                     at = direct[key]
-                    dest = out[n].reshape(-1).view(torch.uint8)[at + lo: at + hi]
+                    dest = out[n].reshape(-1).view(torch.uint8)[at + r.lo: at + r.hi]
                 else:
-                    dest = torch.empty(hi - lo, dtype=torch.uint8)
-                dests.append((lo, dest))
-                by_rank.setdefault(src_rank, []).append((rec, lo, hi, dest))
-            staged[key] = dests
-    for src_rank, spans in by_rank.items():
+                    dest = torch.empty(r.nbytes, dtype=torch.uint8)
+                spans.append(Span(src.record, r.lo, r.hi, dest))
+            by_rank.setdefault(key.rank, []).extend(spans)
+            staged[key] = spans
+    for src_rank, rank_spans in by_rank.items():
         entry: RankEntry = manifest.ranks[src_rank]
-        read_spans(src_rank, os.path.join(directory, entry.file), entry.bytes, spans,
+        read_spans(src_rank, os.path.join(directory, entry.file), entry.bytes, rank_spans,
                    block=manifest.checksum_block, threads=threads, on_block=on_block)
     for n, t in p.targets.items():
-        for src_rank, rec, off, shape in t.sources:
-            if (src_rank, rec.name) not in direct:
-                _copy_box(out[n], t, rec, staged[(src_rank, rec.name)], off, shape)
+        for src in t.sources:
+            if src.key not in direct:
+                _copy_box(out[n], t, src, staged[src.key])
     return out
 
 
-def _copy_box(dest: torch.Tensor, t: Target, rec: TensorRecord,
-              spans: list[tuple[int, torch.Tensor]], off: tuple[int, ...],
-              shape: tuple[int, ...]) -> None:
-    """Copy the overlap box (global ``off``, ``shape``) from the staged spans of ``rec``."""
+def _copy_box(dest: torch.Tensor, t: Target, src: Source, spans: list[Span]) -> None:
+    """Copy the overlap box of ``src`` from the staged ``spans`` of its record."""
+    rec, off, shape = src.record, src.offsets, src.shape
     if math.prod(shape) == 0:
         return
     item = dtypes.itemsize(rec.dtype)
     first, _ = _elements(rec, off, shape)
-    lo, span = next((lo, s) for lo, s in reversed(spans) if lo <= first * item)
-    flat = span.view(dtypes.torch_dtype(rec.dtype))[first - lo // item:]
+    span = next(s for s in reversed(spans) if s.lo <= first * item)
+    flat = span.dest.view(dtypes.torch_dtype(rec.dtype))[first - span.lo // item:]
     strides = tuple(math.prod(rec.shape[d + 1:]) for d in range(len(rec.shape)))
-    src = flat.as_strided(shape, strides, flat.storage_offset())
+    stored = flat.as_strided(shape, strides, flat.storage_offset())
     box = tuple(slice(o - to, o - to + n) for o, to, n in zip(off, t.offsets, shape, strict=True))
-    dest[box].copy_(src)
+    dest[box].copy_(stored)
 

@@ -8,7 +8,8 @@ and ``xxh3_64`` on each dataset and the JSON tree on the root.
 
 Reading never goes through HDF5: the manifest's records (offset, size, checksums) drive positional
 reads, checked against the real file size first, so a hostile file cannot make the reader allocate
-more than it holds.
+more than it holds. Each checksum block is read and verified straight into its place in the
+tensor by :class:`mpickpt.blocks.BlockFile`, the reader the operator's tools share.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
 import torch
 
 from . import checksum, dtypes, layout
+from .blocks import DIRECT_ALIGN, BlockFile, _direct_len, _open_direct
 from .errors import ShardError
 from .pinned_pool import align
 from .records import (  # the torch-free half, re-exported: mpickpt.shard.TensorRecord etc.
@@ -33,7 +36,6 @@ from .records import (  # the torch-free half, re-exported: mpickpt.shard.Tensor
     check_file,
     check_records,
 )
-from .records import open_shard as _open_shard
 
 DEFAULT_ALIGNMENT = 1 << 20
 
@@ -51,9 +53,6 @@ def _io_tasks(records: Iterable[TensorRecord], block: int) -> list[tuple[int, in
     """(record index, block index) for every block of every record, largest tensors first."""
     order = sorted(enumerate(records), key=lambda r: -r[1].nbytes)
     return [(i, b) for i, r in order for b in range(checksum.block_count(r.nbytes, block))]
-
-
-DIRECT_ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to this
 
 
 def _lower_priority() -> None:
@@ -100,21 +99,6 @@ def _pool(threads: int, background: bool) -> ThreadPoolExecutor:
         return pool
 
 
-def _open_direct(path: str, flags: int) -> int:
-    """An O_DIRECT descriptor of ``path``, or -1 where the platform or file system has none."""
-    try:
-        return os.open(path, flags | os.O_DIRECT)
-    except (AttributeError, OSError):
-        return -1
-
-
-def _direct_len(dfd: int, addr: int, offset: int, n: int) -> int:
-    """How many leading bytes of a transfer can bypass the page cache."""
-    if dfd < 0 or addr % DIRECT_ALIGN or offset % DIRECT_ALIGN:
-        return 0
-    return n - n % DIRECT_ALIGN
-
-
 def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
     while len(buf):
         n = os.pwrite(fd, buf, offset)
@@ -131,27 +115,6 @@ def _pwrite(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> None:
         if n % DIRECT_ALIGN:  # a short odd-sized write: finish through the page cache
             break
     _pwrite_all(fd, buf, offset)
-
-
-def _pread_all(fd: int, buf: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _pread(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> int:
-    """Read ``buf`` from ``offset`` like :func:`_pwrite` writes; the number of bytes read."""
-    d = _direct_len(dfd, addr, offset, len(buf))
-    got = 0
-    if d:
-        got = os.preadv(dfd, [buf[:d]], offset)
-        if got % DIRECT_ALIGN:  # short read at the end of the file
-            return got
-    return got + _pread_all(fd, buf[got:], offset + got)
 
 
 class ShardWriter:
@@ -290,66 +253,62 @@ def read_shard(
         buf = buffer(pos)
         out = {r.name: buf[o : o + r.nbytes].view(dtypes.torch_dtype(r.dtype)).view(r.shape)
                for r, o in zip(records, offsets, strict=True)}
-    spans = [(r, 0, r.nbytes, out[r.name].reshape(-1).view(torch.uint8)) for r in records]
+    spans = [Span(r, 0, r.nbytes, out[r.name].reshape(-1).view(torch.uint8)) for r in records]
     read_spans(rank, path, file_bytes, spans, block=block, threads=threads, on_block=on_block)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes ``lo`` up to ``hi`` of stored record ``record``, to be read into ``dest`` (a
+    contiguous uint8 CPU tensor of ``hi - lo`` elements)."""
+
+    record: TensorRecord
+    lo: int
+    hi: int
+    dest: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
 
 
 def read_spans(
     rank: int,
     path: str,
     file_bytes: int,
-    spans: list[tuple[TensorRecord, int, int, torch.Tensor]],
+    spans: list[Span],
     *,
     block: int = checksum.DEFAULT_BLOCK,
     threads: int = 4,
     on_block: Callable[[], None] | None = None,
 ) -> None:
-    """Read bytes ``lo..hi`` of each record (``lo`` on a checksum block boundary, ``hi`` on one
-    or at the record's end) into the contiguous uint8 CPU tensor given with it, verifying every
-    block; :class:`ShardError` naming the file, tensor and block at the first mismatch.
+    """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
+    on one or at the record's end) into its ``dest``, verifying every block
+    (:meth:`mpickpt.blocks.BlockFile.read_block`, straight into place);
+    :class:`ShardError` naming the file, tensor and block at the first mismatch.
 
     The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
     the records must have passed :func:`check_records`."""
     try:
-        fd = _open_shard(rank, path, file_bytes)
+        f = BlockFile(rank, path, file_bytes, block, direct=True)
     except OSError as e:
         raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
-    dfd = _open_direct(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if dfd >= 0 and os.fstat(dfd)[1:3] != os.fstat(fd)[1:3]:  # (st_ino, st_dev): replaced since
-        os.close(dfd)
-        dfd = -1
-    try:
-        for r, lo, hi, dest in spans:
-            if lo % block or not (0 <= lo <= hi <= r.nbytes) or (hi % block and hi != r.nbytes) \
-                    or dest.numel() != hi - lo:
-                raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks")
-        views = [byte_view(dest) for _, _, _, dest in spans]
-        addrs = [dest.data_ptr() for _, _, _, dest in spans]
-        largest_first = sorted(range(len(spans)), key=lambda i: spans[i][1] - spans[i][2])
+    with f:
+        for s in spans:
+            r = s.record
+            if s.lo % block or not (0 <= s.lo <= s.hi <= r.nbytes) \
+                    or (s.hi % block and s.hi != r.nbytes) or s.dest.numel() != s.nbytes:
+                raise ValueError(f"span {s.lo}..{s.hi} of {r.name!r} is not whole checksum blocks")
+        views = [byte_view(s.dest) for s in spans]
+        largest_first = sorted(range(len(spans)), key=lambda i: -spans[i].nbytes)
         tasks = [(i, b) for i in largest_first
-                 for b in range(checksum.block_count(spans[i][2] - spans[i][1], block))]
+                 for b in range(checksum.block_count(spans[i].nbytes, block))]
 
         def task(i: int, b: int) -> None:
-            r, lo = spans[i][0], spans[i][1]
-            at = b * block
-            buf = views[i][at : at + block]
-            where = r.offset + lo + at
-            if _pread(fd, dfd, addrs[i] + at, buf, where) < len(buf):
-                raise ShardError(rank, path, "unexpected end of file", tensor=r.name)
-            n = (lo + at) // block
-            if checksum.digest(buf) != r.checksums[n]:
-                raise ShardError(
-                    rank, path,
-                    f"checksum mismatch in block {n} (bytes {where}..{where + len(buf)}): "
-                    "the data is corrupt",
-                    tensor=r.name,
-                )
+            s, at = spans[i], b * block
+            f.read_block(s.record, (s.lo + at) // block, views[i][at : at + block])
             if on_block is not None:
                 on_block()
 
         _run(tasks, task, threads)
-    finally:
-        os.close(fd)
-        if dfd >= 0:
-            os.close(dfd)

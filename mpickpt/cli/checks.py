@@ -5,9 +5,10 @@ quick: the manifest parses and validates (strict JSON, its own checksum), every 
 (:func:`mpickpt.records.check_records`). Reads a few hundred bytes per shard.
 
 full: quick, then every block of every tensor is read and its xxh3-64 compared with the manifest's
-(the check restore makes before it touches the state). Blocks are read by a few threads in pieces
-of at most :data:`CHUNK` bytes into reused buffers, so memory stays at ``threads`` pieces whatever
-the manifest says the block size is. Every shard and every block is checked (no early stop), so
+(the check restore makes before it touches the state, by the same reader:
+:meth:`mpickpt.blocks.BlockFile.read_block`). Blocks are read by a few threads in pieces of at
+most :data:`CHUNK` bytes into reused buffers, so memory stays at ``threads`` pieces whatever the
+manifest says the block size is. Every shard and every block is checked (no early stop), so
 the verdict is the same whichever process checks which shard, and the first problem reported is
 the one of the lowest rank, tensor and block. Then the shard's HDF5 metadata is read and compared
 with the manifest (:mod:`.h5meta`): restore does not need it, h5py and h5dump do.
@@ -23,9 +24,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import xxhash
-
-from .. import checksum, layout, provenance
+from .. import checksum, provenance
+from ..blocks import BlockFile
 from ..errors import ShardError
 from ..manifest import Manifest, RankEntry
 from ..records import check_file, check_records
@@ -99,37 +99,26 @@ def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
     block = m.checksum_block
     try:
         _check_shard(path, m, entry)
-        fd = layout.open_regular(path)
+        f = BlockFile(rank, path, entry.bytes, block)
     except ShardError as e:
         return _problem(e, m, checkpoint)
     except OSError as e:
         return _problem(ShardError(rank, path, f"cannot open: {e.strerror}"))
-    try:
+    with f:
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         tasks = [(i, b) for i, r in enumerate(entry.tensors)
                  for b in range(checksum.block_count(r.nbytes, block))]
         local = threading.local()
 
         def check(i: int, b: int) -> ShardError | None:
-            r, lo = entry.tensors[i], b * block
-            n = min(block, r.nbytes - lo)
             buf = getattr(local, "buf", None)
             if buf is None:
-                buf = local.buf = bytearray(CHUNK)
-            h = xxhash.xxh3_64()
-            got = 0
-            while got < n:
-                view = memoryview(buf)[: min(CHUNK, n - got)]
-                k = os.preadv(fd, [view], r.offset + lo + got)
-                if k == 0:
-                    return ShardError(rank, path, "unexpected end of file", tensor=r.name)
-                h.update(view[:k])
-                got += k
-            if h.hexdigest() != r.checksums[b]:
-                return ShardError(rank, path, f"checksum mismatch in block {b} (bytes "
-                                  f"{r.offset + lo}..{r.offset + lo + n}): the data is corrupt",
-                                  tensor=r.name)
+                buf = local.buf = memoryview(bytearray(CHUNK))
+            try:
+                n = f.read_block(entry.tensors[i], b, buf)
+            except ShardError as e:
+                return e
             if on_bytes is not None:
                 on_bytes(n)
             return None
@@ -139,15 +128,13 @@ def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
         if not errors:
             from . import h5meta  # h5py: only full verification needs it
 
-            why = h5meta.problem(fd, m, entry)
+            why = h5meta.problem(f.fd, m, entry)
             return None if why is None else Problem(f"rank {rank}: {path}: {why}", rank, path,
                                                     restorable=True)
         first = _problem(errors[0], m, checkpoint)
         if len(errors) > 1:
             first.reason += f"; {len(errors) - 1} more damaged block(s) in this shard"
         return first
-    finally:
-        os.close(fd)
 
 
 class Unusable(Exception):

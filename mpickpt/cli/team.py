@@ -4,10 +4,12 @@ Rank 0 runs the command (it alone reads ROOT's listing, prints and changes anyth
 ranks wait for work. Full verification is the one piece of work shared: rank 0 splits the shards to
 check over the ranks (largest first, each to the least loaded rank), broadcasts the plan, checks
 its own share, and gathers everyone's verdicts. All communication goes through
-:class:`mpickpt.protocol.Protocol` (deadlines included); payloads are plain tuples of paths,
-numbers and sentences. A single process does everything itself and never communicates: MPI
-(mpi4py) is imported only when the environment says that a launcher started this process
-(:func:`launched`), so a plain ``mpickpt ls`` never initialises it.
+:class:`mpickpt.protocol.Protocol` (deadlines included); payloads are the small frozen records
+below (:class:`Job`, :class:`Verdict`, :class:`View` and the orders :class:`LookAt`,
+:class:`Check`, :class:`Stop`), of paths, numbers and sentences only. A single process does
+everything itself and never communicates: MPI (mpi4py) is imported only when the environment says
+that a launcher started this process (:func:`launched`), so a plain ``mpickpt ls`` never
+initialises it.
 
 Before a command that reads ROOT, :meth:`Team.same_root` makes sure every rank sees the same
 directory: each rank lists the path it was given (resolved in its own working directory, as the
@@ -21,6 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import checksum, layout
@@ -34,11 +37,70 @@ from .render import Out, Progress, ranks_text
 if TYPE_CHECKING:
     from ..protocol import Protocol
 
-# one shard to check: (checkpoint directory, rank of the shard, its tensor bytes, manifest digest)
-Job = tuple[str, int, int, str]
-# its verdict: (checkpoint directory, rank, reason or None, file or None, bytes checked,
-# whether restore loads it all the same: the problem is in its HDF5 metadata only)
-Verdict = tuple[str, int, str | None, str | None, int, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One shard to check: rank ``rank``'s shard of the checkpoint in ``checkpoint``, of
+    ``nbytes`` tensor bytes, as the manifest of digest ``digest`` describes it."""
+
+    checkpoint: str
+    rank: int
+    nbytes: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What checking a :class:`Job` found: ``reason`` and ``file`` are None when the shard is
+    intact; ``restorable`` when restore loads it all the same (the problem is in its HDF5
+    metadata only)."""
+
+    checkpoint: str
+    rank: int
+    reason: str | None
+    file: str | None
+    nbytes: int  # tensor bytes checked
+    restorable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What one process sees at a path: what it is (``directory``, ``file``, ``nothing``, or
+    ``error``), the committed checkpoints' names, newest first, the hash of the newest one's
+    MANIFEST.json (or why there is none, or the error), and the absolute path."""
+
+    kind: str
+    names: list[str]
+    digest: str | None
+    where: str
+
+    def same(self, other: View) -> bool:
+        """Whether both see the same; the absolute paths may differ (mount points, working
+        directories) and are not compared."""
+        return (self.kind, self.names, self.digest) == (other.kind, other.names, other.digest)
+
+
+# rank 0's orders to the other ranks
+@dataclass(frozen=True, slots=True)
+class LookAt:
+    """Send back your :class:`View` of ``path``."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Check your share ``shares[rank]`` and send back its verdicts (:class:`Verdict`)."""
+
+    shares: list[list[Job]]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The command is done: return ``code``."""
+
+    code: int
 
 # set by the process managers of MPICH/Intel MPI (Hydra), Open MPI, PMIx and MVAPICH in every rank
 LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -54,12 +116,8 @@ def _digest(m: Manifest) -> str:
     return checksum.digest(m.to_json().encode())
 
 
-View = tuple[str, list[str], str | None, str]
-
-
 def root_view(path: str) -> View:
-    """What this process sees at ``path``: (what it is, the committed checkpoints' names, the
-    hash of the newest one's MANIFEST.json, the absolute path). Reads, never writes."""
+    """What this process sees at ``path`` (:class:`View`). Reads, never writes."""
     root = os.path.abspath(path)
     kind = "directory" if os.path.isdir(root) else "file" if os.path.exists(root) else "nothing"
     found = layout.committed(root) if kind == "directory" else []
@@ -71,18 +129,19 @@ def root_view(path: str) -> View:
                 digest = checksum.digest(f.read())
         except OSError as e:
             digest = f"unreadable: {e.strerror}"
-    return kind, [os.path.basename(p) for _, p in found], digest, root
+    return View(kind, [os.path.basename(p) for _, p in found], digest, root)
 
 
 def _seen(view: View) -> str:
-    kind, names, digest, where = view
-    if kind != "directory":
-        what = {"nothing": "no such directory", "file": "a file"}.get(kind, f"{kind} {digest}")
-    elif not names:
+    if view.kind != "directory":
+        what = {"nothing": "no such directory", "file": "a file"}.get(
+            view.kind, f"{view.kind} {view.digest}")
+    elif not view.names:
         what = "no committed checkpoint"
     else:
-        what = f"{len(names)} committed checkpoint(s), the newest {names[0]} (manifest {digest})"
-    return f"{where}: {what}"
+        what = (f"{len(view.names)} committed checkpoint(s), the newest {view.names[0]} "
+                f"(manifest {view.digest})")
+    return f"{view.where}: {what}"
 
 
 class Team:
@@ -105,10 +164,9 @@ class Team:
         the same newest manifest), else the sentence saying which ranks do not, and what to do."""
         if self.proto is None:
             return None
-        self.proto.bcast(("root", path), "cli-work")
-        views = self.proto.gather(root_view(path), "cli-verdicts") or []
-        # the absolute paths may differ (mount points, working directories): not compared
-        differ = [r for r, v in enumerate(views) if v[:3] != views[0][:3]]
+        self.proto.bcast(LookAt(path), "cli-work")
+        views: list[View] = self.proto.gather(root_view(path), "cli-verdicts") or []
+        differ = [r for r, v in enumerate(views) if not v.same(views[0])]
         if not differ:
             return None
         verb = "sees" if len(differ) == 1 else "see"
@@ -151,7 +209,7 @@ class Team:
         finally:
             if self.proto is not None:
                 try:
-                    self.proto.bcast(("stop", code), "cli-work")
+                    self.proto.bcast(Stop(code), "cli-work")
                 except CollectiveTimeout as e:
                     print(f"mpickpt: {e}; aborting the job", file=sys.stderr)
                     self.proto.abort(EXIT_ERROR)
@@ -161,43 +219,45 @@ class Team:
     def _serve(self) -> int:
         assert self.proto is not None
         while True:
-            msg = self.proto.bcast(None, "cli-work")
-            if msg[0] == "stop":
+            msg: Stop | LookAt | Check = self.proto.bcast(None, "cli-work")
+            if isinstance(msg, Stop):
                 self.proto.free()
-                return int(msg[1])
-            if msg[0] == "root":
+                return int(msg.code)
+            if isinstance(msg, LookAt):
                 try:
-                    view: Any = root_view(msg[1])
+                    view = root_view(msg.path)
                 except Exception as e:  # say so rather than leave rank 0 waiting
-                    view = ("error", [], f"{type(e).__name__}: {e}", msg[1])
+                    view = View("error", [], f"{type(e).__name__}: {e}", msg.path)
                 self.proto.gather(view, "cli-verdicts")
                 continue
+            share = msg.shares[self.rank]
             try:
-                verdicts = self._check(msg[1][self.rank], None)
+                verdicts = self._check(share, None)
             except Exception as e:  # say so rather than leave rank 0 waiting for the deadline
-                verdicts = [(path, rank, f"rank {rank}: {path}: rank {self.rank} of this command "
-                             f"could not check it: {type(e).__name__}: {e}", None, 0, False)
-                            for path, rank, _, _ in msg[1][self.rank]]
+                verdicts = [Verdict(j.checkpoint, j.rank, f"rank {j.rank}: {j.checkpoint}: rank "
+                                    f"{self.rank} of this command could not check it: "
+                                    f"{type(e).__name__}: {e}", None, 0, False)
+                            for j in share]
             self.proto.gather(verdicts, "cli-verdicts")
 
     def verify(self, entries: list[Entry], out: Out) -> tuple[int, float]:
         """Rank 0: check every checksum of the entries that passed the quick check, spread over
         the ranks; mark each corrupt or 'full'. Returns (tensor bytes read, seconds)."""
         t0 = time.monotonic()
-        jobs = [(e.path, r.rank, sum(t.nbytes for t in r.tensors), _digest(e.manifest))
+        jobs = [Job(e.path, r.rank, sum(t.nbytes for t in r.tensors), _digest(e.manifest))
                 for e in entries if e.status == "committed" and e.manifest is not None
                 for r in e.manifest.ranks]
         shares: list[list[Job]] = [[] for _ in range(self.size)]
         load = [0] * self.size
-        for job in sorted(jobs, key=lambda j: -j[2]):
+        for job in sorted(jobs, key=lambda j: -j.nbytes):
             i = load.index(min(load))
             shares[i].append(job)
-            load[i] += job[2]
+            load[i] += job.nbytes
         known = {e.path: e.manifest for e in entries if e.manifest is not None}
         label = "verifying" if self.size == 1 else f"verifying (rank 0's share of {self.size})"
         progress = out.progress(label, load[0])
         if self.proto is not None:
-            self.proto.bcast(("verify", shares), "cli-work")
+            self.proto.bcast(Check(shares), "cli-work")
         verdicts = self._check(shares[0], known, progress)
         progress.close()
         if self.proto is not None:
@@ -205,11 +265,11 @@ class Team:
             verdicts = [v for share in gathered for v in share]
         by_path = {e.path: e for e in entries}
         checked = 0
-        for path, rank, reason, file, nbytes, restorable in sorted(verdicts,
-                                                                  key=lambda v: (v[0], v[1])):
-            checked += nbytes
-            if reason is not None:
-                by_path[path].fail([Problem(reason, rank, file, restorable=restorable)])
+        for v in sorted(verdicts, key=lambda v: (v.checkpoint, v.rank)):
+            checked += v.nbytes
+            if v.reason is not None:
+                by_path[v.checkpoint].fail([Problem(v.reason, v.rank, v.file,
+                                                    restorable=v.restorable)])
         for e in entries:
             if e.status == "committed" and e.manifest is not None:
                 e.verified = "full"
@@ -219,24 +279,25 @@ class Team:
                progress: Progress | None = None) -> list[Verdict]:
         manifests: dict[str, Manifest | str] = dict(known or {})
         out = []
-        for path, rank, nbytes, digest in share:
+        for job in share:
+            path, rank = job.checkpoint, job.rank
             m = manifests.get(path)
             if m is None:
                 try:
                     m = read_manifest(path)
-                    if _digest(m) != digest:
+                    if _digest(m) != job.digest:
                         m = f"{os.path.join(path, MANIFEST)} changed while it was being verified"
                 except ManifestUnreadable as e:
                     m = f"{e} (it changed while it was being verified)"
                 manifests[path] = m
             if isinstance(m, str):
-                out.append((path, rank, m, os.path.join(path, MANIFEST), 0, False))
+                out.append(Verdict(path, rank, m, os.path.join(path, MANIFEST), 0, False))
                 continue
             try:
                 p = verify_shard(path, m, rank, self.threads,
                                  progress.add if progress is not None else None)
             except Exception as e:  # an I/O error of this process: report it, do not hang others
                 p = Problem(f"rank {rank}: {path}: {type(e).__name__}: {e}", rank, None)
-            out.append((path, rank, p and p.reason, p and p.file, nbytes,
-                        bool(p and p.restorable)))
+            out.append(Verdict(path, rank, p and p.reason, p and p.file, job.nbytes,
+                               bool(p and p.restorable)))
         return out

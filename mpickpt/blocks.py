@@ -1,0 +1,147 @@
+"""Verified reads of a shard's checksum blocks: the one reader restore, export and the CLI share.
+
+:class:`BlockFile` opens a shard (no symbolic link, exactly the size the manifest records) and
+:meth:`BlockFile.read_block` reads one checksum block of a record with positional reads into a
+buffer the caller gives, computes its xxh3-64 and compares it with the record's, raising
+:class:`ShardError` naming rank, file, tensor, block and byte range at a mismatch. The caller
+chooses the threads (several may read blocks of one file at once) and the buffers: restore reads
+each block straight into its place in the tensor (no copy), verification streams a block of any
+size through a small reused buffer.
+
+With ``direct``, the part of a transfer whose buffer address, file offset and length are aligned
+to :data:`DIRECT_ALIGN` bypasses the page cache (``O_DIRECT``), the rest goes through it.
+
+Torch-, numpy- and h5py-free, so that the operator's tools can verify a checkpoint without them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import xxhash
+
+from . import checksum
+from .errors import ShardError
+from .records import TensorRecord, open_shard
+
+DIRECT_ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to this
+
+
+def _open_direct(path: str, flags: int) -> int:
+    """An O_DIRECT descriptor of ``path``, or -1 where the platform or file system has none."""
+    try:
+        return os.open(path, flags | os.O_DIRECT)
+    except (AttributeError, OSError):
+        return -1
+
+
+def _direct_len(dfd: int, addr: int, offset: int, n: int) -> int:
+    """How many leading bytes of a transfer can bypass the page cache."""
+    if dfd < 0 or addr % DIRECT_ALIGN or offset % DIRECT_ALIGN:
+        return 0
+    return n - n % DIRECT_ALIGN
+
+
+def _address(buf: memoryview) -> int:
+    """The address of a writable, non-empty, contiguous buffer (no copy)."""
+    import ctypes  # only the O_DIRECT path needs it (restore), not the CLI's start
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int) -> int:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _pread(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> int:
+    """Read ``buf`` (at address ``addr``) from ``offset``: the aligned part with O_DIRECT on
+    ``dfd``, the rest through the page cache on ``fd``; the number of bytes read (fewer only at
+    the end of the file)."""
+    d = _direct_len(dfd, addr, offset, len(buf))
+    got = 0
+    if d:
+        got = os.preadv(dfd, [buf[:d]], offset)
+        if got % DIRECT_ALIGN:  # short read at the end of the file
+            return got
+    return got + _pread_all(fd, buf[got:], offset + got)
+
+
+class BlockFile:
+    """Rank ``rank``'s shard ``path``, open for verified reads of its checksum blocks.
+
+    Opened without following symbolic links, refused (FIFO, device, directory: OSError; another
+    size than ``file_bytes``: :class:`ShardError`) before anything is read. The records given to
+    :meth:`read_block` must have passed :func:`mpickpt.records.check_records`. Thread-safe: only
+    positional reads."""
+
+    def __init__(self, rank: int, path: str, file_bytes: int, block: int, *,
+                 direct: bool = False) -> None:
+        self.rank, self.path, self.block = rank, path, block
+        self.fd = open_shard(rank, path, file_bytes)
+        self.dfd = -1
+        if direct:
+            self.dfd = _open_direct(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            # (st_ino, st_dev): the name may have been replaced since fd was opened
+            if self.dfd >= 0 and os.fstat(self.dfd)[1:3] != os.fstat(self.fd)[1:3]:
+                os.close(self.dfd)
+                self.dfd = -1
+
+    def close(self) -> None:
+        for fd in (self.fd, self.dfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.dfd = -1
+
+    def __enter__(self) -> BlockFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def block_size(self, r: TensorRecord, n: int) -> int:
+        """The bytes in block ``n`` of ``r`` (the last one may be short, an empty record has one
+        empty block)."""
+        return max(0, min(self.block, r.nbytes - n * self.block))
+
+    def read_block(self, r: TensorRecord, n: int, buf: memoryview) -> int:
+        """Read checksum block ``n`` of record ``r`` into the writable buffer ``buf`` and verify
+        it; the block's size in bytes. When ``buf`` holds the whole block, the block is left in
+        ``buf[:size]``; when it is smaller, the block streams through it piece by piece (its
+        contents are then the last piece). :class:`ShardError` at the end of the file or a
+        checksum mismatch."""
+        size = self.block_size(r, n)
+        where = r.offset + n * self.block
+        addr = _address(buf) if self.dfd >= 0 and len(buf) else 0
+        if len(buf) >= size:
+            view = buf[:size]
+            if _pread(self.fd, self.dfd, addr, view, where) < size:
+                raise ShardError(self.rank, self.path, "unexpected end of file", tensor=r.name)
+            digest = checksum.digest(view)
+        elif not len(buf):
+            raise ValueError("an empty buffer cannot hold a non-empty block")
+        else:
+            h = xxhash.xxh3_64()
+            got = 0
+            while got < size:
+                view = buf[: min(len(buf), size - got)]
+                k = _pread(self.fd, self.dfd, addr, view, where + got)
+                if k < len(view):
+                    raise ShardError(self.rank, self.path, "unexpected end of file",
+                                     tensor=r.name)
+                h.update(view)
+                got += k
+            digest = h.hexdigest()
+        if digest != r.checksums[n]:
+            raise ShardError(
+                self.rank, self.path,
+                f"checksum mismatch in block {n} (bytes {where}..{where + size}): "
+                "the data is corrupt",
+                tensor=r.name,
+            )
+        return size
