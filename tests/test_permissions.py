@@ -23,6 +23,8 @@ from mpickpt import layout
 from mpickpt.cli import main as cli_main
 from mpickpt.cli import restore as cli_restore
 
+pytestmark = pytest.mark.guarantee("umask-honoured")
+
 
 @contextlib.contextmanager
 def umask(mask: int) -> Iterator[None]:

@@ -36,6 +36,7 @@ def test_keep_best_ranks_by_metadata_min_and_max():
     assert doomed == [4, 2, 1]
 
 
+@pytest.mark.guarantee("retention-after-commit")
 def test_unranked_checkpoints_are_never_best_and_the_newest_is_always_kept():
     c = [(1, {"val": 0.3}), (2, {"val": float("nan")}), (3, {"val": "inf"}), (4, {}),
          (5, {"val": True}), (6, {"val": 9.0})]

@@ -196,6 +196,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(tmp_path, tensors
         signal.alarm(0)
 
 
+@pytest.mark.guarantee("umask-honoured")
 def test_the_writer_never_makes_a_world_writable_shard(tmp_path, tensors):
     old = os.umask(0)
     try:

@@ -30,6 +30,7 @@ from harness import (
 N, STEPS, EVERY = 2, 20, 5
 NEWEST, OLDER = 20, 15
 RESUMED_STEPS = 30
+pytestmark = pytest.mark.guarantee("damage-detected")
 
 
 @pytest.fixture(scope="module")

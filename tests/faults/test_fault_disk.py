@@ -21,6 +21,7 @@ from faultkit import committed_steps, partials, reports, step_dirs
 from harness import SCENARIOS, Job, mpiexec
 
 N = 2
+pytestmark = pytest.mark.guarantee("failed-save-aborts")
 SCENARIO = str(SCENARIOS / "fault_disk.py")
 NO_DAC = ["--inh-caps=-dac_override,-dac_read_search",
           "--bounding-set=-dac_override,-dac_read_search"]

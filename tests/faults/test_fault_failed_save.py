@@ -14,6 +14,7 @@ from faultkit import committed_steps, losses, partials, reports, step_dirs
 from harness import SCENARIOS, Job, assert_same_final, run_mpi, train
 
 N = 2
+pytestmark = pytest.mark.guarantee("failed-save-aborts")
 
 
 @contextmanager

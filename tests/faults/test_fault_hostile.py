@@ -1,11 +1,11 @@
 """Damaged and hostile checkpoints, each case in its own copy of a 2-rank ROOT (steps 10, 15, 20).
 
 Every case damages or forges step 20 (or adds something beside it); then one MPI job restores
-every ROOT into a fresh state (tests/scenarios/restore_many.py, each rank's address space limited
-to what it uses plus 4 GiB), and the CLI (verify, ls, inspect, export, stats, mpickpt-restore
---dry-run) runs on every ROOT in this process. Forged manifests carry a valid manifest_checksum
-(the checksum guards against damage, not against someone who writes the manifest), so the rule
-under test is the one that must refuse them.
+every ROOT into a fresh state (tests/scenarios/fault_hostile_restore.py, each rank's address space
+limited to what it uses plus 4 GiB), and the CLI (verify, ls, inspect, export, stats,
+mpickpt-restore --dry-run) runs on every ROOT in this process. Forged manifests carry a valid
+manifest_checksum (the checksum guards against damage, not against someone who writes the
+manifest), so the rule under test is the one that must refuse them.
 
 Restore must fall back to step 15 (or load step 20 when the damage cannot change what it loads,
 or refuse on every rank with the state untouched), say why naming the rank, file and tensor, load
@@ -439,6 +439,10 @@ CASES = [
          verify_status="hdf5-damaged", cli_why=FORGED_TREE, marker=True, tree_extra=["blob"]),
 ]
 BY_NAME = {c.name: c for c in CASES}
+# what a case proves, by its suite: damage is detected, or nothing hostile escapes ROOT or runs
+PROVES = {"corruption": "damage-detected", "hostile": "nothing-escapes-root"}
+PARAMS = [pytest.param(c.name, id=c.name, marks=pytest.mark.guarantee(PROVES[c.suite]))
+          for c in BY_NAME.values()]
 
 
 # ------------------------------------------------------------------------------- the matrix
@@ -484,7 +488,7 @@ def matrix(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         plan.append({"name": case.name, "root": str(root), "reports": str(home / "reports")})
     plan_file = base / "plan.json"
     plan_file.write_text(json.dumps({"width": 64, "cases": plan}))
-    job = run_mpi(N, [str(SCENARIOS / "restore_many.py"), str(plan_file),
+    job = run_mpi(N, [str(SCENARIOS / "fault_hostile_restore.py"), str(plan_file),
                       "--limit-as-mb", str(LIMIT_AS_MB)], timeout=600)
     for case in CASES:
         p = prepared[case.name]
@@ -544,7 +548,7 @@ def restore_outcome(case: Case, p: Prepared, expected: dict) -> tuple[str, str]:
     return "correct", ""
 
 
-@pytest.mark.parametrize("name", list(BY_NAME))
+@pytest.mark.parametrize("name", PARAMS)
 def test_restore(name: str, matrix: dict[str, Prepared], expected, guarantees) -> None:
     case, p = BY_NAME[name], matrix[name]
     outcome, detail = restore_outcome(case, p, expected)
@@ -613,7 +617,7 @@ def cli_outcome(case: Case, p: Prepared, tmp: Path, expected: dict) -> tuple[str
     return "correct", ""
 
 
-@pytest.mark.parametrize("name", list(BY_NAME))
+@pytest.mark.parametrize("name", PARAMS)
 def test_cli(name: str, matrix: dict[str, Prepared], expected, tmp_path, guarantees) -> None:
     case, p = BY_NAME[name], matrix[name]
     outcome, detail = cli_outcome(case, p, tmp_path, expected)
@@ -624,6 +628,7 @@ def test_cli(name: str, matrix: dict[str, Prepared], expected, tmp_path, guarant
 # ------------------------------------------------------------- links met by a save and by the CLI
 
 
+@pytest.mark.guarantee("nothing-escapes-root")
 def test_a_save_never_writes_through_links_in_root(tmp_path: Path, guarantees) -> None:
     """ROOT/stats.jsonl is a link to a file outside ROOT, ROOT/step-00000005 a link to a
     checkpoint outside ROOT: the job starts fresh (the link is refused, saying so), saves steps 5
@@ -655,6 +660,7 @@ def test_a_save_never_writes_through_links_in_root(tmp_path: Path, guarantees) -
     assert not failed, f"{failed}\n{job.output}"
 
 
+@pytest.mark.guarantee("nothing-escapes-root")
 @pytest.mark.parametrize("delete", [False, True], ids=["quarantine", "delete"])
 def test_mpickpt_restore_moves_or_removes_a_linked_step_directory_not_its_target(
         pristine: Path, tmp_path: Path, delete: bool, guarantees) -> None:
@@ -678,6 +684,7 @@ def test_mpickpt_restore_moves_or_removes_a_linked_step_directory_not_its_target
     assert not failed, f"{failed}\n{out}\n{err}"
 
 
+@pytest.mark.guarantee("nothing-escapes-root")
 def test_the_cli_reads_no_side_file_through_a_link_or_fifo(pristine: Path, tmp_path: Path,
                                                           guarantees) -> None:
     """stats.jsonl a link to /dev/zero, ROLLBACK.json a FIFO, quarantine/QUARANTINE.jsonl a link

@@ -12,11 +12,12 @@ import pytest
 from faultkit import committed_steps, losses, partials, reports, step_dirs
 from harness import SCENARIOS, assert_same_final, run_mpi, starts, step_dir, train
 
-from mpickpt.checkpointer import EXIT_COLLECTIVE_TIMEOUT
+from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 
 STEPS, EVERY, KILLED = 20, 5, 15
 
 
+@pytest.mark.guarantee("no-torn-load", "resume-bit-identical")
 @pytest.mark.parametrize(
     ("n", "fault"),
     [
@@ -60,6 +61,7 @@ def test_kill_during_save_restores_previous_checkpoint(tmp_path, reference_runs,
     assert losses(out, n) == losses(ref, n)
 
 
+@pytest.mark.guarantee("no-hang", "no-torn-load")
 @pytest.mark.parametrize(
     ("fault", "waiting_rank", "phase", "missing"),
     [("mid-write:1:hang:10", 0, "vote",
@@ -72,7 +74,7 @@ def test_kill_during_save_restores_previous_checkpoint(tmp_path, reference_runs,
 def test_hang_during_save_aborts_job_at_deadline(tmp_path, fault, waiting_rank, phase, missing):
     root = tmp_path / "ckpt"
     deadline = 3
-    hung = run_mpi(2, [str(SCENARIOS / "fault_hang.py"), str(root), "15", str(deadline)],
+    hung = run_mpi(2, [str(SCENARIOS / "save_hang.py"), str(root), "15", str(deadline)],
                    env={"MPICKPT_FAULT": fault}, timeout=60)
     assert hung.returncode == EXIT_COLLECTIVE_TIMEOUT, hung.output
     assert "finished" not in hung.stdout, hung.output

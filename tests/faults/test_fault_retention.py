@@ -10,6 +10,7 @@ from faultkit import committed_steps, losses, partials, step_dirs
 from harness import assert_same_final, starts, train
 
 N = 2
+pytestmark = pytest.mark.guarantee("retention-after-commit")
 
 
 @pytest.mark.parametrize("keep", [1, 3])

@@ -1,7 +1,7 @@
 """The fault matrix: its cells, running their jobs (many cases per launch where a case does not
 end the job), and judging each cell from what the jobs and the verification reported.
 
-A cell is (action, rank, phase, ranks). Its fault job (tests/scenarios/matrix_job.py) saves steps
+A cell is (action, rank, phase, ranks). Its fault job (tests/scenarios/fault_matrix.py) saves steps
 10, 20 and 30 with the fault armed for step 30 (``mid-restore-read``: saves 10 and 20, then
 restores with the fault armed for step 20). kill, exit and hang end the job, so each such cell has
 a launch of its own; the raise cells of one (rank, ranks) share a launch, each with its own root.
@@ -28,7 +28,7 @@ from harness import SCENARIOS, mpiexec
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from mpickpt.faults import PHASES
 
-JOB = SCENARIOS / "matrix_job.py"
+JOB = SCENARIOS / "fault_matrix.py"
 ACTIONS = ("kill", "raise", "hang", "exit")
 SIZES = (2, 4)
 HANG_DEADLINE_S = 3.0      # the collective deadline of a hang cell's job: how it ends
@@ -41,7 +41,7 @@ RESTORE_PHASE = "mid-restore-read"
 AFTER_COMMIT = "after-commit-before-retention"
 # A non-zero rank has voted and sent its entry; rank 0 writes the manifest and commits meanwhile.
 RACING_COMMIT = "mid-manifest-write"
-FRESH = 0  # the step a fresh state's values belong to (matrix_job.FRESH)
+FRESH = 0  # the step a fresh state's values belong to (fault_matrix.FRESH)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def cells(n: int) -> list[Cell]:
 
 
 # Cells that cannot be run meaningfully, with the reason (none: every phase exists on every rank,
-# see the faults.hit calls of mpickpt/checkpointer.py).
+# see the faults.hit calls of mpickpt/saver.py and mpickpt/upkeep.py).
 NOT_APPLICABLE: dict[str, str] = {}
 
 

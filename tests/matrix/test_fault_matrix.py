@@ -17,6 +17,7 @@ import time
 import pytest
 from matrix_kit import (
     ACTIONS,
+    AFTER_COMMIT,
     NOT_APPLICABLE,
     PHASES,
     SIZES,
@@ -30,6 +31,17 @@ from matrix_kit import (
 SUITE = "fault-matrix"
 WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))
 ALL = [c for n in SIZES for c in cells(n)]
+
+
+def proves(cell: Cell) -> pytest.MarkDecorator:
+    """Every cell proves that only committed checkpoints load; a hang cell also that a hang ends
+    the job, an after-commit-before-retention cell also that retention waits for the commit."""
+    ids = ["no-torn-load"]
+    if cell.action == "hang":
+        ids.append("no-hang")
+    if cell.phase == AFTER_COMMIT:
+        ids.append("retention-after-commit")
+    return pytest.mark.guarantee(*ids)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +74,8 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.timeout(3000)
-@pytest.mark.parametrize("cell", [c for c in ALL if c.id not in NOT_APPLICABLE],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=proves(c))
+                                  for c in ALL if c.id not in NOT_APPLICABLE])
 def test_cell(matrix, guarantees, cell: Cell) -> None:
     run = matrix[cell.n][cell.id]
     outcome, detail = judge(cell, run)

@@ -48,6 +48,7 @@ def test_ddp_state_is_written_once_spread_over_the_ranks(saved):
     assert all(0 < b <= sum(full.values()) / 2 for b in by_rank), by_rank
 
 
+@pytest.mark.guarantee("reshard-bit-exact")
 def test_ddp_restores_on_two_ranks(saved):
     root, out = saved
     scenario("ddp_train.py", 2, "resume", root, out)
@@ -158,6 +159,7 @@ def judge(runs: Runs) -> tuple[str, str]:
     return "correct", ""
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 def test_ddp_killed_and_resumed_on_four_ranks_ends_bit_identical(ddp_runs, guarantees):
     """Final parameters, Adam state (exp_avg, exp_avg_sq, step) and every loss after the resume
     step equal the uninterrupted run's exactly, on every rank."""

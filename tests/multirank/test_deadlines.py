@@ -59,8 +59,8 @@ def run(script: str, args: list[str], env: dict[str, str]) -> tuple[Job, float]:
 
 
 def save_hang(root: Path, fault: str) -> tuple[Job, float]:
-    """fault_hang.py: 15 steps, a save every 5 (each waited for), ``fault`` injected."""
-    return run("fault_hang.py", [str(root), "15", str(DEADLINE)], {"MPICKPT_FAULT": fault})
+    """save_hang.py: 15 steps, a save every 5 (each waited for), ``fault`` injected."""
+    return run("save_hang.py", [str(root), "15", str(DEADLINE)], {"MPICKPT_FAULT": fault})
 
 
 def timed_out(job: Job, rank: int, phase: str) -> str:
@@ -91,6 +91,7 @@ def named_missing(details: str, missing: str, answered: str, phase: str) -> re.M
     return m
 
 
+@pytest.mark.guarantee("no-hang")
 def test_rank_hung_mid_write_is_named_by_every_surviving_rank(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     job, took = save_hang(root, "mid-write:2:hang:10")
@@ -104,6 +105,7 @@ def test_rank_hung_mid_write_is_named_by_every_surviving_rank(tmp_path, guarante
         assert committed_steps(root) == [5], step_dirs(root)
 
 
+@pytest.mark.guarantee("no-hang")
 def test_rank_0_hung_the_others_say_it_did_not_answer(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     job, took = save_hang(root, "mid-write:0:hang:10")
@@ -117,6 +119,7 @@ def test_rank_0_hung_the_others_say_it_did_not_answer(tmp_path, guarantees):
         assert committed_steps(root) == [5], step_dirs(root)
 
 
+@pytest.mark.guarantee("no-hang")
 def test_two_hung_ranks_are_named_as_one_range(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     job, took = save_hang(root, "mid-write:2:hang:10,mid-write:3:hang:10")
@@ -128,6 +131,7 @@ def test_two_hung_ranks_are_named_as_one_range(tmp_path, guarantees):
         assert committed_steps(root) == [5], step_dirs(root)
 
 
+@pytest.mark.guarantee("no-hang")
 def test_rank_hung_after_the_last_commit_is_noticed_at_close(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     job, took = save_hang(root, "after-commit-before-retention:0:hang:15")
@@ -140,10 +144,11 @@ def test_rank_hung_after_the_last_commit_is_noticed_at_close(tmp_path, guarantee
         assert committed_steps(root) == [5, 10, 15], step_dirs(root)
 
 
+@pytest.mark.guarantee("no-hang")
 def test_rank_that_stops_calling_should_exit_is_named(tmp_path, guarantees):
     """The per-step exit vote has the deadline too; here it comes from $MPICKPT_TIMEOUT."""
     root = tmp_path / "ckpt"
-    job, took = run("deadline_poll.py", [str(root), "60", "env", "2", "hang", "20"],
+    job, took = run("deadlines_poll.py", [str(root), "60", "env", "2", "hang", "20"],
                     {"MPICKPT_TIMEOUT": str(DEADLINE)})
     with counted(guarantees, "rank 2 of 4 stops calling should_exit"):
         ended_at_deadline(job, took)
@@ -158,13 +163,14 @@ def test_rank_that_stops_calling_should_exit_is_named(tmp_path, guarantees):
             assert int(m.group(1)) in (18, 19), details
 
 
+@pytest.mark.guarantee("no-hang")
 def test_rank_killed_before_should_exit_does_not_hang_the_job(tmp_path, guarantees):
     """A SIGKILLed rank: MPICH's hydra ends the whole job at once (SIGKILL to every rank, so no
     rank can log anything, and its banner names whichever process it reaped first). A launcher
     that leaves the others running lets them miss the exit vote's deadline instead, and then
     every one of them must name the dead rank."""
     root = tmp_path / "ckpt"
-    job, took = run("deadline_poll.py", [str(root), "60", str(DEADLINE), "2", "kill", "20"], {})
+    job, took = run("deadlines_poll.py", [str(root), "60", str(DEADLINE), "2", "kill", "20"], {})
     with counted(guarantees, "rank 2 of 4 killed before should_exit"):
         assert job.returncode != 0, job.output
         assert took < ENDS_WITHIN, f"the job took {took:.0f} s to end\n{job.output}"

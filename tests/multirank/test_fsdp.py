@@ -85,6 +85,7 @@ def test_fsdp_checkpoint_holds_each_shard_once(saved):
     assert len(steps) == WORLD * len(ref["optim"])
 
 
+@pytest.mark.guarantee("reshard-bit-exact")
 @pytest.mark.parametrize("n", [4, 2, 1])
 def test_fsdp_restores_on_any_number_of_ranks(saved, n):
     root, out = saved

@@ -22,7 +22,7 @@ N, STEPS = 4, 60
 
 def start_job(root: Path, out: Path, extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"} | (extra or {})
-    cmd = [*mpiexec(), "-n", str(N), sys.executable, str(SCENARIOS / "preempt_train.py"),
+    cmd = [*mpiexec(), "-n", str(N), sys.executable, str(SCENARIOS / "preemption_train.py"),
            str(root), str(out), str(STEPS)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -42,6 +42,7 @@ def progress(out: Path, rank: int) -> int:
     return int(lines[-1]) if lines else 0
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
 def test_signal_to_one_rank_checkpoints_all_and_resume_is_bit_identical(
         tmp_path, reference_runs, sig):

@@ -38,6 +38,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return out
 
 
+@pytest.mark.guarantee("reshard-bit-exact")
 @pytest.mark.parametrize(("n", "m"), [(3, 2), (3, 3), (3, 1), (1, 4), (4, 3)],
                          ids=["3to2", "3to3", "3to1", "1to4", "4to3"])
 def test_restore_on_another_number_of_ranks_gives_each_rank_its_new_piece(
@@ -89,6 +90,7 @@ def test_replicated_pieces_are_spread_over_the_ranks(tmp_path):
     assert max(per_rank) - min(per_rank) <= 4 * (1000 + 97 * 23), per_rank  # within one tensor
 
 
+@pytest.mark.guarantee("reshard-bit-exact")
 def test_restore_reads_only_the_byte_ranges_it_needs(tmp_path, saved):
     """3 -> 2 ranks: each rank reads about the bytes of its own pieces (plus the replicated
     tensor), not the stored pieces whole, let alone every shard."""

@@ -15,6 +15,7 @@ def test_every_kind_of_value_round_trips_bit_exact(tmp_path, n):
     assert job.stdout.count("round trip OK") == n, job.output
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_resumed_training_matches_uninterrupted_run(tmp_path, n, reference_runs):
     root = tmp_path / "ckpt"

@@ -14,6 +14,8 @@ then writes on every rank:
 
 The model has about 0.8 M parameters (3.3 MB); with ``bucket_cap_mb=1`` DDP reduces them in
 several buckets, as it would a large model with its default 25 MB buckets.
+
+Run by tests/multirank/test_ddp.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ checkpoint also loads into an unwrapped model) and names the optimizer state by 
 
 DDP is built by :func:`ddp`, with ``find_unused_parameters=True`` so that a run resumed from a
 checkpoint trains bit for bit like an uninterrupted one (tests/multirank/test_ddp.py).
+
+Run by tests/multirank/test_ddp.py.
 """
 
 from __future__ import annotations

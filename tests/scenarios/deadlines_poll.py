@@ -2,10 +2,12 @@
 steps (each rank trains alone), and a collective deadline of TIMEOUT seconds; rank VICTIM stops
 before its should_exit call of step STEP: ACTION ``hang`` sleeps forever, ``kill`` SIGKILLs itself.
 
-Usage: deadline_poll.py ROOT STEPS TIMEOUT VICTIM ACTION STEP
+Usage: deadlines_poll.py ROOT STEPS TIMEOUT VICTIM ACTION STEP
 (TIMEOUT ``env``: no timeout argument, so Checkpointer reads $MPICKPT_TIMEOUT.)
 
 Each rank prints ``rank R pid P`` first and ``rank R: finished`` at the end.
+
+Run by tests/multirank/test_deadlines.py.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ Each rank writes REPORTS/rank-R.json: every SaveResult, what rank 0 saw under RO
 failed save, the free bytes and shard size at the failed save (enospc), its open file descriptors
 after the saves of steps 10 and 20, and each restore's step and whether the state equals the one
 saved.
+
+Run by tests/faults/test_fault_disk.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ Usage: fault_failed_save.py ROOT MODE REPORTS, where MODE breaks rank 1's shard 
 
 Each rank writes REPORTS/rank-R.json with every SaveResult, what rank 0 saw under ROOT after the
 failed save, and the outcome of both restores (step, and whether the state equals the saved one).
+
+Run by tests/faults/test_fault_failed_save.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Restore examples/train.py's state from many ROOTs in one job, and report what each restore did.
 
-Usage: restore_many.py PLAN.json [--limit-as-mb MB]
+Usage: fault_hostile_restore.py PLAN.json [--limit-as-mb MB]
 
 PLAN.json: {"width": W, "cases": [{"name": NAME, "root": ROOT, "reports": DIR, "step": S|null}]}.
 For each case every rank builds a fresh state, restores ROOT into it (``step`` given: that one
@@ -13,6 +13,8 @@ grew during the case.
 
 ``--limit-as-mb MB``: after start-up the address space of every rank is limited to what it uses
 plus MB, so an allocation sized by a lying manifest fails instead of passing unnoticed.
+
+Run by tests/faults/test_fault_hostile.py (its test_restore cases).
 """
 
 from __future__ import annotations

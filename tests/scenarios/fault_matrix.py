@@ -1,8 +1,8 @@
 """The fault matrix's job: a synthetic state that is a pure function of (rank, step), saved and
 restored with one fault injected; and the verification of many checkpoint roots in one launch.
 
-Usage (under ``python -m mpickpt.run``): ``matrix_job.py fault PLAN.json`` or
-``matrix_job.py verify PLAN.json``.
+Usage (under ``python -m mpickpt.run``): ``fault_matrix.py fault PLAN.json`` or
+``fault_matrix.py verify PLAN.json``.
 
 fault: PLAN is ``{"timeout": S, "cases": [{"dir": D, "phase": P, "rank": R, "action": A}, ...]}``;
 the cases run one after the other, each with its own root ``D/ckpt`` and a Checkpointer (keep=2,
@@ -15,6 +15,8 @@ step, skipped checkpoints, error, and which step each value of the restored stat
 verify: PLAN is ``{"roots": [D, ...]}``; for each, a fresh Checkpointer restores the newest
 checkpoint under ``D/ckpt`` into a fresh state, then every committed step on disk explicitly, and
 every rank writes ``D/verify/rank-R.json`` with the same analysis.
+
+Run by tests/matrix/test_fault_matrix.py (through matrix_kit.py).
 """
 
 from __future__ import annotations

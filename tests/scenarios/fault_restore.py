@@ -5,6 +5,11 @@ Usage: fault_restore.py ROOT REPORTS [--step S] [--width W]
 Each rank writes REPORTS/rank-R.json: the restored step (null when none), restore_info.skipped,
 the error raised by restore (if any), and whether the fresh state is still bit-identical to its
 initial values ("untouched": model, optimizer, scheduler, data generator, global RNG, losses).
+
+Run by tests/faults/test_fault_corruption.py, tests/faults/test_fault_disk.py and
+tests/faults/test_fault_kill.py, to see what a new job restores after a fault: hence a name
+for what the fault tests share. The other scenarios that restore train.py's state import
+its helpers.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What a new user does on a first day, under ``mpiexec -n N python first_day.py MODE BASE``
-(run by tests/multirank/test_first_day.py). Each rank writes what it saw to
+"""What a new user does on a first day, under ``mpiexec -n N python first_day.py MODE BASE``.
+Run by tests/multirank/test_first_day.py. Each rank writes what it saw to
 ``BASE/out/MODE-rank-R.json``.
 
 Modes:

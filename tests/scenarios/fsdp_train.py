@@ -18,6 +18,8 @@ Modes:
 
 Both write the global loss of each step they ran to ``OUT/<mode>-losses.json`` (rank 0) and the
 time spent to ``OUT/<mode>-timing.json``.
+
+Run by tests/multirank/test_fsdp.py. ddp_train.py shares its training loop.
 """
 
 from __future__ import annotations

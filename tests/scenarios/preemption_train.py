@@ -1,9 +1,11 @@
 """examples/train.py's job, slowed down and observable, for preemption tests.
 
-Usage: preempt_train.py ROOT OUT STEPS. Each rank writes OUT/pid-R (its pid) and appends the step
-it finished to OUT/progress-R, sleeps 50 ms per step so a signal can land mid-training, calls
+Usage: preemption_train.py ROOT OUT STEPS. Each rank writes OUT/pid-R (its pid) and appends the
+step it finished to OUT/progress-R, sleeps 50 ms per step so a signal can land mid-training, calls
 ``should_exit`` every step, and at the end (or never, when preempted) writes its final state the
 way examples/train.py --out does.
+
+Run by tests/multirank/test_preemption.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ The global tensors are pure functions of their shape, so any rank can check its 
 - ``note``: a per-rank string.
 Each rank writes REPORTS/<mode>-rank-R.json with the restored step, what matched, the bytes its
 restore read and the bytes its pieces need.
+
+Run by tests/multirank/test_reshard.py and tests/cli/test_cli_export_sharded.py (which
+also imports :func:`whole`); named for the first, whose subject it is.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Save a state holding every supported kind of value, restore it into a fresh state, compare.
 
 Usage: roundtrip.py ROOT. Exits non-zero with a message on the first difference.
+
+Run by tests/multirank/test_roundtrip.py.
 """
 
 from __future__ import annotations

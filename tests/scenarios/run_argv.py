@@ -1,6 +1,8 @@
 """Writes $RUN_ARGV_OUT/rank-R.json: this rank's __name__, sys.argv and sys.path[0].
 
 Run as a script (``run_argv.py ARGS``), a module (``-m run_argv ARGS``) or its text with ``-c``.
+
+Run by tests/test_run.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Usage: run_exit.py CODE [RANK]. Every rank (or only RANK, while the others wait for it in a
 barrier that it never joins) raises ``SystemExit(CODE)``; CODE ``interrupt`` raises
 KeyboardInterrupt instead.
+
+Run by tests/test_run.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Rank 2 raises while the other ranks wait for it in an allreduce, which would hang forever."""
+"""Rank 2 raises while the other ranks wait for it in an allreduce, which would hang forever.
+
+Run by tests/test_run.py.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 Usage: run_main_fn.py [fail]. ``train`` checks the environment and allreduces the ranks; with
 ``fail``, rank 1 raises inside it while the others wait in the allreduce.
+
+Run by tests/test_run.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Under mpickpt.run: the torch.distributed environment matches MPI, and
 ``init_process_group("gloo")`` with no other arguments works. Prints one line per rank:
 ``env RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT sum S``.
+
+Run by tests/test_run.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Train examples/train.py's model for STEPS steps with a save every 5 and a collective deadline of
 TIMEOUT seconds; meant to run with MPICKPT_FAULT making one rank hang in a save.
 
-Usage: fault_hang.py ROOT STEPS TIMEOUT
+Usage: save_hang.py ROOT STEPS TIMEOUT
+
+Run by tests/faults/test_fault_kill.py and tests/multirank/test_deadlines.py, which both
+make one rank hang in a save and expect the collective deadline to end the job: hence a
+name for what they share rather than for one of them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """examples/train.py's job, slowed down and observable, for the Slurm tests (tests/slurm/).
 
-Usage: slurm_train.py ROOT OUT STEPS [--sleep S] [--every N] [--keep K]
+Usage: slurm_jobs.py ROOT OUT STEPS [--sleep S] [--every N] [--keep K]
 
 Each rank trains exactly like examples/train.py (width 64), so a run that was preempted, requeued
 and resumed ends bit-identical to an uninterrupted ``examples/train.py --no-checkpoint`` run. It
@@ -14,6 +14,8 @@ the emergency save). It reports through files in OUT, which every run of a reque
   it started fresh);
 * at the end, ``rank-R.pt`` (final parameters and optimizer state) and ``rank-R.json``, as
   ``examples/train.py --out`` writes them.
+
+Run by tests/slurm/test_slurm_jobs.py; docs/slurm.md shows its command lines.
 """
 
 from __future__ import annotations

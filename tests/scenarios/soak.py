@@ -12,6 +12,8 @@ Each rank writes REPORTS/rank-R.json: the steps not committed (with their errors
 (save, VmRSS bytes, open descriptors), the seconds of every save, and on rank 0 the largest ROOT
 seen (bytes and entries, apart from stats.jsonl), each checkpoint's size, stats.jsonl's final
 size, and the first few saves after which ROOT held something else than expected.
+
+Run by tests/soak/test_soak.py.
 """
 
 from __future__ import annotations

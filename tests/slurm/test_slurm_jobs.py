@@ -1,7 +1,7 @@
 """The slurm/ templates on a real one-node Slurm (the `slurm` fixture, tests/slurm/conftest.py).
 
 Every test submits the templates exactly as the README's "Running on Slurm" section says and
-trains tests/scenarios/slurm_train.py (examples/train.py's job, slowed down) on N ranks with srun
+trains tests/scenarios/slurm_jobs.py (examples/train.py's job, slowed down) on N ranks with srun
 and the pip MPICH (--mpi=pmi2):
 
 * a time limit: `--time=2 --signal=B:USR2@40` makes Slurm signal the batch shell, which forwards
@@ -31,7 +31,7 @@ from harness import assert_same_final, mpiexec
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "slurm"
-SCENARIO = REPO / "tests" / "scenarios" / "slurm_train.py"
+SCENARIO = REPO / "tests" / "scenarios" / "slurm_jobs.py"
 N = 2  # ranks; the node has CPUs=8, the machine may have 2 cores
 
 
@@ -81,7 +81,7 @@ class Jobs:
         return p.stdout.strip()
 
     def train(self, extra: list[str], steps: int, sleep: float, **env: str) -> str:
-        """sbatch [options] slurm/train.sbatch slurm_train.py ...; the job id."""
+        """sbatch [options] slurm/train.sbatch slurm_jobs.py ...; the job id."""
         out = self._run(["sbatch", "--parsable", *self.options(extra),
                          str(SLURM_DIR / "train.sbatch"), *self.command(steps, sleep)],
                         self.env(**env))
@@ -89,7 +89,7 @@ class Jobs:
 
     def submit(self, extra: list[str], steps: int, sleep: float, **env: str
                ) -> tuple[str, str]:
-        """slurm/submit [options] -- slurm_train.py ...; (training job id, watcher job id)."""
+        """slurm/submit [options] -- slurm_jobs.py ...; (training job id, watcher job id)."""
         watch = f"-J {self.name}-watch -o {self.logs / 'watch-%j.out'}"
         out = self._run([str(SLURM_DIR / "submit"), *self.options(extra), "--",
                          *self.command(steps, sleep)],
@@ -165,6 +165,7 @@ def check_resumed_runs(jobs: Jobs, job: str, runs: int) -> list[int]:
     return resumed[0][1:]
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(
         slurm, jobs, reference_runs):
     steps = 130  # ~0.6 s a step: ~80 s, longer than the 50..80 s before the signal comes
@@ -188,6 +189,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(
     assert_same_final(jobs.out, reference, N)
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 def test_scancel_usr2_preempts_requeues_and_resumes_bit_identical(slurm, jobs, reference_runs):
     steps = 60
     reference = reference_runs[(N, steps)]
@@ -209,6 +211,7 @@ def test_scancel_usr2_preempts_requeues_and_resumes_bit_identical(slurm, jobs, r
     assert_same_final(jobs.out, reference, N)
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 def test_mpich_mpiexec_launcher_and_an_early_signal_held_until_the_ranks_are_up(
         slurm, jobs, reference_runs):
     """MPICKPT_LAUNCHER=mpiexec (MPICH's hydra here, as a system MPI's own launcher would be):
@@ -239,6 +242,7 @@ def test_mpich_mpiexec_launcher_and_an_early_signal_held_until_the_ranks_are_up(
     assert_same_final(jobs.out, reference, N)
 
 
+@pytest.mark.guarantee("resume-bit-identical")
 @pytest.mark.parametrize("target", ["job", "step"])
 def test_hard_kill_is_restarted_by_the_watcher_and_ends_bit_identical(
         slurm, jobs, reference_runs, target):

@@ -23,13 +23,14 @@ import torch
 from harness import SCENARIOS, run_mpi
 
 import mpickpt
-from mpickpt import checkpointer
+from mpickpt import upkeep
 
 N, KEEP = 4, 2
 SAVES = int(os.environ.get("MPICKPT_SOAK_SAVES", "1000"))
 RSS_BOUND = 2 << 20  # bytes, from the warm-up sample to the end
 HALF_BOUND = 256 << 10  # bytes, over the second half of the saves
 LINE_BOUND = 1024  # bytes per stats.jsonl line
+pytestmark = pytest.mark.guarantee("flat-forever")
 
 
 def reports(where) -> dict[int, dict]:
@@ -115,7 +116,7 @@ def test_stats_jsonl_is_bounded(tmp_path, monkeypatch, guarantees):
     """stats.jsonl, a line per commit, becomes stats.jsonl.1 at STATS_MAX_BYTES: together they
     hold the newest lines, in order, and at most twice that plus a line (one process)."""
     limit = 4096
-    monkeypatch.setattr(checkpointer, "STATS_MAX_BYTES", limit)
+    monkeypatch.setattr(upkeep, "STATS_MAX_BYTES", limit)
     state = {"w": torch.zeros(16), "step": 0}
     with mpickpt.Checkpointer(tmp_path, keep=KEEP) as ck:
         for step in range(1, 61):
