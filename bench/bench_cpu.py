@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from mpickpt.layout import fsync_path
+from mpickpt.rootdir import fsync_path
 
 HERE = Path(__file__).resolve().parent
 TAG = "BENCH-WORKER "

@@ -31,8 +31,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
-    from .restore import RestoreInfo
-    from .sharding import Shard
+    from .restorer import RestoreInfo
+    from .sharding import Piece, Shard
     from .state_tree import RNGState, Values
 
 __version__ = "0.1.0"
@@ -42,6 +42,7 @@ __all__ = [
     "CollectiveTimeout",
     "ManifestError",
     "MetadataError",
+    "Piece",
     "RNGState",
     "RestoreInfo",
     "RootNotSharedError",
@@ -60,7 +61,7 @@ __all__ = [
 # name -> the submodule that defines it, imported on first access
 _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
-    "RestoreInfo": "restore", "Shard": "sharding", "RNGState": "state_tree",
+    "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "state_tree",
     "Values": "state_tree",
 }
 

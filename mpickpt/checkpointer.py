@@ -2,7 +2,7 @@
 
 A facade over the pieces that do the work: :mod:`mpickpt.snapshot` copies the state off the
 training thread's tensors, :mod:`mpickpt.saver` writes, votes and commits it in the background,
-:mod:`mpickpt.upkeep` records figures and applies retention, :mod:`mpickpt.restore` loads the
+:mod:`mpickpt.upkeep` records figures and applies retention, :mod:`mpickpt.restorer` loads the
 newest checkpoint every rank can load, :mod:`mpickpt.protocol` holds the collectives and their
 deadlines, :mod:`mpickpt.slurm` what comes from the scheduler.
 """
@@ -18,14 +18,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import faults, layout, log, preempt, retention, shared_root, slurm, state_tree
+from . import faults, log, preempt, retention, rootdir, shared_root, slurm, state_tree
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .errors import CheckpointError, MetadataError, StateTreeError
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .pinned_pool import HostPool
 from .protocol import Protocol
-from .restore import RestoreInfo, Restorer
+from .restorer import RestoreInfo, Restorer
 from .saver import SaveHandle, Saver, SaveRequest, SaveResult, ShardOptions, WaitLog
 from .shard import DEFAULT_ALIGNMENT
 from .sharding import keep_mine
@@ -68,7 +68,7 @@ class Checkpointer:
     (SIGTERM alone checkpoints and exits but does not requeue: ``scancel`` sends it too).
 
     Sharding (see :mod:`mpickpt.sharding`): a ``DTensor`` (FSDP2, tensor parallel) or a
-    :class:`mpickpt.Shard` in the state is saved as a piece of its global tensor; ``replicated``
+    :class:`mpickpt.Piece` in the state is saved as a piece of its global tensor; ``replicated``
     names key paths (``"model"``, ``"optim"``) whose plain tensors every rank holds alike (DDP).
     Identical pieces are written once, by one of their holders. A checkpoint restores on any
     number of ranks and any sharding (``world_change="reshard"``): each rank reads the stored
@@ -129,7 +129,7 @@ class Checkpointer:
         self._closed = False
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         self._collective(self._prepare_root, "init", root_only=True)
-        shared_root.check(self._proto, self.root, self.run_id, self.log)
+        self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
         self._saver = Saver(self._proto, self.root, self.run_id, self._snapshotter,
                             ShardOptions(alignment, checksum_block, io_threads),
                             Upkeep(self.root, self.run_id, self.retention, self.log), self.log,
@@ -154,13 +154,16 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self._saver.report_finished()
+        if not self._root_shared:
+            shared_root.check(self._proto, self.root, self.run_id, self.log)
+            self._root_shared = True
         t0 = time.perf_counter()
         request = SaveRequest(step, None, None, {}, {}, {})
         user_error = None
         try:
             faults.hit("before-snapshot", self.rank, step)
             request.metadata = user_metadata.check(metadata)
-            request.tree, tensors, request.placements = state_tree.flatten_layouts(
+            request.tree, tensors, request.placements = state_tree.flatten_placed(
                 state, self.replicated, self.world_size)
             keep_mine(tensors, request.placements, self.rank)
             self._snapshotter.guard(state)
@@ -211,7 +214,7 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         candidates = self._collective(
-            lambda: layout.committed(self.root, require_manifest=False), "list", root_only=True)
+            lambda: rootdir.committed(self.root, require_manifest=False), "list", root_only=True)
         if step is not None:
             candidates = [c for c in candidates if c[0] == step]
             if not candidates:
@@ -338,11 +341,11 @@ class Checkpointer:
         return value  # type: ignore[return-value]
 
     def _prepare_root(self) -> None:
-        layout.make_dirs(self.root)
-        for path in layout.leftovers(self.root, self.run_id):
+        rootdir.make_dirs(self.root)
+        for path in rootdir.leftovers(self.root, self.run_id):
             self.log.info("removing %s, left by an earlier run that did not finish its save", path)
             try:
-                layout.remove(path, self.run_id)
+                rootdir.remove(path, self.run_id)
             except OSError as e:  # e.g. a read-only ROOT: restore must still work
                 self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
                                  "a later start", path, e)

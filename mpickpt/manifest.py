@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import checksum, layout
+from . import checksum, rootdir
 from .errors import ManifestError
 from .records import TensorRecord
 
@@ -117,7 +117,7 @@ def read_bytes(directory: str) -> bytes:
         raise ManifestError(f"{path}: cannot open: {directory} is a symbolic link, and "
                             "checkpoints are never read through one")
     try:
-        fd = layout.open_regular(path)
+        fd = rootdir.open_regular(path)
     except OSError as e:
         raise ManifestError(f"{path}: cannot open: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:

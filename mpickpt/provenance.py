@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from . import checksum, layout
+from . import checksum, rootdir
 from .errors import ManifestError
 from .manifest import Manifest, RankEntry, read_bytes
 
@@ -46,7 +46,7 @@ def _matches(fd: int, size: int, entry: RankEntry, block: int) -> bool:
 def _others(directory: str, step: int) -> list[tuple[str, Manifest]]:
     """The nearest other committed checkpoints under the same ROOT, with their manifests."""
     root = os.path.dirname(directory)
-    near = sorted((abs(s - step), p) for s, p in layout.committed(root)
+    near = sorted((abs(s - step), p) for s, p in rootdir.committed(root)
                   if os.path.abspath(p) != os.path.abspath(directory))
     out = []
     for _, path in near[:MAX_MANIFESTS]:
@@ -64,7 +64,7 @@ def explain(rank: int, path: str, manifest: Manifest, directory: str) -> str:
     """``"; it is rank R's shard of ..."`` for rank ``rank``'s shard at ``path`` of the
     checkpoint ``directory`` described by ``manifest``, or ``""`` when it matches no other."""
     try:
-        fd = layout.open_regular(path)
+        fd = rootdir.open_regular(path)
     except OSError:
         return ""
     try:

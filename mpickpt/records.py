@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from . import checksum, layout
+from . import checksum, rootdir
 from .errors import ShardError
 
 FORMAT = "mpickpt-shard"
@@ -115,9 +115,9 @@ def check_file(rank: int, path: str, file_bytes: int) -> None:
 
 
 def open_shard(rank: int, path: str, file_bytes: int) -> int:
-    """:func:`mpickpt.layout.open_regular`, and the size must be ``file_bytes``
+    """:func:`mpickpt.rootdir.open_regular`, and the size must be ``file_bytes``
     (:class:`ShardError` otherwise)."""
-    fd = layout.open_regular(path)
+    fd = rootdir.open_regular(path)
     actual = os.fstat(fd).st_size
     if actual != file_bytes:
         os.close(fd)

@@ -1,7 +1,7 @@
 """Plan and carry out one rank's reads of a checkpoint, whatever ranks and sharding wrote it.
 
 Each array the stored tree references gets a *target*: for a sharded or replicated tensor in the
-live state, the piece this rank now holds (its layout, :mod:`mpickpt.sharding`); otherwise the
+live state, the piece this rank now holds (its placement, :mod:`mpickpt.sharding`); otherwise the
 stored per-rank tensor of rank ``r mod N`` as it is, or the whole tensor when only pieces of it
 were stored. Every stored piece that overlaps a target is read over the byte range that holds the
 overlap, widened to whole checksum blocks so each byte loaded is verified, and no other bytes;
@@ -157,10 +157,10 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
         for r in e.tensors:
             if r.global_shape is not None:
                 pieces.setdefault(r.name, []).append(Piece(e.rank, r))
-    _, live, layouts = state_tree.flatten_layouts(state, replicated, world)
+    _, live, placements = state_tree.flatten_placed(state, replicated, world)
     targets: dict[str, Target] = {}
     for name in dict.fromkeys(_array_names(entry.tree, [])):
-        targets[name] = _target(name, own, pieces, source, live, layouts, where)
+        targets[name] = _target(name, own, pieces, source, live, placements, where)
     block = manifest.checksum_block
     wanted: dict[RecordKey, list[ByteRange]] = {}
     for t in targets.values():
@@ -176,10 +176,10 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
 
 def _target(name: str, own: dict[str, TensorRecord],
             pieces: dict[str, list[Piece]], source: int,
-            live: dict[str, torch.Tensor], layouts: dict[str, sharding.Layout],
+            live: dict[str, torch.Tensor], placements: dict[str, sharding.Placement],
             where: str) -> Target:
-    layout = layouts.get(name)
-    if layout is None:
+    placement = placements.get(name)
+    if placement is None:
         if name in own:  # a per-rank value, loaded as it was stored
             rec = own[name]
             shape = tuple(rec.shape)
@@ -193,21 +193,21 @@ def _target(name: str, own: dict[str, TensorRecord],
         g = tuple(rec.global_shape or ())
         return _cover(Target(name, rec.dtype, g, (0,) * len(g), g), pieces[name], where)
     dtype = dtypes.name_of(live[name].dtype)
-    t = Target(name, dtype, layout.global_shape, layout.offsets, layout.shape)
+    t = Target(name, dtype, placement.global_shape, placement.offsets, placement.shape)
     stored = pieces.get(name)
-    if stored is None and name in own and tuple(own[name].shape) == layout.global_shape:
+    if stored is None and name in own and tuple(own[name].shape) == placement.global_shape:
         rec = own[name]  # stored whole by this rank's source rank: one piece at the origin
         stored = [Piece(source, TensorRecord(**{**rec.__dict__, "global_shape": list(rec.shape),
                                                 "offsets": [0] * len(rec.shape)}))]
     if stored is None:
         raise StateMismatchError(
             f"state[{name}]: the checkpoint holds no tensor {name!r} of global shape "
-            f"{list(layout.global_shape)}")
+            f"{list(placement.global_shape)}")
     rec = stored[0].record
-    if rec.dtype != dtype or tuple(rec.global_shape or ()) != layout.global_shape:
+    if rec.dtype != dtype or tuple(rec.global_shape or ()) != placement.global_shape:
         raise StateMismatchError(
             f"state[{name}]: checkpoint holds {rec.dtype}{list(rec.global_shape or [])}, the "
-            f"state {dtype}{list(layout.global_shape)}")
+            f"state {dtype}{list(placement.global_shape)}")
     return _cover(t, stored, where)
 
 

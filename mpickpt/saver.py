@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import faults, layout, sharding
+from . import faults, rootdir, sharding
 from . import metadata as user_metadata
 from .errors import CheckpointError, SaveAborted
 from .manifest import NAME as MANIFEST
@@ -85,7 +85,7 @@ class SaveRequest:
     step: int
     snapshot: Snapshot | None
     tree: dict[str, Any] | None
-    placements: dict[str, sharding.Layout]
+    placements: dict[str, sharding.Placement]
     metadata: dict[str, Any]  # checked; CUDA scalars resolved on rank 0 at the commit
     stats: dict[str, float]
     error: str | None = None
@@ -162,7 +162,7 @@ class Saver:
     # ----------------------------------------------------------------- the background thread
 
     def _run(self, req: SaveRequest) -> SaveResult:
-        partial = os.path.join(self.root, layout.partial_name(req.step, self.run_id))
+        partial = os.path.join(self.root, rootdir.partial_name(req.step, self.run_id))
         entry, error = None, req.error
         try:
             if req.snapshot is not None and req.tree is not None:
@@ -198,7 +198,7 @@ class Saver:
         stats, t0 = req.stats, time.perf_counter()
         req.snapshot.wait()
         stats["copy_s"] = req.snapshot.copy_s or stats["stall_s"]
-        layout.make_dirs(partial)
+        rootdir.make_dirs(partial)
         path = os.path.join(partial, shard_name(self.rank))
         host = req.snapshot.tensors
         t1 = time.perf_counter()
@@ -218,7 +218,7 @@ class Saver:
                          on_block=lambda: faults.hit("mid-write", self.rank, req.step))
             t3 = time.perf_counter()
             size = writer.seal()
-            stats.update(layout_s=t2 - t1, data_s=t3 - t2, seal_s=time.perf_counter() - t3)
+            stats.update(create_s=t2 - t1, data_s=t3 - t2, seal_s=time.perf_counter() - t3)
         except OSError as e:
             writer.close()
             if e.filename is None:  # pwrite and fsync name no file: say which
@@ -281,25 +281,25 @@ class Saver:
 
     def _commit(self, partial: str, manifest: Manifest) -> str:
         """Publish: manifest into the partial directory, then the directory into place."""
-        layout.atomic_write(
+        rootdir.atomic_write(
             os.path.join(partial, MANIFEST), manifest.to_json().encode(),
             on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
         )
-        final = os.path.join(self.root, layout.step_name(manifest.step))
+        final = os.path.join(self.root, rootdir.step_name(manifest.step))
         if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
             self.log.warning(
                 "step %d was already committed; this save replaces it. The number saved is the "
                 "count of training steps done: a loop that resumes at the restored number and "
                 "saves after training a step should save step + 1", manifest.step)
-            layout.remove(final, self.run_id)
+            rootdir.remove(final, self.run_id)
         os.rename(partial, final)
-        layout.fsync_path(self.root)
+        rootdir.fsync_path(self.root)
         return final
 
     def _discard(self, partial: str) -> None:
         try:
             if os.path.lexists(partial):
-                layout.remove(partial, self.run_id)
+                rootdir.remove(partial, self.run_id)
         except OSError as e:
             self.log.warning("could not remove %s (%s); it is removed at the next start",
                              partial, e)

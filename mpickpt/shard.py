@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import checksum, dtypes, layout
+from . import checksum, dtypes, rootdir
 from .blocks import DIRECT_ALIGN, BlockFile, _direct_len, _open_direct
 from .errors import ShardError
 from .pinned_pool import align
@@ -130,9 +130,9 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.records: list[TensorRecord] = []
-        # created here, so its mode is layout.FILE_MODE less the umask (HDF5 would use 0o666)
+        # created here, so its mode is rootdir.FILE_MODE less the umask (HDF5 would use 0o666)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         layout.FILE_MODE))
+                         rootdir.FILE_MODE))
         self._h5 = h5py.File(
             path, "w", libver=("v108", "v110"),
             alignment_threshold=alignment, alignment_interval=alignment,

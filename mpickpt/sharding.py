@@ -6,9 +6,9 @@ A tensor in the state is one of:
   (rank ``r mod N`` when a checkpoint of N ranks is restored on another number of ranks);
 * **sharded**: this rank holds the box ``offsets .. offsets + shape`` of a tensor of
   ``global_shape`` - taken from a ``DTensor``'s placements (FSDP2, tensor parallel), or declared
-  with :class:`Shard`;
+  with :class:`Piece`;
 * **replicated**: every rank (or, for a DTensor with ``Replicate`` mesh dimensions, every rank of
-  its replica group) holds the same piece - declared with ``Shard(t, replicated=True)``, with the
+  its replica group) holds the same piece - declared with ``Piece(t, replicated=True)``, with the
   Checkpointer's ``replicated`` key paths (DDP), or taken from a DTensor.
 
 Identical pieces held by several ranks are written once, spread over their holders by size
@@ -31,7 +31,7 @@ from .errors import StateTreeError
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """A rank's piece of a global tensor. ``holders``: the ranks holding the same piece (those
     that could write it), or None when the piece is this rank's alone."""
 
@@ -41,7 +41,7 @@ class Layout:
     holders: tuple[int, ...] | None = None
 
 
-class Shard:
+class Piece:
     """Declare that ``tensor`` is the box at ``offsets`` of a tensor of ``global_shape`` (or, with
     ``replicated=True``, that every rank holds the same ``tensor``). Put it in the state where the
     tensor would be; restore copies the new piece into ``tensor`` in place."""
@@ -49,7 +49,7 @@ class Shard:
     def __init__(self, tensor: torch.Tensor, global_shape: Sequence[int] | None = None,
                  offsets: Sequence[int] | None = None, *, replicated: bool = False) -> None:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"Shard wraps a tensor, not {type(tensor).__name__}")
+            raise TypeError(f"Piece wraps a tensor, not {type(tensor).__name__}")
         shape = tuple(tensor.shape)
         if replicated:
             if offsets is not None or (global_shape is not None and
@@ -57,17 +57,20 @@ class Shard:
                 raise ValueError("a replicated tensor is whole: give no offsets or global_shape")
             global_shape, offsets = shape, (0,) * len(shape)
         if global_shape is None or offsets is None:
-            raise ValueError("Shard needs global_shape and offsets (or replicated=True)")
+            raise ValueError("Piece needs global_shape and offsets (or replicated=True)")
         self.tensor = tensor
         self.global_shape = tuple(int(d) for d in global_shape)
         self.offsets = tuple(int(o) for o in offsets)
         self.replicated = replicated
-        check_box(self.global_shape, self.offsets, shape, "Shard")
+        check_box(self.global_shape, self.offsets, shape, "Piece")
 
     def __repr__(self) -> str:
         what = "replicated" if self.replicated else f"at {self.offsets} of {self.global_shape}"
-        return f"mpickpt.Shard({tuple(self.tensor.shape)} {what})"
+        return f"mpickpt.Piece({tuple(self.tensor.shape)} {what})"
 
+
+
+Shard = Piece  # the old name of Piece (a piece of a global tensor; a shard is a rank's file)
 
 def check_box(global_shape: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...],
               what: str) -> None:
@@ -86,15 +89,15 @@ def is_dtensor(x: Any) -> bool:
 
 def local_tensor(x: Any) -> Any:
     """The tensor whose storage holds this rank's piece of ``x`` (``x`` itself if plain)."""
-    if isinstance(x, Shard):
+    if isinstance(x, Piece):
         return x.tensor
     if is_dtensor(x):
         return x._local_tensor
     return x
 
 
-def dtensor_layout(t: Any, where: str) -> Layout:
-    """The layout of a DTensor's local piece, with the ranks that hold the same piece."""
+def dtensor_placement(t: Any, where: str) -> Placement:
+    """The placement of a DTensor's local piece, with the ranks that hold the same piece."""
     from torch.distributed.tensor import Partial, Replicate
     from torch.distributed.tensor import Shard as TShard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -113,7 +116,7 @@ def dtensor_layout(t: Any, where: str) -> Layout:
     if any(isinstance(p, Replicate) for p in placements):
         sharded_dims = tuple(d for d, p in enumerate(placements) if isinstance(p, TShard))
         holders = _replica_group(mesh, sharded_dims, tuple(coord))
-    return Layout(tuple(t.shape), tuple(offsets), tuple(shape), holders)
+    return Placement(tuple(t.shape), tuple(offsets), tuple(shape), holders)
 
 
 @functools.lru_cache(maxsize=256)
@@ -128,16 +131,16 @@ def _replica_group(mesh: Any, sharded_dims: tuple[int, ...], coord: tuple[int, .
     ))
 
 
-def layout_of(x: Any, where: str, replicated: bool, world: int) -> Layout | None:
-    """The layout of a state value, or None for a per-rank tensor."""
-    if isinstance(x, Shard):
+def placement_of(x: Any, where: str, replicated: bool, world: int) -> Placement | None:
+    """The placement of a state value, or None for a per-rank tensor."""
+    if isinstance(x, Piece):
         holders = tuple(range(world)) if x.replicated else None
-        return Layout(x.global_shape, x.offsets, tuple(x.tensor.shape), holders)
+        return Placement(x.global_shape, x.offsets, tuple(x.tensor.shape), holders)
     if is_dtensor(x):
-        return dtensor_layout(x, where)
+        return dtensor_placement(x, where)
     if replicated:
         shape = tuple(x.shape)
-        return Layout(shape, (0,) * len(shape), shape, tuple(range(world)))
+        return Placement(shape, (0,) * len(shape), shape, tuple(range(world)))
     return None
 
 
@@ -199,16 +202,17 @@ def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
     return None
 
 
-def keep_mine(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout], rank: int) -> None:
+def keep_mine(tensors: dict[str, torch.Tensor], placements: dict[str, Placement],
+              rank: int) -> None:
     """Drop from ``tensors`` the replicated pieces another holder writes (DDP: each rank writes
     about 1/N of the model). The pieces of each replica group are spread over its ranks by
     :func:`writers`, which every holder computes alike."""
     groups: dict[tuple[int, ...], list[tuple[str, int, tuple[int, ...]]]] = {}
-    for name, lay in layouts.items():
-        if lay.holders is not None and len(lay.holders) > 1:
+    for name, placement in placements.items():
+        if placement.holders is not None and len(placement.holders) > 1:
             t = tensors[name]
-            groups.setdefault(lay.holders, []).append(
-                (name, t.numel() * t.element_size(), lay.holders))
+            groups.setdefault(placement.holders, []).append(
+                (name, t.numel() * t.element_size(), placement.holders))
     for pieces in groups.values():
         for name, writer in writers(pieces).items():
             if writer != rank:

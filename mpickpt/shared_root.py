@@ -1,4 +1,4 @@
-"""Proof, when a Checkpointer is made, that every rank sees ROOT as one directory.
+"""Proof, before a Checkpointer's first save, that every rank sees ROOT as one directory.
 
 Rank 0 writes a token into ROOT; every rank reads it back through its own path; an allreduce
 decides. A ROOT rank 0 cannot write (read-only, for a restore) is compared by its inode and its
@@ -15,7 +15,7 @@ import os
 import socket
 import uuid
 
-from . import layout
+from . import rootdir
 from .errors import RootNotSharedError
 from .protocol import Protocol, ranks_text
 from .saver import NOT_SHARED_ADVICE
@@ -28,7 +28,7 @@ def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> No
     listing = None
     if proto.rank == 0:
         try:
-            layout.atomic_write(os.path.join(root, name), token.encode())
+            rootdir.atomic_write(os.path.join(root, name), token.encode())
         except OSError:
             token, listing = None, _fingerprint(root)
     with proto.fatal_timeouts(logger):

@@ -25,7 +25,7 @@ import torch
 
 from . import dtypes, sharding
 from .errors import StateMismatchError, StateTreeError
-from .sharding import Layout, Shard
+from .sharding import Piece, Placement
 
 MAX_DEPTH = 64  # levels of nesting in a state (its JSON tree takes about 3 per level: the
 # manifest refuses trees deeper than 256)
@@ -111,7 +111,7 @@ def _py_unstate(d: Mapping[str, Any]) -> tuple[Any, ...]:
 class _Flattener:
     def __init__(self, replicated: tuple[str, ...] = (), world: int = 1) -> None:
         self.arrays: dict[str, torch.Tensor] = {}
-        self.layouts: dict[str, Layout] = {}
+        self.placements: dict[str, Placement] = {}
         self.replicated = replicated
         self.unmatched = set(replicated)  # replicated key paths not met in the state yet
         self.world = world
@@ -142,17 +142,17 @@ class _Flattener:
         return name
 
     def global_tensor(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
-        """A tensor node; for a sharded or replicated one (DTensor, :class:`Shard`, declared
-        replicated) its layout is recorded and the node marked ``sharded``."""
+        """A tensor node; for a sharded or replicated one (DTensor, :class:`Piece`, declared
+        replicated) its placement is recorded and the node marked ``sharded``."""
         where = _path_str(path)
         try:
-            layout = sharding.layout_of(x, where, self.is_replicated(path), self.world)
+            placement = sharding.placement_of(x, where, self.is_replicated(path), self.world)
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
         local = sharding.local_tensor(x)
         node = {"type": "tensor", "name": self.tensor(local, path), "device": str(local.device)}
-        if layout is not None:
-            self.layouts[node["name"]] = layout
+        if placement is not None:
+            self.placements[node["name"]] = placement
             node["sharded"] = True
         return node
 
@@ -181,7 +181,7 @@ class _Flattener:
                 return {"type": "torch_dtype", "value": dtypes.name_of(x)}
             except ValueError as e:
                 raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
-        if isinstance(x, (torch.Tensor, Shard)):
+        if isinstance(x, (torch.Tensor, Piece)):
             return self.global_tensor(x, path)
         if isinstance(x, np.ndarray):
             return self.ndarray(x, path)
@@ -248,13 +248,13 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     The tensors are the user's own (detached, not copied; a DTensor's local piece); callers
     snapshot them as they need.
     """
-    tree, arrays, _ = flatten_layouts(state)
+    tree, arrays, _ = flatten_placed(state)
     return tree, arrays
 
 
-def flatten_layouts(state: Any, replicated: tuple[str, ...] = (), world: int = 1
-                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Layout]]:
-    """:func:`flatten`, plus the layout of every sharded or replicated tensor by name.
+def flatten_placed(state: Any, replicated: tuple[str, ...] = (), world: int = 1
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Placement]]:
+    """:func:`flatten`, plus the placement of every sharded or replicated tensor by name.
     ``replicated``: key paths ("model", "optim/state") whose plain tensors every one of the
     ``world`` ranks holds alike."""
     f = _Flattener(replicated, world)
@@ -266,7 +266,7 @@ def flatten_layouts(state: Any, replicated: tuple[str, ...] = (), world: int = 1
             f"{'match' if len(f.unmatched) > 1 else 'matches'} nothing in the state "
             f"(a typo?); its top-level keys are {keys}. Key paths are joined with '/', "
             "e.g. 'model' or 'optim/state'")
-    return tree, f.arrays, f.layouts
+    return tree, f.arrays, f.placements
 
 
 # --------------------------------------------------------------------------------------- apply
@@ -362,7 +362,7 @@ class _Applier:
 
     def n_tensor(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
         src = self.array(node, path)
-        target = sharding.local_tensor(live)  # a DTensor's or a Shard's local piece
+        target = sharding.local_tensor(live)  # a DTensor's or a Piece's local tensor
         if isinstance(target, torch.Tensor):
             want = ArraySpec(dtypes.name_of(target.dtype), tuple(target.shape))
             have = src if isinstance(src, ArraySpec) else _spec(src)

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from . import faults, layout, log, retention
+from . import faults, log, retention, rootdir
 from .errors import ManifestError
 from .manifest import Manifest, read_bytes
 
@@ -47,7 +47,7 @@ class Upkeep:
         try:
             _rotate(where)
             fd = os.open(where, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                         layout.FILE_MODE)
+                         rootdir.FILE_MODE)
             with os.fdopen(fd, "a") as f:
                 f.write(json.dumps({"step": step, "time": time.time(), **stats}) + "\n")
         except OSError as e:
@@ -57,7 +57,7 @@ class Upkeep:
         """Remove the committed checkpoints no rule of the policy keeps (never ``newest``)."""
         if not self.policy.deletes:
             return
-        committed = dict(layout.committed(self.root))
+        committed = dict(rootdir.committed(self.root))
         doomed, _ = retention.plan(self.policy, [
             (step, self._metadata_of(step, path) if self.policy.best else {})
             for step, path in committed.items()])
@@ -67,7 +67,7 @@ class Upkeep:
             self.log.info("retention (%s): removing step %d", self.policy.describe(), step)
             self._metadata.pop(step, None)
             try:
-                layout.remove(committed[step], self.run_id)
+                rootdir.remove(committed[step], self.run_id)
             except OSError as e:
                 self.log.warning("retention could not remove %s: %s; what is left of it is "
                                  "removed at a later start", committed[step], e)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from harness import flip_data_byte, train
 
-from mpickpt import layout
+from mpickpt import rootdir
 from mpickpt.cli import main as cli_main
 from mpickpt.cli import restore as cli_restore
 
@@ -89,8 +89,8 @@ def test_every_file_and_directory_honours_the_umask(tmp_path: Path, mask: int) -
 
 def test_helpers_never_make_world_writable_entries(tmp_path: Path) -> None:
     with umask(0):
-        layout.make_dirs(str(tmp_path / "a" / "b"))
-        layout.atomic_write(str(tmp_path / "a" / "b" / "f"), b"x")
+        rootdir.make_dirs(str(tmp_path / "a" / "b"))
+        rootdir.atomic_write(str(tmp_path / "a" / "b" / "f"), b"x")
     for p, directory in ((tmp_path / "a", True), (tmp_path / "a" / "b", True),
                          (tmp_path / "a" / "b" / "f", False)):
         assert stat.S_IMODE(p.stat().st_mode) == (0o775 if directory else 0o664), p

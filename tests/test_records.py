@@ -41,7 +41,7 @@ def test_check_records_refuses_an_unknown_dtype(tmp_path):
 
 
 def test_records_and_manifest_import_without_torch_numpy_or_h5py():
-    code = ("import sys, mpickpt.records, mpickpt.manifest, mpickpt.layout; "
+    code = ("import sys, mpickpt.records, mpickpt.manifest, mpickpt.rootdir; "
             "print(sorted(m for m in ('torch', 'numpy', 'h5py', 'mpi4py') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

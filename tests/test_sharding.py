@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mpickpt import Shard, sharding
+from mpickpt import Piece, sharding
 from mpickpt.reshard import Target
 from mpickpt.shard import TensorRecord
 
@@ -89,16 +89,16 @@ def test_first_overlap_sweeps_rows_and_ignores_empty_pieces():
 
 def test_shard_declaration_is_checked():
     with pytest.raises(ValueError, match="does not lie within"):
-        Shard(torch.zeros(4, 2), (5, 2), (2, 0))
+        Piece(torch.zeros(4, 2), (5, 2), (2, 0))
     with pytest.raises(ValueError, match="differ in rank"):
-        Shard(torch.zeros(4, 2), (8,), (0,))
+        Piece(torch.zeros(4, 2), (8,), (0,))
     with pytest.raises(ValueError, match="needs global_shape and offsets"):
-        Shard(torch.zeros(2))
-    r = Shard(torch.zeros(3), replicated=True)
+        Piece(torch.zeros(2))
+    r = Piece(torch.zeros(3), replicated=True)
     assert r.global_shape == (3,) and r.offsets == (0,)
 
 
-def test_dtensor_layouts_on_a_one_rank_mesh(tmp_path):
+def test_dtensor_placements_on_a_one_rank_mesh(tmp_path):
     """Shard and Replicate placements on a real (one-rank, gloo) device mesh."""
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
@@ -109,11 +109,11 @@ def test_dtensor_layouts_on_a_one_rank_mesh(tmp_path):
     try:
         mesh = init_device_mesh("cpu", (1,))
         full = torch.arange(12.0).reshape(6, 2)
-        sharded = sharding.dtensor_layout(distribute_tensor(full, mesh, [TShard(0)]), "w")
-        assert sharded == sharding.Layout((6, 2), (0, 0), (6, 2), None)
+        sharded = sharding.dtensor_placement(distribute_tensor(full, mesh, [TShard(0)]), "w")
+        assert sharded == sharding.Placement((6, 2), (0, 0), (6, 2), None)
         rep = distribute_tensor(full, mesh, [Replicate()])
-        assert sharding.dtensor_layout(rep, "w").holders == (0,)
-        assert sharding.dtensor_layout(rep, "w").holders == (0,)  # from the cache
+        assert sharding.dtensor_placement(rep, "w").holders == (0,)
+        assert sharding.dtensor_placement(rep, "w").holders == (0,)  # from the cache
         assert sharding._replica_group.cache_info().hits >= 1
     finally:
         dist.destroy_process_group()

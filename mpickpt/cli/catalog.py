@@ -1,7 +1,7 @@
 """What lies under ROOT, as the tools see it: one :class:`Entry` per directory that matters.
 
 * ``step-XXXXXXXX/``: a committed checkpoint, what ``Checkpointer.restore()`` considers (the same
-  listing, :func:`mpickpt.layout.committed` with directories whose manifest is missing). Its status
+  listing, :func:`mpickpt.rootdir.committed` with directories whose manifest is missing). Its status
   is ``committed`` until a check fails, then ``corrupt``.
 * ``step-XXXXXXXX.partial-<run>/`` (a save that never committed: its note says which ranks'
   shards are incomplete or missing, see :mod:`.diagnose`) and ``*.deleting-<run>`` or
@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import layout
+from .. import rootdir
 from ..errors import ManifestError
 from ..manifest import FORMAT, VERSION, Manifest, read_bytes
 from ..manifest import NAME as MANIFEST
@@ -126,7 +126,7 @@ def quarantine_reasons(root: str) -> dict[str, str]:
     """Name in ROOT/quarantine/ -> why it was put there (the last record of the log)."""
     out = {}
     try:
-        fd = layout.open_regular(os.path.join(root, QUARANTINE, QUARANTINE_LOG))
+        fd = rootdir.open_regular(os.path.join(root, QUARANTINE, QUARANTINE_LOG))
         with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
@@ -142,28 +142,28 @@ def quarantine_reasons(root: str) -> dict[str, str]:
 def scan(root: str) -> list[Entry]:
     """Committed checkpoints newest first, then partial directories, then quarantined ones."""
     out = [Entry(os.path.basename(p), p, "committed", s)
-           for s, p in layout.committed(root, require_manifest=False)]
+           for s, p in rootdir.committed(root, require_manifest=False)]
     loose = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if not layout.is_real_dir(path):
+        if not rootdir.is_real_dir(path):
             continue
-        if m := layout.PARTIAL_RE.match(name):
+        if m := rootdir.PARTIAL_RE.match(name):
             shards = diagnose.partial_shards(path, m.group(2), [e.path for e in out])
             e = _loose(name, path, "partial", shards.note())
             e.shards = shards.to_json()
             if shards.basis is None:  # the run's own world size
                 e.world_size = shards.world_size
             loose.append(e)
-        elif m := layout.LEFTOVER_RE.match(name):
+        elif m := rootdir.LEFTOVER_RE.match(name):
             loose.append(_loose(name, path, "partial", f"a removal that did not finish "
                                                         f"({m.group(2)})"))
     qdir = os.path.join(root, QUARANTINE)
-    if layout.is_real_dir(qdir):
+    if rootdir.is_real_dir(qdir):
         reasons = quarantine_reasons(root)
         for name in sorted(os.listdir(qdir)):
             path = os.path.join(qdir, name)
-            if layout.is_real_dir(path):
+            if rootdir.is_real_dir(path):
                 e = _loose(name, path, "quarantined", reasons.get(name))
                 describe(e)
                 loose.append(e)

@@ -4,7 +4,7 @@
   rename, both directories fsynced) and a line saying what, from where, why, when and by whom is
   appended to ``ROOT/quarantine/QUARANTINE.jsonl``. Restore lists only ``ROOT/step-*``, so a
   quarantined checkpoint is never loaded; moving it back by hand undoes the quarantine.
-* **delete** (``--delete``, and ``--prune``): :func:`mpickpt.layout.remove`, which renames to
+* **delete** (``--delete``, and ``--prune``): :func:`mpickpt.rootdir.remove`, which renames to
   ``*.deleting-<id>`` before removing files, so no crash leaves a half-deleted checkpoint looking
   committed.
 * **rollback** (``--step N``): the committed checkpoints newer than N are quarantined, so N is the
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import layout
+from .. import rootdir
 from .catalog import QUARANTINE, QUARANTINE_LOG, ROLLBACK, Entry
 from .render import iso_utc
 
@@ -100,7 +100,7 @@ class Changes:
                 if a.kind == "quarantine":
                     self._move(a)
                 else:
-                    layout.remove(a.path, RUN_ID)
+                    rootdir.remove(a.path, RUN_ID)
                 a.done = True
             except OSError as e:
                 a.error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
@@ -112,18 +112,18 @@ class Changes:
     def _move(self, a: Action) -> None:
         assert a.dest is not None
         if not os.path.lexists(self.qdir):
-            os.mkdir(self.qdir, layout.DIR_MODE)
-            layout.fsync_path(self.root)
-        if not layout.is_real_dir(self.qdir):
+            os.mkdir(self.qdir, rootdir.DIR_MODE)
+            rootdir.fsync_path(self.root)
+        if not rootdir.is_real_dir(self.qdir):
             raise NotADirectoryError(0, "is not a directory (it must not be a link)", self.qdir)
         os.rename(a.path, a.dest)
-        layout.fsync_path(self.qdir)
-        layout.fsync_path(self.root)
+        rootdir.fsync_path(self.qdir)
+        rootdir.fsync_path(self.root)
         rec = {"time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
                "from": a.path, "to_name": os.path.basename(a.dest), "step": a.step,
                "reason": a.reason}
         fd = os.open(os.path.join(self.qdir, QUARANTINE_LOG),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, layout.FILE_MODE)
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, rootdir.FILE_MODE)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
             os.fsync(fd)
@@ -144,14 +144,14 @@ class Changes:
         assert record is not None
         earlier: list[Any] = []
         try:
-            with os.fdopen(layout.open_regular(path)) as f:
+            with os.fdopen(rootdir.open_regular(path)) as f:
                 prev = json.load(f)
             if isinstance(prev, dict):
                 earlier = [*prev.pop("earlier", []), prev]
         except (OSError, ValueError, RecursionError):
             pass
         record["earlier"] = earlier
-        layout.atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
+        rootdir.atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
 
 
 def active_rollback(root: str) -> dict[str, Any] | None:
@@ -169,7 +169,7 @@ def active_rollback(root: str) -> dict[str, Any] | None:
                 src, dst = os.path.basename(m["from"]), os.path.basename(m["to"])
             except (KeyError, TypeError):
                 continue
-            if layout.is_real_dir(os.path.join(root, src)) and \
+            if rootdir.is_real_dir(os.path.join(root, src)) and \
                     not os.path.lexists(os.path.join(root, QUARANTINE, dst)):
                 undone.append(m.get("step"))
         if moved and len(undone) == len(moved):
@@ -179,7 +179,7 @@ def active_rollback(root: str) -> dict[str, Any] | None:
 
 def read_rollback(root: str) -> dict[str, Any] | None:
     try:
-        with os.fdopen(layout.open_regular(os.path.join(root, ROLLBACK))) as f:
+        with os.fdopen(rootdir.open_regular(os.path.join(root, ROLLBACK))) as f:
             r = json.load(f)
         return r if isinstance(r, dict) else None
     except (OSError, ValueError, RecursionError):

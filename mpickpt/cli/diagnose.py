@@ -11,7 +11,7 @@ from every checkpoint.
 * A ROOT that was not one directory shared by every rank: rank 0 commits checkpoints whose
   manifest lists every rank, but only the shards written on rank 0's node are there, the same
   ranks missing from every checkpoint; on the other nodes the path holds only partial directories
-  without rank 0's shard. :func:`not_shared` names it with :func:`mpickpt.layout.not_shared_hint`.
+  without rank 0's shard. :func:`not_shared` names it with :func:`mpickpt.rootdir.not_shared_hint`.
 
 Reads sizes and the first bytes of each shard (its superblock), never the data, never h5py.
 """
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import layout
+from .. import rootdir
 from ..errors import ManifestError
 from ..manifest import Manifest, read_bytes, shard_name
 from .render import human_bytes, ranks_text
@@ -40,7 +40,7 @@ def shard_state(path: str) -> str:
     writes), ``short`` (closed, but shorter than its recorded end: truncated since), ``empty``
     (not even an HDF5 superblock: its writer died as it created it) or ``unreadable``."""
     try:
-        fd = layout.open_regular(path)
+        fd = rootdir.open_regular(path)
     except OSError:
         return "unreadable"
     try:
@@ -199,7 +199,7 @@ def not_shared(committed: list[tuple[str, Manifest | None]],
         every = "the checkpoint" if n == 1 else f"every checkpoint ({n})"
         return {"missing_ranks": missing, "present_ranks": present, "message": (
             f"shards of {ranks_text(missing)} are missing from {every} while {them} present: "
-            f"{layout.not_shared_hint()}. The missing shards may still be on the other nodes, "
+            f"{rootdir.not_shared_hint()}. The missing shards may still be on the other nodes, "
             "in step-XXXXXXXX.partial-* directories under the same path")}
     if committed or len(partial) < 2:
         return None
@@ -217,6 +217,6 @@ def not_shared(committed: list[tuple[str, Manifest | None]],
     return {"missing_ranks": [0], "present_ranks": sorted(ranks), "message": (
         f"{len(partial)} saves never committed here, and none has rank 0's shard "
         f"({ranks_text(sorted(ranks))} wrote {'its' if len(ranks) == 1 else 'theirs'}): "
-        f"{layout.not_shared_hint()}. These "
+        f"{rootdir.not_shared_hint()}. These "
         "directories may hold the only copies of those ranks' shards of the checkpoints rank 0 "
         "committed on its node")}

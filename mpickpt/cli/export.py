@@ -5,7 +5,7 @@ a checkpoint directory. OUT ending in ``.pt``/``.pth`` writes only the torch fil
 only the safetensors file; any other OUT writes ``OUT.pt`` and ``OUT.safetensors``. Both hold one
 flat dict of tensors named as in the checkpoint (``model/0.weight``), prefixed by the rank when
 the checkpoint has more than one (``rank0/model/0.weight``); the pieces of a sharded or
-replicated tensor (FSDP2, DDP, ``mpickpt.Shard``) are assembled into the whole tensor, named
+replicated tensor (FSDP2, DDP, ``mpickpt.Piece``) are assembled into the whole tensor, named
 without a rank. The torch file loads with
 ``torch.load(path, weights_only=True)``; the safetensors header carries the step, world size, run
 and the user metadata. The non-tensor values of the state (its tree) are not exported.
@@ -25,7 +25,7 @@ import os
 import time
 from typing import Any
 
-from .. import layout
+from .. import rootdir
 from ..errors import ShardError
 from ..records import TensorRecord
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
@@ -70,7 +70,7 @@ def make_parents(paths: list[str], created: list[str]) -> None:
             d = os.path.dirname(d)
         for d in reversed(missing):
             if not os.path.isdir(d):
-                os.mkdir(d, layout.DIR_MODE)
+                os.mkdir(d, rootdir.DIR_MODE)
                 created.append(d)
 
 
@@ -167,14 +167,14 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     temps = {fmt: f"{p}.tmp-{os.getpid()}" for fmt, p in files.items()}
     umask = os.umask(0)
     os.umask(umask)
-    mode = layout.FILE_MODE & ~umask  # as torch.save's file would be, but never world-writable
+    mode = rootdir.FILE_MODE & ~umask  # as torch.save's file would be, but never world-writable
     created: list[str] = []
     try:
         make_parents(list(files.values()), created)
         if "torch" in temps:
             torch.save(tensors, temps["torch"])
             os.chmod(temps["torch"], mode)
-            layout.fsync_path(temps["torch"])
+            rootdir.fsync_path(temps["torch"])
         if "safetensors" in temps:
             from safetensors.torch import save_file
 
@@ -183,7 +183,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
                 "mpickpt_run_id": m.run_id, "mpickpt_source": e.path,
                 "mpickpt_metadata": json.dumps(m.metadata)})
             os.chmod(temps["safetensors"], mode)  # safetensors makes it 0600
-            layout.fsync_path(temps["safetensors"])
+            rootdir.fsync_path(temps["safetensors"])
         for fmt, tmp in temps.items():
             os.replace(tmp, files[fmt])
     except (OSError, RuntimeError, ValueError) as err:

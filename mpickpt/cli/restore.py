@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__, layout, retention
+from .. import __version__, retention, rootdir
 from . import (
     EXIT_DAMAGED,
     EXIT_ERROR,
@@ -192,7 +192,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             steps = ", ".join(str(e.step) for e in s.committed) or "none"
             where = [e.path for e in s.entries if e.step == args.step and e.status != "partial"]
             hint = (f" ({where[0]} is quarantined; if it is good, put it back with `mv "
-                    f"{where[0]} {root}/{layout.step_name(args.step)}`)") if where else ""
+                    f"{where[0]} {root}/{rootdir.step_name(args.step)}`)") if where else ""
             return fail(out, EXIT_ERROR, f"no committed checkpoint of step {args.step} under "
                         f"{root}{hint}; committed steps: {steps}. Nothing was changed.", root=root)
         if args.verify == "full":

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import layout
+from .. import rootdir
 from . import EXIT_ERROR, EXIT_OK
 from .catalog import root_problem
 from .render import Out, human_bytes, local_time
@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def read(path: str) -> tuple[list[dict[str, Any]], list[int]]:
     """The records of a stats.jsonl, in order of time, and the numbers of the lines skipped."""
     records, skipped = [], []
-    with os.fdopen(layout.open_regular(path), encoding="utf-8", errors="replace") as f:
+    with os.fdopen(rootdir.open_regular(path), encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -208,7 +208,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             return fail(f"{path} holds no records to plot")
         png = os.path.abspath(args.plot)
         try:
-            layout.make_dirs(os.path.dirname(png))
+            rootdir.make_dirs(os.path.dirname(png))
             plot(records, png, f"{root}: {len(records)} checkpoints, steps "
                  f"{records[0]['step']}..{records[-1]['step']}")
         except ImportError:

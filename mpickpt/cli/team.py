@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import checksum, layout
+from .. import checksum, rootdir
 from ..errors import CollectiveTimeout
 from ..manifest import Manifest
 from . import EXIT_ERROR
@@ -120,11 +120,11 @@ def root_view(path: str) -> View:
     """What this process sees at ``path`` (:class:`View`). Reads, never writes."""
     root = os.path.abspath(path)
     kind = "directory" if os.path.isdir(root) else "file" if os.path.exists(root) else "nothing"
-    found = layout.committed(root) if kind == "directory" else []
+    found = rootdir.committed(root) if kind == "directory" else []
     digest = None
     if found:
         try:
-            fd = layout.open_regular(os.path.join(found[0][1], MANIFEST))
+            fd = rootdir.open_regular(os.path.join(found[0][1], MANIFEST))
             with os.fdopen(fd, "rb") as f:
                 digest = checksum.digest(f.read())
         except OSError as e:
@@ -172,7 +172,7 @@ class Team:
         verb = "sees" if len(differ) == 1 else "see"
         return (f"{path}: {ranks_text(differ)} of this command {verb} another directory there "
                 f"than rank 0 (rank 0, {_seen(views[0])}; rank {differ[0]}, "
-                f"{_seen(views[differ[0]])}): {layout.not_shared_hint()}. If a job is writing "
+                f"{_seen(views[differ[0]])}): {rootdir.not_shared_hint()}. If a job is writing "
                 "into ROOT right now, run the command again once it has committed.")
 
     def checked(self, out: Out, name: str, path: str, command: Callable[[], int]

@@ -18,10 +18,10 @@ import sys
 from clikit import COMMITTED, cli, cli_json, copy_tree, listing, partial_dirs
 from harness import mpiexec, shard, step_dir
 
-from mpickpt import layout
+from mpickpt import rootdir
 from mpickpt.cli import EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
 
-HINT = layout.not_shared_hint()
+HINT = rootdir.not_shared_hint()
 
 
 def split_over_two_nodes(tmp_path, tmp_path_factory):
@@ -31,7 +31,7 @@ def split_over_two_nodes(tmp_path, tmp_path_factory):
     other.mkdir(parents=True)
     run = partial_dirs(root)[0].name.split(".partial-")[1]
     for s in COMMITTED:
-        dest = other / layout.partial_name(s, run)
+        dest = other / rootdir.partial_name(s, run)
         dest.mkdir()
         os.rename(shard(root, s, 1), dest / "rank-00001.h5")
     crash = partial_dirs(root)[0]

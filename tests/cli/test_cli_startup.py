@@ -85,17 +85,18 @@ import mpickpt
 before = "torch" in sys.modules
 listed = set(dir(mpickpt))
 from mpickpt import *  # noqa
-from mpickpt import Checkpointer, RNGState, RestoreInfo, SaveHandle, SaveResult, Shard
-import mpickpt.checkpointer, mpickpt.restore, mpickpt.sharding, mpickpt.state_tree
+from mpickpt import Checkpointer, Piece, RNGState, RestoreInfo, SaveHandle, SaveResult, Shard
+import mpickpt.checkpointer, mpickpt.restorer, mpickpt.sharding, mpickpt.state_tree
 print(json.dumps({
     "before": before, "after": "torch" in sys.modules,
     "missing_from_dir": sorted(set(mpickpt.__all__) - listed),
     "same": [getattr(mpickpt, n) is getattr(m, n) for n, m in [
         ("Checkpointer", mpickpt.checkpointer), ("SaveHandle", mpickpt.checkpointer),
-        ("SaveResult", mpickpt.checkpointer), ("RestoreInfo", mpickpt.restore),
-        ("Shard", mpickpt.sharding), ("RNGState", mpickpt.state_tree)]],
+        ("SaveResult", mpickpt.checkpointer), ("RestoreInfo", mpickpt.restorer),
+        ("Piece", mpickpt.sharding), ("Shard", mpickpt.sharding),
+        ("RNGState", mpickpt.state_tree)]],
     "star": sorted(n for n in mpickpt.__all__ if n not in globals()),
-    "submodule": mpickpt.layout.__name__, "version": mpickpt.__version__}))
+    "submodule": mpickpt.rootdir.__name__, "version": mpickpt.__version__}))
 """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -104,6 +105,6 @@ print(json.dumps({
     got = json.loads(p.stdout)
     assert got["before"] is False and got["after"] is True
     assert got["missing_from_dir"] == [] and got["star"] == []
-    assert all(got["same"]) and got["submodule"] == "mpickpt.layout"
+    assert all(got["same"]) and got["submodule"] == "mpickpt.rootdir"
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         _ = mpickpt.nothing_here

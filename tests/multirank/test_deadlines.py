@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from harness import SCENARIOS, Job, run_mpi
 
-from mpickpt import layout
+from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from mpickpt.protocol import DEFAULT_TIMEOUT, rank_ranges, ranks_text, resolve_timeout
 
@@ -44,7 +44,7 @@ def counted(guarantees, case: str) -> Iterator[None]:
 
 
 def committed_steps(root: Path) -> list[int]:
-    return sorted(step for step, _ in layout.committed(str(root)))
+    return sorted(step for step, _ in rootdir.committed(str(root)))
 
 
 def step_dirs(root: Path) -> list[str]:

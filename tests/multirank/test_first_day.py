@@ -31,11 +31,12 @@ def committed(root: Path) -> list[int]:
 
 
 def test_a_root_that_ranks_do_not_share_is_refused_on_every_rank(tmp_path):
-    """Ranks 1 and 3 have their own directory (node-local storage): every rank refuses at once,
-    naming them and their host, and rank 0's ROOT holds nothing (before, rank 0 'committed'
-    checkpoints whose other shards were elsewhere)."""
+    """Ranks 1 and 3 have their own directory (node-local storage): the first save refuses on
+    every rank before it writes anything, naming them and their host, and rank 0's ROOT holds
+    nothing (before, rank 0 'committed' checkpoints whose other shards were elsewhere)."""
     p = job(4, "not-shared", tmp_path)
     assert p.returncode == 0, p.output
+    assert [s["start"] for s in seen(tmp_path, "not-shared", 4)] == [None] * 4
     errors = [s["error"] for s in seen(tmp_path, "not-shared", 4)]
     assert all(errors) and len(set(errors)) == 1, errors
     assert "ranks 1,3 on " + socket.gethostname() in errors[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from harness import SCENARIOS, assert_same_final, mpiexec, train
 
-from mpickpt import layout
+from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_PREEMPTED
 
 N, STEPS = 4, 60
@@ -62,7 +62,7 @@ def test_signal_to_one_rank_checkpoints_all_and_resume_is_bit_identical(
     assert 15 <= stopped < STEPS
     what = "preemption signal" if sig == signal.SIGUSR2 else "SIGTERM"
     assert f"{what} on rank 1: checkpointing step {stopped}" in stderr, stderr
-    steps = [s for s, _ in layout.committed(str(root))]
+    steps = [s for s, _ in rootdir.committed(str(root))]
     assert steps[0] == stopped, (steps, stopped)
     assert not list(root.glob("*.partial-*"))
 
@@ -86,5 +86,5 @@ def test_no_emergency_save_when_the_deadline_leaves_no_time(tmp_path):
     assert job.returncode == EXIT_PREEMPTED, f"{stdout}\n{stderr}"
     stopped = progress(out, 0)
     assert "no time for the emergency checkpoint of step" in stderr, stderr
-    steps = [s for s, _ in layout.committed(str(root))]
+    steps = [s for s, _ in rootdir.committed(str(root))]
     assert stopped not in steps and steps[0] == stopped // 10 * 10, (steps, stopped)

@@ -1,4 +1,4 @@
-"""Declared sharded (mpickpt.Shard), replicated and per-rank tensors saved on N ranks and
+"""Declared sharded (mpickpt.Piece), replicated and per-rank tensors saved on N ranks and
 restored on M: each rank gets exactly its new piece, reading only the byte ranges that hold it."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_a_shard_layout_that_does_not_tile_the_tensor_aborts_the_save(tmp_path):
     script.write_text(
         "import sys, torch, mpickpt\n"
         "ck = mpickpt.Checkpointer(sys.argv[1])\n"
-        "state = {'w': mpickpt.Shard(torch.ones(4, 2), (6, 2), (0, 0))}\n"
+        "state = {'w': mpickpt.Piece(torch.ones(4, 2), (6, 2), (0, 0))}\n"
         "res = ck.save(1, state).wait()\n"
         "print('RESULT', ck.rank, res.committed, res.error, flush=True)\n"
         "ck.close()\n")

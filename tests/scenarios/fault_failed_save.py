@@ -26,7 +26,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import layout
+from mpickpt import rootdir
 from mpickpt.manifest import shard_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -42,7 +42,7 @@ def break_save(mode: str, root: str, ck: mpickpt.Checkpointer):
         assert os.environ.get("MPICKPT_FAULT") == f"mid-write:1:raise:{FAILED}"
         return lambda: None
     if mode == "dir":
-        os.makedirs(os.path.join(root, layout.partial_name(FAILED, ck.run_id), shard_name(1)))
+        os.makedirs(os.path.join(root, rootdir.partial_name(FAILED, ck.run_id), shard_name(1)))
         return lambda: None
     if mode == "fsize":
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

@@ -33,7 +33,7 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import faults, layout
+from mpickpt import faults, rootdir
 
 SAVES = (10, 20, 30)
 FAULT_STEP = 30          # the save-path phases fire in the save of this step
@@ -161,13 +161,13 @@ def verify_root(where: str, rank: int) -> dict[str, Any]:
     ck = mpickpt.Checkpointer(root, timeout=60)
     newest = restore(ck, rank)
     MPI.COMM_WORLD.Barrier()
-    on_disk = sorted(s for s, _ in layout.committed(root))
+    on_disk = sorted(s for s, _ in rootdir.committed(root))
     each = {s: restore(ck, rank, s) for s in on_disk}
     ck.close()
     MPI.COMM_WORLD.Barrier()
     return {"rank": rank, "newest": newest, "on_disk": on_disk, "each": each,
             "left": sorted(n for n in os.listdir(root)
-                           if not layout.STEP_RE.match(n) and n != "stats.jsonl")}
+                           if not rootdir.STEP_RE.match(n) and n != "stats.jsonl")}
 
 
 def main() -> None:

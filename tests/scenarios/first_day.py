@@ -5,7 +5,8 @@ Run by tests/multirank/test_first_day.py. Each rank writes what it saw to
 Modes:
 
 * ``not-shared``: ranks 0 and 2 are given ``BASE/shared``, every other rank a directory of its
-  own (a node-local ROOT): constructing the Checkpointer must fail on every rank.
+  own (a node-local ROOT): a restore finds nothing and changes nothing; the first save must fail
+  on every rank before it writes anything.
 * ``no-close``: save steps 1 and 2 and end without ``close()`` (the last save still in flight).
 * ``metadata``: a 0-d tensor, a numpy scalar and NaN as metadata commit; an object does not (on
   every rank, or with ``--only-rank R`` on that rank alone), and the next save commits.
@@ -59,12 +60,14 @@ def main() -> None:
     if a.mode == "not-shared":
         root = os.path.join(a.base, "shared" if rank in (0, 2) else f"own-{rank}")
         os.makedirs(root, exist_ok=True)
+        ckpt = mpickpt.Checkpointer(root)
+        start = ckpt.restore(st)
         try:
-            mpickpt.Checkpointer(root)
+            ckpt.save(1, st)
         except mpickpt.RootNotSharedError as e:
-            record(a.base, a.mode, error=str(e))
+            record(a.base, a.mode, error=str(e), start=start)
             return
-        record(a.base, a.mode, error=None)
+        record(a.base, a.mode, error=None, start=start)
 
     elif a.mode == "no-close":
         ckpt = mpickpt.Checkpointer(root)

@@ -57,8 +57,8 @@ def make_state(rank: int, world: int, fill: bool) -> dict:
         rows.zero_(), cols.zero_(), mine.zero_()
         rep = torch.zeros(REP, dtype=torch.float64)
     return {
-        "rows": mpickpt.Shard(rows, ROWS, (r0, 0)),
-        "cols": mpickpt.Shard(cols, COLS, (0, c0)),
+        "rows": mpickpt.Piece(rows, ROWS, (r0, 0)),
+        "cols": mpickpt.Piece(cols, COLS, (0, c0)),
         "rep": rep,
         "mine": mine,
         "note": f"saved by rank {rank}" if fill else "",

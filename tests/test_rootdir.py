@@ -1,46 +1,46 @@
-"""mpickpt.layout: names, listing, atomic writes, removal."""
+"""mpickpt.rootdir: names, listing, atomic writes, removal."""
 
 from __future__ import annotations
 
 import os
 
-from mpickpt import layout
+from mpickpt import rootdir
 
 
 def test_listing_orders_newest_first_and_ignores_partials_and_links(tmp_path):
     """Committed: real directories with a manifest. Without require_manifest (what restore and
     the CLI list), also those without one and links, which they then report and refuse."""
     for step in (5, 100, 20):
-        d = tmp_path / layout.step_name(step)
+        d = tmp_path / rootdir.step_name(step)
         d.mkdir()
         (d / "MANIFEST.json").write_text("{}")
-    (tmp_path / layout.partial_name(200, "abc")).mkdir()
+    (tmp_path / rootdir.partial_name(200, "abc")).mkdir()
     (tmp_path / "step-00000300").mkdir()  # no manifest
-    (tmp_path / "step-00000400").symlink_to(tmp_path / layout.step_name(5))
-    assert [s for s, _ in layout.committed(str(tmp_path))] == [100, 20, 5]
-    assert [s for s, _ in layout.committed(str(tmp_path), require_manifest=False)] == [
+    (tmp_path / "step-00000400").symlink_to(tmp_path / rootdir.step_name(5))
+    assert [s for s, _ in rootdir.committed(str(tmp_path))] == [100, 20, 5]
+    assert [s for s, _ in rootdir.committed(str(tmp_path), require_manifest=False)] == [
         400, 300, 100, 20, 5]
 
 
 def test_leftovers_are_other_runs_partials_only(tmp_path):
-    (tmp_path / layout.partial_name(1, "dead")).mkdir()
-    (tmp_path / layout.partial_name(2, "mine")).mkdir()
+    (tmp_path / rootdir.partial_name(1, "dead")).mkdir()
+    (tmp_path / rootdir.partial_name(2, "mine")).mkdir()
     (tmp_path / "step-00000003.deleting-dead").mkdir()
-    names = sorted(os.path.basename(p) for p in layout.leftovers(str(tmp_path), "mine"))
+    names = sorted(os.path.basename(p) for p in rootdir.leftovers(str(tmp_path), "mine"))
     assert names == ["step-00000001.partial-dead", "step-00000003.deleting-dead"]
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
     p = tmp_path / "MANIFEST.json"
-    layout.atomic_write(str(p), b"one")
-    layout.atomic_write(str(p), b"two")
+    rootdir.atomic_write(str(p), b"one")
+    rootdir.atomic_write(str(p), b"two")
     assert p.read_bytes() == b"two"
     assert os.listdir(tmp_path) == ["MANIFEST.json"]
 
 
 def test_remove_goes_through_a_deleting_name(tmp_path):
-    d = tmp_path / layout.step_name(9)
+    d = tmp_path / rootdir.step_name(9)
     d.mkdir()
     (d / "x").write_text("x")
-    layout.remove(str(d), "run")
+    rootdir.remove(str(d), "run")
     assert os.listdir(tmp_path) == []

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import faults, layout, provenance, reshard, state_tree
+from . import faults, provenance, reshard, rootdir, state_tree
 from .errors import (
     CheckpointError,
     ManifestError,
@@ -86,7 +86,7 @@ class Restorer:
                 _MISSING in why for _, why in info.skipped):
             self.log.warning("every checkpoint under %s lacks shards of some ranks: %s",
                              os.path.dirname(candidates[0][1]),
-                             layout.not_shared_hint())
+                             rootdir.not_shared_hint())
         return info
 
     def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
