@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,12 +33,12 @@ from mpi4py import MPI
 from . import knobs
 from .errors import CollectiveTimeout
 from .exitcodes import EXIT_COLLECTIVE_TIMEOUT
+from .ranks import ranks_text, spans, unspan
 
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
 DEFAULT_GRACE = knobs.TIMEOUT_GRACE.default
 # point-to-point tags of the roll call on the private communicators (collectives never match them)
 TAG_ALARM, TAG_CALL, TAG_HERE, TAG_REPORT = 0x6D71, 0x6D72, 0x6D73, 0x6D74  # <= 32767, always valid
-_MAX_RANGES = 32  # a rank list longer than this many ranges is cut short in messages
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -49,38 +49,6 @@ def resolve_timeout(timeout: float | None) -> float:
 def resolve_grace(grace: float | None) -> float:
     """``grace``, else ``$MPICKPT_TIMEOUT_GRACE`` (seconds), else 5 s."""
     return float(grace) if grace is not None else knobs.TIMEOUT_GRACE.get()
-
-
-def _spans(ranks: Iterable[int]) -> list[list[int]]:
-    """Sorted runs of consecutive ranks as [first, last] pairs."""
-    out: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if out and r == out[-1][1] + 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return out
-
-
-def _unspan(spans: list[list[int]]) -> list[int]:
-    return [r for a, b in spans for r in range(int(a), int(b) + 1)]
-
-
-def rank_ranges(ranks: Iterable[int], limit: int = _MAX_RANGES) -> str:
-    """Ranks as sorted ranges: ``[1, 3, 4, 5] -> "1,3-5"``; past ``limit`` ranges the rest is
-    counted instead of listed ("0,2,4,... and 10 more ranks")."""
-    spans = _spans(ranks)
-    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans[:limit])
-    if len(spans) > limit:
-        rest = sum(b - a + 1 for a, b in spans[limit:])
-        text += f",... and {rest} more rank{'s' if rest != 1 else ''}"
-    return text
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``"rank 2"``, ``"ranks 1,3-5"``."""
-    ranks = sorted(set(ranks))
-    return f"rank{'s' if len(ranks) != 1 else ''} {rank_ranges(ranks)}"
 
 
 class _RollCall:
@@ -171,8 +139,8 @@ class _RollCall:
         groups: dict[str, list[int]] = {}
         for r, where in here.items():
             groups.setdefault(where, []).append(r)
-        report = {"missing": _spans(missing), "last": self.last_done,
-                  "answered": {w: _spans(rs) for w, rs in groups.items()}}
+        report = {"missing": spans(missing), "last": self.last_done,
+                  "answered": {w: spans(rs) for w, rs in groups.items()}}
         for r in range(1, self.size):
             self._send(report, r, TAG_REPORT)
         self.coordinated = True
@@ -213,9 +181,9 @@ class _RollCall:
                 f"rank completed {self.last_done}")
 
     def _describe(self, report: dict[str, Any]) -> str:
-        missing = _unspan(report.get("missing", []))
+        missing = unspan(report.get("missing", []))
         groups = sorted(report.get("answered", {}).items(), key=lambda kv: kv[1][0][0])
-        answered = " and ".join(f"{ranks_text(_unspan(s))} waiting in {w}" for w, s in groups)
+        answered = " and ".join(f"{ranks_text(unspan(s))} waiting in {w}" for w, s in groups)
         if not missing:
             return (f"every rank answered rank 0's roll call ({answered}): a rank arrived after "
                     f"the deadline")

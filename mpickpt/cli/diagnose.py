@@ -26,8 +26,9 @@ from typing import Any
 
 from .. import rootdir
 from ..errors import ManifestError
+from ..log import human_bytes
 from ..manifest import Manifest, read_bytes, shard_name
-from .render import human_bytes, ranks_text
+from ..ranks import ranks_text
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 SHARD_RE = re.compile(r"^rank-(\d{5,})\.h5$")

@@ -27,10 +27,11 @@ from typing import Any
 
 from .. import rootdir
 from ..errors import ShardError
+from ..log import human_bytes
 from ..records import TensorRecord
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from .checks import Unusable, pick, shard_path
-from .render import Out, human_bytes
+from .render import Out
 from .team import Team
 
 NO_SAFETENSORS = ("the safetensors package is not installed: pip install 'mpickpt[export]', or "

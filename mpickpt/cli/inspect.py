@@ -15,9 +15,10 @@ import json
 import time
 from typing import Any
 
+from ..log import human_bytes
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, treeview
 from .checks import Unusable, pick
-from .render import STATUS_STYLE, Out, human_age, human_bytes, iso_utc, local_time
+from .render import STATUS_STYLE, Out, human_age, iso_utc, local_time
 from .team import Team
 
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from ..log import human_bytes
+
 _CODES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 STATUS_STYLE = {"committed": "green", "corrupt": "red", "unsupported": "red",
                 "hdf5-damaged": "yellow", "partial": "yellow", "quarantined": "yellow"}
@@ -86,31 +88,16 @@ class Out:
             self.line((indent + "  ".join(parts)).rstrip())
 
 
-def rank_list(ranks: Sequence[int]) -> str:
-    """``[1, 2, 3]`` -> ``"1-3"``, ``[0, 1, 3]`` -> ``"0,1,3"`` (a range from three on)."""
-    spans: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ",".join(f"{a}-{b}" if b - a >= 2 else ",".join(map(str, range(a, b + 1)))
-                    for a, b in spans)
-
-
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``"rank 2"``, ``"ranks 1-3"``."""
-    return f"rank{'s' if len(set(ranks)) != 1 else ''} {rank_list(ranks)}"
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+def human_span(seconds: float) -> str:
+    """``"45 s"``, ``"12 min"``, ``"2 h 5 min"``, ``"3 d 4 h"`` (whole seconds, rounded down)."""
+    s = int(seconds)
+    if s < 90:
+        return f"{s} s"
+    m = s // 60
+    if m < 90:
+        return f"{m} min"
+    h, m = divmod(m, 60)
+    return f"{h} h {m} min" if h < 48 else f"{h // 24} d {h % 24} h"
 
 
 def human_age(seconds: float | None) -> str:
@@ -118,17 +105,7 @@ def human_age(seconds: float | None) -> str:
         return "-"
     if seconds < -1:
         return "in the future (clock skew?)"
-    s = int(max(seconds, 0))
-    if s < 90:
-        return f"{s} s ago"
-    m = s // 60
-    if m < 90:
-        return f"{m} min ago"
-    h, m = divmod(m, 60)
-    if h < 48:
-        return f"{h} h {m} min ago"
-    d, h = divmod(h, 24)
-    return f"{d} d {h} h ago"
+    return f"{human_span(max(seconds, 0))} ago"
 
 
 def local_time(t: float | None) -> str:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__, retention, rootdir
+from ..log import human_bytes
+from ..ranks import ranks_text
 from . import (
     EXIT_DAMAGED,
     EXIT_ERROR,
@@ -40,7 +42,7 @@ from . import (
     verify,
 )
 from .changes import Changes
-from .render import Out, human_age, human_bytes, local_time, ranks_text
+from .render import Out, human_age, local_time
 from .team import Team
 
 EPILOG = """\

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import rootdir
+from ..log import human_bytes
 from . import EXIT_ERROR, EXIT_OK
 from .catalog import root_problem
-from .render import Out, human_bytes, local_time
+from .render import Out, human_span, local_time
 from .team import Team
 
 STATS = "stats.jsonl"
@@ -163,18 +164,6 @@ def plot(records: list[dict[str, Any]], png: str, title: str) -> None:
     fig = figure(records, title)
     fig.savefig(png)
     plt.close(fig)
-
-
-def human_span(seconds: float) -> str:
-    """``"45 s"``, ``"12 min"``, ``"2 h 5 min"``, ``"3 d 4 h"``."""
-    s = round(seconds)
-    if s < 90:
-        return f"{s} s"
-    m = s // 60
-    if m < 90:
-        return f"{m} min"
-    h, m = divmod(m, 60)
-    return f"{h} h {m} min" if h < 48 else f"{h // 24} d {h % 24} h"
 
 
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:

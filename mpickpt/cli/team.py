@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 from .. import checksum, rootdir
 from ..errors import CollectiveTimeout
 from ..manifest import Manifest
+from ..ranks import ranks_text
 from . import EXIT_ERROR
 from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
 from .checks import verify_shard
-from .render import Out, Progress, ranks_text
+from .render import Out, Progress
 
 if TYPE_CHECKING:
     from ..protocol import Protocol

@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..log import human_bytes
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK, catalog, checks, diagnose
 from .catalog import Entry
 from .changes import active_rollback
-from .render import STATUS_STYLE, Cell, Out, human_age, human_bytes, local_time
+from .render import STATUS_STYLE, Cell, Out, human_age, local_time
 from .team import Team
 
 LEVELS = {

@@ -54,7 +54,7 @@ def test_the_killed_rank_is_named_and_the_claim_holds(tmp_path_factory):
         assert row["note"].startswith("a save that never committed; rank 2's shard is "
                                       "incomplete (")
         assert "its writer never closed it" in row["note"]
-        assert row["note"].endswith("ranks 0,1,3 wrote theirs")
+        assert row["note"].endswith("ranks 0-1,3 wrote theirs")
     code, out, _ = cli("ls", root)
     assert said in out
 

@@ -20,7 +20,8 @@ from harness import SCENARIOS, Job, run_mpi
 
 from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
-from mpickpt.protocol import DEFAULT_TIMEOUT, rank_ranges, ranks_text, resolve_timeout
+from mpickpt.protocol import DEFAULT_TIMEOUT, resolve_timeout
+from mpickpt.ranks import rank_ranges, ranks_text
 
 N, DEADLINE, GRACE = 4, 3, 3
 JOB_TIMEOUT = 180  # the harness kills a job that outlives this: a hang
