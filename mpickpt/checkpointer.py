@@ -1,10 +1,11 @@
 """The Checkpointer: consistent global checkpoints by two-phase commit, and coordinated restore.
 
-A facade over the pieces that do the work: :mod:`mpickpt.snapshot` copies the state off the
-training thread's tensors, :mod:`mpickpt.saver` writes, votes and commits it in the background,
-:mod:`mpickpt.upkeep` records figures and applies retention, :mod:`mpickpt.restorer` loads the
-newest checkpoint every rank can load, :mod:`mpickpt.protocol` holds the collectives and their
-deadlines, :mod:`mpickpt.slurm` what comes from the scheduler.
+A facade over the pieces that do the work: :mod:`mpickpt.capture` takes the state off the
+training thread's tensors (the whole stall), :mod:`mpickpt.saver` writes, votes and commits it in
+the background (:mod:`mpickpt.upkeep` then records figures and applies retention),
+:mod:`mpickpt.restorer` loads the newest checkpoint every rank can load,
+:mod:`mpickpt.protocol` holds the collectives and their deadlines, :mod:`mpickpt.slurm` what
+comes from the scheduler.
 """
 
 from __future__ import annotations
@@ -18,19 +19,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import faults, log, preempt, retention, rootdir, shared_root, slurm, state_tree
-from . import metadata as user_metadata
-from .checksum import DEFAULT_BLOCK
-from .errors import CheckpointError, MetadataError, StateTreeError
+from . import log, preempt, retention, rootdir, shared_root, slurm
+from .capture import Capture
+from .errors import CheckpointError
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .restorer import RestoreInfo, Restorer
-from .saver import SaveHandle, Saver, SaveRequest, SaveResult, ShardOptions, WaitLog
-from .shard import DEFAULT_ALIGNMENT
-from .sharding import keep_mine
-from .snapshot import Snapshotter
-from .upkeep import Upkeep
+from .saver import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, SaveHandle, Saver, SaveResult, ShardOptions
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
@@ -100,7 +96,7 @@ class Checkpointer:
         best: tuple[str, str] | None = None,
         keep_best: int = 0,
     ) -> None:
-        self.retention = _policy(keep, keep_every, best, keep_best)
+        self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
         if world_change not in ("reshard", "fail"):
@@ -116,8 +112,8 @@ class Checkpointer:
             pinned_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
         self.pinned_budget = pinned_budget
         self._pool = HostPool(pinned_budget // self._proto.local_size(), max_in_flight)
-        self._snapshotter = Snapshotter(self._pool, device_staging)
-        self._waits = WaitLog(self.log, max_in_flight)
+        self._capture = Capture(self._pool, device_staging, self.replicated, self.rank,
+                                self.world_size, self.log)
         self._exit_vote = self._proto.exit_vote()
         if preemption and not preempt.install():
             self.log.warning("preemption signals are not watched: Checkpointer was created "
@@ -130,10 +126,9 @@ class Checkpointer:
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         self._collective(self._prepare_root, "init", root_only=True)
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
-        self._saver = Saver(self._proto, self.root, self.run_id, self._snapshotter,
-                            ShardOptions(alignment, checksum_block, io_threads),
-                            Upkeep(self.root, self.run_id, self.retention, self.log), self.log,
-                            on_error == "raise")
+        self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
+                            ShardOptions(alignment, checksum_block, io_threads), self.retention,
+                            self.log, on_error == "raise")
         _OPEN.add(self._saver)
         _hook_exit()
 
@@ -154,31 +149,10 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self._saver.report_finished()
-        if not self._root_shared:
+        if not self._root_shared:  # before the first save writes anything
             shared_root.check(self._proto, self.root, self.run_id, self.log)
             self._root_shared = True
-        t0 = time.perf_counter()
-        request = SaveRequest(step, None, None, {}, {}, {})
-        user_error = None
-        try:
-            faults.hit("before-snapshot", self.rank, step)
-            request.metadata = user_metadata.check(metadata)
-            request.tree, tensors, request.placements = state_tree.flatten_placed(
-                state, self.replicated, self.world_size)
-            keep_mine(tensors, request.placements, self.rank)
-            self._snapshotter.guard(state)
-            waits = self._pool.in_flight() >= self._pool.slots
-            request.snapshot = self._snapshotter.take(tensors)
-            if self.rank == 0:
-                self._waits.saw(step, waits, self._pool.waited_s)
-        except (StateTreeError, MetadataError) as e:
-            request.error, user_error = str(e), e
-        except Exception as e:
-            request.error = f"{type(e).__name__}: {e}"
-        request.stats["stall_s"] = time.perf_counter() - t0
-        if request.snapshot is not None:
-            request.stats["snapshot_bytes"] = request.snapshot.nbytes
-            request.stats["waited_for_buffer_s"] = self._pool.waited_s
+        request, user_error = self._capture.take(step, state, metadata)
         handle = self._saver.submit(request)
         if user_error is not None:
             handle.wait()  # the other ranks abort this save too
@@ -195,7 +169,7 @@ class Checkpointer:
         Optimizer steps and forward passes of modules in the state wait for it by themselves
         (on the GPU); call this before changing a checkpointed tensor any other way.
         """
-        self._snapshotter.wait_snapshot()
+        self._capture.snapshotter.wait_snapshot()
 
     @property
     def pinned_bytes(self) -> int:
@@ -349,18 +323,6 @@ class Checkpointer:
             except OSError as e:  # e.g. a read-only ROOT: restore must still work
                 self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
                                  "a later start", path, e)
-
-
-def _policy(keep: int | None, keep_every: int | None, best: tuple[str, str] | None,
-            keep_best: int) -> retention.Policy:
-    """The retention policy of the Checkpointer's options; ValueError naming a bad one."""
-    if best is not None and not (isinstance(best, (tuple, list)) and len(best) == 2
-                                 and isinstance(best[0], str)):
-        raise ValueError(f"best must be (metadata key, 'min' or 'max'), not {best!r}")
-    policy = retention.Policy(keep, keep_every, best[0] if best else None,
-                              best[1] if best else "min", keep_best)
-    policy.check()
-    return policy
 
 
 def finish_saves(why: str) -> bool:

@@ -29,6 +29,19 @@ class Policy:
     mode: str = "min"
     keep_best: int = 0
 
+    @classmethod
+    def of(cls, keep: int | None, keep_every: int | None, best: Sequence[str] | None,
+           keep_best: int) -> Policy:
+        """The policy of the Checkpointer's options (``best``: (metadata key, "min" or "max")),
+        checked: ValueError naming a bad one."""
+        if best is not None and not (isinstance(best, (tuple, list)) and len(best) == 2
+                                     and isinstance(best[0], str)):
+            raise ValueError(f"best must be (metadata key, 'min' or 'max'), not {best!r}")
+        policy = cls(keep, keep_every, best[0] if best else None, best[1] if best else "min",
+                     keep_best)
+        policy.check()
+        return policy
+
     def check(self) -> None:
         """ValueError naming the option that cannot be."""
         if self.keep is not None and self.keep < 1:

@@ -24,13 +24,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import faults, rootdir, sharding
+from . import faults, retention, rootdir, sharding
 from . import metadata as user_metadata
+from .checksum import DEFAULT_BLOCK
 from .errors import CheckpointError, SaveAborted
 from .manifest import NAME as MANIFEST
 from .manifest import Manifest, RankEntry, shard_name
 from .protocol import Protocol, ranks_text
-from .shard import ShardWriter
+from .shard import DEFAULT_ALIGNMENT, ShardWriter
 from .snapshot import Snapshot, Snapshotter
 from .upkeep import Upkeep
 
@@ -95,21 +96,21 @@ class SaveRequest:
 class ShardOptions:
     """How a rank's shard is written."""
 
-    alignment: int
-    block: int
-    io_threads: int
+    alignment: int = DEFAULT_ALIGNMENT  # tensors of this size and more start on this boundary
+    block: int = DEFAULT_BLOCK  # bytes per checksum
+    io_threads: int = 8
 
 
 class Saver:
     """Runs the pipeline of every save of one Checkpointer on its own thread, in order."""
 
     def __init__(self, proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
-                 options: ShardOptions, upkeep: Upkeep, logger: logging.Logger,
+                 options: ShardOptions, policy: retention.Policy, logger: logging.Logger,
                  raise_on_error: bool) -> None:
         self.proto, self.root, self.run_id = proto, root, run_id
         self.rank, self.world_size = proto.rank, proto.size
-        self.snapshotter, self.options, self.upkeep, self.log = (snapshotter, options, upkeep,
-                                                                 logger)
+        self.snapshotter, self.options, self.log = snapshotter, options, logger
+        self.upkeep = Upkeep(root, run_id, policy, logger)
         self.raise_on_error = raise_on_error
         self.last: SaveResult | None = None  # the last committed save
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")

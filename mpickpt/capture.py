@@ -1,0 +1,63 @@
+"""The training thread's part of a save, and its whole cost: from the user's state to a
+:class:`~mpickpt.saver.SaveRequest` the background pipeline takes over.
+
+In order: the fault point ``before-snapshot``; the metadata checked (:mod:`mpickpt.metadata`);
+the state flattened into a JSON tree and named tensors with their placements
+(:mod:`mpickpt.state_tree`); the replicated pieces another rank writes dropped
+(:func:`mpickpt.sharding.keep_mine`); the optimizers and modules fenced; the tensors snapshotted
+into a host buffer (:mod:`mpickpt.snapshot`). A failure does not raise here: it travels in the
+request, so that every rank aborts the save together; a mistake of the user's (a state or
+metadata mpickpt cannot save) is also handed back to be raised once they have.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from . import faults, state_tree
+from . import metadata as user_metadata
+from .errors import CheckpointError, MetadataError, StateTreeError
+from .pinned_pool import HostPool
+from .saver import SaveRequest, WaitLog
+from .sharding import keep_mine
+from .snapshot import Snapshotter
+
+
+class Capture:
+    """Takes a rank's state into a :class:`SaveRequest`, through ``pool``'s host buffers."""
+
+    def __init__(self, pool: HostPool, device_staging: bool, replicated: tuple[str, ...],
+                 rank: int, world_size: int, logger: logging.Logger) -> None:
+        self.pool = pool
+        self.snapshotter = Snapshotter(pool, device_staging)
+        self.replicated, self.rank, self.world_size = replicated, rank, world_size
+        self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
+
+    def take(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None
+             ) -> tuple[SaveRequest, CheckpointError | None]:
+        """(the request, the user's mistake to raise once every rank aborted the save)."""
+        t0 = time.perf_counter()
+        request = SaveRequest(step, None, None, {}, {}, {})
+        user_error: CheckpointError | None = None
+        try:
+            faults.hit("before-snapshot", self.rank, step)
+            request.metadata = user_metadata.check(metadata)
+            request.tree, tensors, request.placements = state_tree.flatten_placed(
+                state, self.replicated, self.world_size)
+            keep_mine(tensors, request.placements, self.rank)
+            self.snapshotter.guard(state)
+            waits = self.pool.in_flight() >= self.pool.slots
+            request.snapshot = self.snapshotter.take(tensors)
+            if self._waits is not None:
+                self._waits.saw(step, waits, self.pool.waited_s)
+        except (StateTreeError, MetadataError) as e:
+            request.error, user_error = str(e), e
+        except Exception as e:
+            request.error = f"{type(e).__name__}: {e}"
+        request.stats["stall_s"] = time.perf_counter() - t0
+        if request.snapshot is not None:
+            request.stats["snapshot_bytes"] = request.snapshot.nbytes
+            request.stats["waited_for_buffer_s"] = self.pool.waited_s
+        return request, user_error
