@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
     from .restorer import RestoreInfo
     from .sharding import Piece, Shard
-    from .state_tree import RNGState, Values
+    from .stateful import RNGState, Values
 
 __version__ = "0.1.0"
 __all__ = [
@@ -61,8 +61,8 @@ __all__ = [
 # name -> the submodule that defines it, imported on first access
 _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
-    "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "state_tree",
-    "Values": "state_tree",
+    "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "stateful",
+    "Values": "stateful",
 }
 
 preempt.install(term=False)

@@ -26,6 +26,7 @@ import torch
 from . import dtypes, sharding
 from .errors import StateMismatchError, StateTreeError
 from .sharding import Piece, Placement
+from .stateful import py_state, py_unstate
 
 MAX_DEPTH = 64  # levels of nesting in a state (its JSON tree takes about 3 per level: the
 # manifest refuses trees deeper than 256)
@@ -48,61 +49,6 @@ def _escape(key: Any) -> str:
 
 def _path_str(path: tuple[Any, ...]) -> str:
     return "/".join(_escape(k) for k in path) or "<root>"
-
-
-class RNGState:
-    """The process-wide RNG states (Python ``random``, NumPy's legacy global, torch CPU and CUDA).
-
-    Put an instance in the state (``state["rng"] = mpickpt.RNGState()``) to make a resumed run draw
-    the same random numbers as an uninterrupted one.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {
-            "python": _py_state(random.getstate()),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            sd["cuda"] = torch.cuda.get_rng_state_all()
-        return sd
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        random.setstate(_py_unstate(sd["python"]))
-        np.random.set_state(tuple(sd["numpy"]))
-        torch.set_rng_state(sd["torch"])
-        if "cuda" in sd and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(sd["cuda"]))
-
-
-class Values:
-    """Plain values restored in place: ``progress = mpickpt.Values(epoch=0, seen=0)`` in the
-    state, ``progress.epoch += 1`` in the loop. A restore sets the attributes of this very
-    object, so every reference to it sees the restored values (a plain ``"epoch": 0`` in the
-    state dict is replaced in the dict, not in the variable it came from). Values are whatever a
-    state may hold: numbers, strings, tensors, lists and dicts of them."""
-
-    def __init__(self, **values: Any) -> None:
-        self.__dict__.update(values)
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        self.__dict__.update(sd)
-
-    def __repr__(self) -> str:
-        return f"Values({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
-
-
-def _py_state(state: tuple[Any, ...]) -> dict[str, Any]:
-    """``random.getstate()`` with its 625 words as one uint32 array instead of 625 JSON nodes."""
-    version, words, gauss = state
-    return {"version": version, "words": np.asarray(words, dtype=np.uint32), "gauss": gauss}
-
-
-def _py_unstate(d: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (int(d["version"]), tuple(int(w) for w in d["words"]), d["gauss"])
 
 
 # ------------------------------------------------------------------------------------- flatten
@@ -196,7 +142,7 @@ class _Flattener:
         if isinstance(x, np.random.Generator):
             return {"type": "np_generator", "state": self.node(x.bit_generator.state, path)}
         if isinstance(x, random.Random):
-            return {"type": "py_random", "state": self.node(_py_state(x.getstate()), path)}
+            return {"type": "py_random", "state": self.node(py_state(x.getstate()), path)}
         if isinstance(x, Mapping):
             return {
                 "type": "dict",
@@ -423,7 +369,7 @@ class _Applier:
         state = self.node(node.get("state"), None, path)
         gen = live if isinstance(live, random.Random) else random.Random()
         if not self.dry:
-            gen.setstate(_py_unstate(state))
+            gen.setstate(py_unstate(state))
         return gen
 
     def n_stateful(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:

@@ -86,7 +86,7 @@ before = "torch" in sys.modules
 listed = set(dir(mpickpt))
 from mpickpt import *  # noqa
 from mpickpt import Checkpointer, Piece, RNGState, RestoreInfo, SaveHandle, SaveResult, Shard
-import mpickpt.checkpointer, mpickpt.restorer, mpickpt.sharding, mpickpt.state_tree
+import mpickpt.checkpointer, mpickpt.restorer, mpickpt.sharding, mpickpt.stateful
 print(json.dumps({
     "before": before, "after": "torch" in sys.modules,
     "missing_from_dir": sorted(set(mpickpt.__all__) - listed),
@@ -94,7 +94,7 @@ print(json.dumps({
         ("Checkpointer", mpickpt.checkpointer), ("SaveHandle", mpickpt.checkpointer),
         ("SaveResult", mpickpt.checkpointer), ("RestoreInfo", mpickpt.restorer),
         ("Piece", mpickpt.sharding), ("Shard", mpickpt.sharding),
-        ("RNGState", mpickpt.state_tree)]],
+        ("RNGState", mpickpt.stateful), ("Values", mpickpt.stateful)]],
     "star": sorted(n for n in mpickpt.__all__ if n not in globals()),
     "submodule": mpickpt.rootdir.__name__, "version": mpickpt.__version__}))
 """
