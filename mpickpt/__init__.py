@@ -65,7 +65,7 @@ _LAZY = {
     "Values": "stateful",
 }
 
-preempt.install(term=False)
+preempt.hold_early()
 
 
 def __getattr__(name: str) -> Any:

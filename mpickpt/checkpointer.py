@@ -115,6 +115,7 @@ class Checkpointer:
         self._capture = Capture(self._pool, device_staging, self.replicated, self.rank,
                                 self.world_size, self.log)
         self._exit_vote = self._proto.exit_vote()
+        self.preemption = preemption
         if preemption and not preempt.install():
             self.log.warning("preemption signals are not watched: Checkpointer was created "
                              "outside the main thread")
@@ -155,7 +156,8 @@ class Checkpointer:
         request, user_error = self._capture.take(step, state, metadata)
         handle = self._saver.submit(request)
         if user_error is not None:
-            handle.wait()  # the other ranks abort this save too
+            handle.outcome()  # the other ranks abort this save too
+            handle.reported = True
             raise user_error
         return handle
 
@@ -226,7 +228,8 @@ class Checkpointer:
         """
         self._check_open()
         with self._proto.fatal_timeouts(self.log):  # a rank stopped calling: dead or hung
-            vote = self._exit_vote.poll(preempt.kind(), self.rank, step)
+            flag = preempt.kind() if self.preemption else preempt.NONE
+            vote = self._exit_vote.poll(flag, self.rank, step)
         if vote is None:
             return False
         kind, who = vote

@@ -29,6 +29,18 @@ def signals() -> list[signal.Signals]:
     return list(dict.fromkeys([main, signal.SIGTERM]))
 
 
+def hold_early() -> None:
+    """At ``import mpickpt``: hold the preemption signal until a Checkpointer exists, so that an
+    early SIGUSR2 does not kill the rank; only where the program has no handler of its own, and
+    never failing the import (a bad ``MPICKPT_SIGNAL`` is refused by the Checkpointer)."""
+    try:
+        sig = signals()[0]
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            install(term=False)
+    except ValueError:
+        pass  # the Checkpointer's install() raises it, naming the variable
+
+
 def install(term: bool = True) -> bool:
     """Install the handlers from the main thread (False where that is impossible). Without
     ``term`` only the preemption signal's: the run wrapper does that at start, so an early

@@ -1,10 +1,11 @@
 """Proof, before a Checkpointer's first save, that every rank sees ROOT as one directory.
 
 Rank 0 writes a token into ROOT; every rank reads it back through its own path; an allreduce
-decides. A ROOT rank 0 cannot write (read-only, for a restore) is compared by its inode and its
-entries instead. Otherwise every rank raises :class:`~mpickpt.errors.RootNotSharedError` naming
-the ranks and hosts that do not see it: node-local storage given as ROOT would let rank 0
-"commit" checkpoints whose other shards lie on other nodes.
+decides. A ROOT rank 0 cannot write (the save will fail on it anyway, saying why) is compared by
+its inode and its entries instead. Otherwise every rank raises
+:class:`~mpickpt.errors.RootNotSharedError` naming the ranks and hosts that do not see it:
+node-local storage given as ROOT would let rank 0 "commit" checkpoints whose other shards lie on
+other nodes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> No
         try:
             rootdir.atomic_write(os.path.join(root, name), token.encode())
         except OSError:
-            token, listing = None, _fingerprint(root)
+            token = None
+            try:
+                listing = _fingerprint(root)
+            except OSError:  # nothing to compare: every rank then reads a missing token
+                token = uuid.uuid4().hex
     with proto.fatal_timeouts(logger):
         token, listing, root0 = proto.bcast((token, listing, root), "root")
     why = None

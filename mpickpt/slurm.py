@@ -36,7 +36,11 @@ def requeue(log: logging.Logger, env: Mapping[str, str] = os.environ) -> bool:
     job = env.get("SLURM_JOB_ID")
     if not job:
         return False
-    p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    try:
+        p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except OSError as e:
+        log.error("cannot run scontrol requeue %s: %s; the job is not requeued", job, e)
+        return False
     if p.returncode == 0:
         log.warning("requeued Slurm job %s", job)
         return True

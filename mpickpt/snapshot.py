@@ -121,17 +121,23 @@ class Snapshotter:
         if self._last is not None:  # its staging buffers must be drained before reuse
             self._last.drained.wait()
         buf = self.pool.acquire(pos)
-        views = {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
-        snap = Snapshot(views, pos, buf)
-        for dev in order:
-            names = by_device[dev]
-            if dev.type == "cuda":
-                self._copy_cuda(dev, [tensors[n] for n in names], [views[n] for n in names],
-                                [offsets[n] for n in names], buf, ranges[dev], snap)
-            else:
-                with torch.no_grad():
-                    for n in names:
-                        views[n].copy_(tensors[n])
+        try:
+            views = {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
+            snap = Snapshot(views, pos, buf)
+            for dev in order:
+                names = by_device[dev]
+                if dev.type == "cuda":
+                    self._copy_cuda(dev, [tensors[n] for n in names], [views[n] for n in names],
+                                    [offsets[n] for n in names], buf, ranges[dev], snap)
+                else:
+                    with torch.no_grad():
+                        for n in names:
+                            views[n].copy_(tensors[n])
+        except BaseException:  # (a GPU out of memory for staging, say): the buffer goes back
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # no copy queued into it may land after its next use
+            self.pool.release(buf)
+            raise
         if not snap.drains:
             snap.drained.set()
         self._last = snap

@@ -107,3 +107,30 @@ def test_background_failure_with_on_error_warn_is_logged_and_training_goes_on(
 def test_unsupported_state_raises_at_save(tmp_path):
     with mpickpt.Checkpointer(tmp_path) as ck, pytest.raises(mpickpt.StateTreeError):
         ck.save(1, {"bad": object()})
+
+
+def test_the_users_mistake_is_what_save_raises_also_with_on_error_raise(tmp_path):
+    with mpickpt.Checkpointer(tmp_path, on_error="raise", replicated=("modle",)) as ck:
+        with pytest.raises(mpickpt.StateTreeError, match="'modle' matches nothing"):
+            ck.save(1, {"model": {"w": torch.zeros(2)}})
+        with pytest.raises(mpickpt.MetadataError, match=r"metadata\['x'\]"):
+            ck.save(2, {"modle": torch.zeros(2)}, metadata={"x": object()})
+        assert ck.save(3, {"modle": torch.zeros(2)}).wait().committed  # nothing left to raise
+
+
+def test_a_snapshot_that_fails_gives_its_buffer_back(tmp_path, monkeypatch):
+    """A failure after the buffer was taken (a GPU out of memory for staging, say) must not keep
+    it: with max_in_flight=1 the next save would wait for it forever."""
+    from mpickpt import snapshot
+
+    real = snapshot._view
+
+    def failing(*args):
+        raise RuntimeError("out of memory")
+
+    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+        monkeypatch.setattr(snapshot, "_view", failing)
+        result = ck.save(1, big_state(1)).wait()
+        assert not result.committed and "out of memory" in result.error
+        monkeypatch.setattr(snapshot, "_view", real)
+        assert ck.save(2, big_state(1)).wait(timeout=60).committed

@@ -51,3 +51,9 @@ def test_a_failed_requeue_is_logged_with_scontrols_words(scontrol, caplog, monke
     monkeypatch.setenv("SCONTROL_EXIT", "1")
     assert not slurm.requeue(logging.getLogger("test-slurm"), {"SLURM_JOB_ID": "7"})
     assert "scontrol requeue 7 failed (exit 1): no such job" in caplog.text
+
+
+def test_requeue_without_scontrol_says_so_and_goes_on(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol there
+    assert not slurm.requeue(logging.getLogger("test-slurm"), {"SLURM_JOB_ID": "9"})
+    assert "cannot run scontrol requeue 9" in caplog.text

@@ -166,7 +166,11 @@ class Team:
         if self.proto is None:
             return None
         self.proto.bcast(LookAt(path), "cli-work")
-        views: list[View] = self.proto.gather(root_view(path), "cli-verdicts") or []
+        try:
+            mine = root_view(path)
+        except Exception as e:  # the others are in the gather already: answer it all the same
+            mine = View("error", [], f"{type(e).__name__}: {e}", path)
+        views: list[View] = self.proto.gather(mine, "cli-verdicts") or []
         differ = [r for r, v in enumerate(views) if not v.same(views[0])]
         if not differ:
             return None

@@ -1,0 +1,45 @@
+"""mpickpt.preempt: the signal held from ``import mpickpt`` on, and what it never does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+def test_import_holds_the_preemption_signal():
+    p = run("import os, signal, mpickpt\nfrom mpickpt import preempt\n"
+            "os.kill(os.getpid(), signal.SIGUSR2)\nprint(preempt.kind() == preempt.PREEMPT)")
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr
+
+
+def test_import_leaves_a_handler_of_the_programs_own_alone():
+    p = run("import signal\nseen = []\nsignal.signal(signal.SIGUSR2, lambda *a: seen.append(1))\n"
+            "import os, mpickpt\nos.kill(os.getpid(), signal.SIGUSR2)\n"
+            "from mpickpt import preempt\nprint(seen, preempt.kind())")
+    assert p.returncode == 0 and p.stdout.strip() == "[1] 0", p.stderr
+
+
+def test_a_bad_signal_name_does_not_break_the_import_but_the_checkpointer_refuses_it():
+    p = run("import mpickpt\nprint(mpickpt.__version__)", MPICKPT_SIGNAL="SIGBOGUS")
+    assert p.returncode == 0, p.stderr
+    from mpickpt import preempt
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MPICKPT_SIGNAL", "SIGBOGUS")
+        with pytest.raises(ValueError, match="SIGBOGUS"):
+            preempt.signals()
+
+
+def test_preemption_false_ignores_the_flag(tmp_path):
+    p = run("import os, signal, mpickpt, torch\n"
+            f"ck = mpickpt.Checkpointer({str(tmp_path)!r}, preemption=False)\n"
+            "os.kill(os.getpid(), signal.SIGUSR2)\n"
+            "print([ck.should_exit(s, {'w': torch.zeros(1)}) for s in range(3)])\nck.close()")
+    assert p.returncode == 0 and p.stdout.strip() == "[False, False, False]", p.stderr
