@@ -36,7 +36,6 @@ from .exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from .ranks import ranks_text, spans, unspan
 
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
-DEFAULT_GRACE = knobs.TIMEOUT_GRACE.default
 # point-to-point tags of the roll call on the private communicators (collectives never match them)
 TAG_ALARM, TAG_CALL, TAG_HERE, TAG_REPORT = 0x6D71, 0x6D72, 0x6D73, 0x6D74  # <= 32767, always valid
 

@@ -25,6 +25,14 @@ FILE_MODE = 0o664  # 0o666 less world-write; the umask takes away more
 DIR_MODE = 0o775
 
 
+# what to do when ranks do not share ROOT, as a save refuses it (not_shared_hint: as the tools
+# and restore, which can only suspect it, say it)
+NOT_SHARED_ADVICE = (
+    "every rank's shard must land in the same directory for a checkpoint to commit: give every "
+    "rank the same path on a filesystem that all nodes mount (/scratch, $HOME, ...), not "
+    "node-local storage such as /tmp, /dev/shm or $TMPDIR")
+
+
 def not_shared_hint() -> str:
     """The advice for a ROOT that was not one directory shared by every rank (each rank then
     wrote into its own node's copy): the same words wherever mpickpt finds that."""

@@ -35,11 +35,6 @@ from .shard import DEFAULT_ALIGNMENT, ShardWriter
 from .snapshot import Snapshot, Snapshotter
 from .upkeep import Upkeep
 
-NOT_SHARED_ADVICE = (
-    "every rank's shard must land in the same directory for a checkpoint to commit: give every "
-    "rank the same path on a filesystem that all nodes mount (/scratch, $HOME, ...), not "
-    "node-local storage such as /tmp, /dev/shm or $TMPDIR")
-
 
 @dataclass
 class SaveResult:
@@ -351,7 +346,8 @@ def _check_shards(partial: str, ranks: list[RankEntry]) -> None:
     missing = [e.rank for e in ranks if e.file not in sizes]
     if missing:
         raise CheckpointError(f"the shards of {ranks_text(missing)} are not in {partial} as "
-                              f"rank 0 sees it, although they were written: {NOT_SHARED_ADVICE}")
+                              "rank 0 sees it, although they were written: "
+                              f"{rootdir.NOT_SHARED_ADVICE}")
     wrong = [e.rank for e in ranks if sizes[e.file] != e.bytes]
     if wrong:
         raise CheckpointError(f"the shards of {ranks_text(wrong)} in {partial} are not of the "

@@ -19,7 +19,6 @@ import uuid
 from . import rootdir
 from .errors import RootNotSharedError
 from .protocol import Protocol, ranks_text
-from .saver import NOT_SHARED_ADVICE
 
 
 def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> None:
@@ -63,7 +62,7 @@ def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> No
     raise RootNotSharedError(
         f"ROOT {root0} (rank 0) is not one directory shared by every rank: "
         f"{ranks_text(b[0] for b in bad)} on {hosts} cannot read the file rank 0 wrote there "
-        f"(rank {r}, {os.path.join(path, name)}: {reason}); {NOT_SHARED_ADVICE}")
+        f"(rank {r}, {os.path.join(path, name)}: {reason}); {rootdir.NOT_SHARED_ADVICE}")
 
 
 def _fingerprint(root: str) -> tuple[int, list[str]]:
