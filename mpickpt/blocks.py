@@ -17,12 +17,14 @@ Torch-, numpy- and h5py-free, so that the operator's tools can verify a checkpoi
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
 from . import checksum
 from .errors import ShardError
-from .records import TensorRecord, open_shard
+from .records import TensorRecord, check_records, open_shard
 
 DIRECT_ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to this
 
@@ -145,3 +147,35 @@ class BlockFile:
                 tensor=r.name,
             )
         return size
+
+
+VERIFY_CHUNK = 8 << 20  # the most one verifying thread holds
+
+
+def verify_file(rank: int, path: str, file_bytes: int, records: list[TensorRecord], block: int,
+                threads: int = 4) -> None:
+    """Read every checksum block of a shard and compare it (:class:`ShardError` for the first
+    problem, by record and block; OSError-free: a file that cannot be opened is one too)."""
+    try:
+        f = BlockFile(rank, path, file_bytes, block)
+    except OSError as e:
+        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+    with f:
+        check_records(rank, path, records, file_bytes, block)
+        tasks = [(r, b) for r in records for b in range(checksum.block_count(r.nbytes, block))]
+        local = threading.local()
+
+        def check(task: tuple[TensorRecord, int]) -> ShardError | None:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = memoryview(bytearray(min(VERIFY_CHUNK, block)))
+            try:
+                f.read_block(task[0], task[1], buf)
+            except ShardError as e:
+                return e
+            return None
+
+        with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="mpickpt-verify") as pool:
+            for err in pool.map(check, tasks):
+                if err is not None:
+                    raise err

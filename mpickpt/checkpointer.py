@@ -19,14 +19,27 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import log, preempt, retention, rootdir, shared_root, slurm
+from . import knobs, log, preempt, retention, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError
+from .exchange import Exchange
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
+from .levels import LocalLevel, LocalTierFull
+from .localtier import LocalTier
 from .pinned_pool import HostPool
 from .protocol import Protocol
+from .recovery import LocalRecovery
 from .restorer import RestoreInfo, Restorer
-from .saver import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, SaveHandle, Saver, SaveResult, ShardOptions
+from .saver import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BLOCK,
+    SaveHandle,
+    Saver,
+    SaveRequest,
+    SaveResult,
+    ShardOptions,
+)
+from .topology import SCHEMES, Topology
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
@@ -70,6 +83,19 @@ class Checkpointer:
     number of ranks and any sharding (``world_change="reshard"``): each rank reads the stored
     pieces that overlap its own; rank ``r`` takes the per-rank state of stored rank ``r mod N``.
     ``world_change="fail"`` refuses another number of ranks instead.
+
+    The node-local level (``local``: a directory on each node, ``/dev/shm/...`` for memory or
+    an NVMe scratch directory): every save goes there, committed on every node with the same
+    vote, and ``redundancy`` protects it from the loss of a node: ``"partner"`` (a copy of each
+    shard on another node) or ``"xor"`` (parity over sets of ``xor_set`` nodes, default 4;
+    ``1 / (xor_set - 1)`` extra space). The handle of such a save resolves once it is protected;
+    every ``persist_every``-th one (None: none), the emergency one and, at ``close()``, the newest
+    one are then drained to ROOT from the local copy, at most ``drain_bandwidth`` bytes per
+    second per rank, and committed there. ``keep_local`` protected checkpoints stay on the
+    nodes (besides the one being written), within ``local_budget`` bytes per node. ``restore``
+    takes the newest step every rank can get from the fastest level: its own local shard, else
+    one rebuilt from redundancy over MPI, else ROOT. Nodes are the ranks that share memory, or
+    what ``$MPICKPT_NODE`` names (tests simulate nodes with it).
     """
 
 
@@ -95,6 +121,13 @@ class Checkpointer:
         keep_every: int | None = None,
         best: tuple[str, str] | None = None,
         keep_best: int = 0,
+        local: str | os.PathLike[str] | None = None,
+        redundancy: str | None = None,
+        persist_every: int | None = 10,
+        keep_local: int = 1,
+        local_budget: int | None = None,
+        xor_set: int | None = None,
+        drain_bandwidth: float | None = None,
     ) -> None:
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
@@ -127,16 +160,57 @@ class Checkpointer:
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         self._collective(self._prepare_root, "init", root_only=True)
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
+        self._local = None
+        self._recovery: LocalRecovery | None = None
+        if local is not None:
+            self._local = self._local_level(local, redundancy, persist_every, keep_local,
+                                            local_budget, xor_set, drain_bandwidth)
+            self._recovery = LocalRecovery(self._proto, self._local, io_threads)
+        elif redundancy is not None:
+            raise ValueError("redundancy protects the node-local level: give local= too")
+        self._local_checked = False
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
                             ShardOptions(alignment, checksum_block, io_threads), self.retention,
-                            self.log, on_error == "raise")
+                            self.log, on_error == "raise", self._local)
         _OPEN.add(self._saver)
         _hook_exit()
 
+    def _local_level(self, local: str | os.PathLike[str], redundancy: str | None,
+                     persist_every: int | None, keep_local: int, budget: int | None,
+                     xor_set: int | None, drain_bandwidth: float | None) -> LocalLevel:
+        """Find the nodes, check the settings, prepare this node's directory (collective)."""
+        if redundancy not in (None, *SCHEMES):
+            raise ValueError(f"redundancy must be 'partner', 'xor' or None, not {redundancy!r}")
+        if persist_every is not None and (not isinstance(persist_every, int) or persist_every < 1):
+            raise ValueError(f"persist_every must be a positive int or None, not "
+                             f"{persist_every!r}")
+        if not isinstance(keep_local, int) or keep_local < 1:
+            raise ValueError(f"keep_local must be 1 or more, not {keep_local!r}")
+        base = os.path.abspath(os.fspath(local))
+        if base == self.root or base.startswith(self.root + os.sep):
+            raise ValueError(f"local={base} is ROOT or inside it: the node-local level must be "
+                             "another directory, on each node's own storage")
+        with self._proto.fatal_timeouts(self.log):
+            nodes = self._proto.nodes(knobs.NODE.get())
+        topo = Topology(tuple(nodes))
+        teams = topo.teams(redundancy, xor_set) if redundancy else []
+        tier = LocalTier(base, nodes[self.rank], self.root)
+        leader = topo.leader(self.rank) == self.rank
+        self._collective(lambda: tier.prepare(self.run_id, self.log) if leader else None,
+                         "local")
+        with self._proto.fatal_timeouts(self.log):
+            exchange = Exchange(self._proto, teams, redundancy) if redundancy else None
+        if self.rank == 0:
+            self.log.info("local level %s on %d node(s), redundancy %s, drained to ROOT every "
+                          "%s save(s)", base, len(topo.names), redundancy,
+                          persist_every or "no")
+        return LocalLevel(tier, topo, self.rank, redundancy, teams, exchange, persist_every,
+                          keep_local, budget, drain_bandwidth)
+
     # -------------------------------------------------------------------------------------- save
 
-    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None = None
-             ) -> SaveHandle:
+    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None = None,
+             *, drain: bool = False) -> SaveHandle:
         """Checkpoint ``state`` as ``step`` on every rank, all or nothing; collective.
 
         ``step`` is the number of training steps completed: ``restore`` returns it, and the loop
@@ -144,7 +218,7 @@ class Checkpointer:
         manifest. Returns once the state is snapshotted (the training thread's whole cost); the
         write, the vote and the commit go on in the background. A state or metadata mpickpt
         cannot save raises :class:`StateTreeError` or :class:`MetadataError` here, after every
-        rank has aborted the save.
+        rank has aborted the save. With a local level, ``drain`` sends this one to ROOT too.
         """
         self._check_open()
         if not isinstance(step, int) or step < 0:
@@ -154,12 +228,33 @@ class Checkpointer:
             shared_root.check(self._proto, self.root, self.run_id, self.log)
             self._root_shared = True
         request, user_error = self._capture.take(step, state, metadata)
+        request.drain = drain
+        if self._local is not None and not self._local_checked and user_error is None:
+            user_error = self._check_local_room(request)
+            self._local_checked = True
         handle = self._saver.submit(request)
         if user_error is not None:
             handle.outcome()  # the other ranks abort this save too
             handle.reported = True
             raise user_error
         return handle
+
+    def _check_local_room(self, request: SaveRequest) -> CheckpointError | None:
+        """At the first save (nothing in flight yet): can every node's local level hold the
+        checkpoints it must keep? If not, the save aborts and every rank raises at once."""
+        assert self._local is not None
+        why = None
+        if request.snapshot is not None:
+            try:
+                self._local.check_room(request.snapshot.nbytes, self.rank)
+            except LocalTierFull as e:
+                why = str(e)
+        with self._proto.fatal_timeouts(self.log):
+            if self._proto.all_ok(why is None, "local-room"):
+                return None
+            reasons = "; ".join(filter(None, self._proto.allgather(why, "local-room-report")))
+        request.error = request.error or reasons
+        return LocalTierFull(reasons)
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
@@ -193,13 +288,21 @@ class Checkpointer:
             lambda: rootdir.committed(self.root, require_manifest=False), "list", root_only=True)
         if step is not None:
             candidates = [c for c in candidates if c[0] == step]
-            if not candidates:
-                raise CheckpointError(f"no checkpoint of step {step} under {self.root}")
+        with self._proto.fatal_timeouts(self.log):
+            local_steps = self._recovery.steps() if self._recovery is not None else []
+            if step is not None:
+                local_steps = [s for s in local_steps if s == step]
+        if step is not None and not candidates and not local_steps:
+            raise CheckpointError(f"no checkpoint of step {step} under {self.root}"
+                                  + (" or in the local level" if self._local else ""))
         with self._proto.fatal_timeouts(self.log):
             info = Restorer(self._proto, self._pool, self.io_threads, self.log,
                             self.replicated, self.world_change).run(
-                state, candidates, explicit=step is not None)
+                state, candidates, explicit=step is not None, local=self._recovery,
+                local_steps=local_steps)
             info.total_bytes_read = self._proto.sum(info.bytes_read, "restored")
+            info.total_network_bytes = self._proto.sum(info.network_bytes, "restored")
+            info.root_bytes = info.total_bytes_read if info.level == "root" else 0
         info.seconds = time.perf_counter() - t0
         self.restore_info = info
         if self.rank == 0:
@@ -207,10 +310,13 @@ class Checkpointer:
                 self.log.info("no loadable checkpoint under %s: fresh start%s", self.root,
                               f" ({len(info.skipped)} skipped)" if info.skipped else "")
             else:
+                where = info.path if info.level == "root" else "the local level"
                 self.log.info("restored step %d from %s in %.2f s: %s read by %d rank(s), "
-                              "%.2f GB/s", info.step, info.path, info.seconds,
+                              "%.2f GB/s%s", info.step, where, info.seconds,
                               log.human_bytes(info.total_bytes_read), self.world_size,
-                              info.total_bytes_read / max(info.seconds, 1e-9) / 1e9)
+                              info.total_bytes_read / max(info.seconds, 1e-9) / 1e9,
+                              f", {log.human_bytes(info.total_network_bytes)} rebuilt over "
+                              "the network" if info.total_network_bytes else "")
         return info.step
 
     # -------------------------------------------------------------------------------- preemption
@@ -251,11 +357,14 @@ class Checkpointer:
     def _emergency_save(self, step: int, state: dict[str, Any]) -> None:
         last = self._saver.last
         if last is not None and last.step == step:
-            return  # already committed
+            self._saver.scavenge()  # committed; with a local level, make sure ROOT has it
+            self._saver.wait()
+            return
         need = None
         if last is not None:
             s = last.stats
-            need = 1.25 * (s.get("stall_s", 0) + s.get("persist_s", 0) + s.get("commit_s", 0))
+            need = 1.25 * (s.get("stall_s", 0) + s.get("persist_s", 0) + s.get("commit_s", 0)
+                           + s.get("protect_s", 0) + s.get("drain_s", 0))
         left = None if self.deadline is None else self.deadline - time.time()
         # every rank decides from the same inputs (rank 0's figures), so all save or none does
         with self._proto.fatal_timeouts(self.log):
@@ -266,9 +375,12 @@ class Checkpointer:
                                "%.0f s, the job ends in %.0f s; the job will resume from step %s",
                                step, need, left, last.step if last else None)
             return
-        result = self.save(step, state).wait()
+        result = self.save(step, state, drain=True).wait()
+        self._saver.wait()  # and its drain to ROOT, with a local level
         if self.rank == 0 and result.committed:
-            self.log.warning("emergency checkpoint of step %d committed", step)
+            self.log.warning("emergency checkpoint of step %d committed%s", step,
+                             "" if self._local is None or self._saver.drained == step else
+                             " on the nodes only: its drain to ROOT failed")
 
     # ------------------------------------------------------------------------------------- close
 
@@ -278,8 +390,11 @@ class Checkpointer:
         the others miss the deadline of the 'close' barrier and abort the job, rather than hang
         in MPI_Finalize."""
         if not self._closed:
+            self._saver.scavenge()  # the newest local checkpoint reaches ROOT
             self.wait()
             self._saver.shutdown()
+            if self._local is not None and self._local.exchange is not None:
+                self._local.exchange.free()
             self._closed = True
             _OPEN.discard(self._saver)
             with self._proto.fatal_timeouts(self.log):

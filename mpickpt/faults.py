@@ -1,14 +1,16 @@
 """Fault injection for tests: ``MPICKPT_FAULT="phase:rank:action[:step],..."``.
 
 Phases: before-snapshot, mid-write, after-fsync-before-vote, after-vote-before-manifest,
-mid-manifest-write, after-commit-before-retention, mid-restore-read. Rank ``*`` means every rank;
-step, when given, limits the fault to the save or restore of that step. after-vote-before-manifest,
-mid-manifest-write and after-commit-before-retention fire on rank 0 around its manifest, commit and
-retention; on the other ranks at the matching points: after the vote (before they send their
-entries to rank 0), while they wait for rank 0's outcome, and once they have it. Actions:
-``kill`` (SIGKILL self), ``raise`` (:class:`~mpickpt.errors.FaultInjected`), ``hang`` (sleep
-forever), ``exit`` (``os._exit(17)``), ``delay`` (sleep one second, then go on). Unset, :func:`hit`
-is one dictionary lookup.
+mid-manifest-write, after-commit-before-retention, mid-restore-read; with a node-local level
+also mid-exchange, after-exchange-before-vote, mid-local-commit, mid-drain, mid-drain-commit.
+Rank ``*`` means every rank; step, when given, limits the fault to the save or restore of that
+step. after-vote-before-manifest, mid-manifest-write, after-commit-before-retention and
+mid-drain-commit fire on rank 0 around its manifest, commit and retention; on the other ranks
+at the matching points: after the vote (before they send their entries to rank 0), while they
+wait for rank 0's outcome, and once they have it. Actions: ``kill`` (SIGKILL self), ``raise``
+(:class:`~mpickpt.errors.FaultInjected`), ``hang`` (sleep forever), ``exit``
+(``os._exit(17)``), ``delay`` (sleep one second, then go on). Unset, :func:`hit` is one
+dictionary lookup.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ PHASES = (
     "before-snapshot", "mid-write", "after-fsync-before-vote", "after-vote-before-manifest",
     "mid-manifest-write", "after-commit-before-retention", "mid-restore-read",
 )
+# the phases of the node-local level (Checkpointer(local=...)): the redundancy exchange, the
+# commit on the nodes, the copy of a drain to ROOT and its commit there (rank 0; the others
+# while they wait for its outcome)
+LEVEL_PHASES = ("mid-exchange", "after-exchange-before-vote", "mid-local-commit", "mid-drain",
+                "mid-drain-commit")
 ACTIONS = ("kill", "raise", "hang", "exit", "delay")
 EXIT_CODE = 17
 
@@ -32,10 +39,11 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
     out: dict[str, list[tuple[str, str, int | None]]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in PHASES or parts[2] not in ACTIONS:
+        known = parts[0] in PHASES + LEVEL_PHASES
+        if len(parts) not in (3, 4) or not known or parts[2] not in ACTIONS:
             raise ValueError(
                 f"MPICKPT_FAULT item {item!r} is not phase:rank:action[:step] with phase in "
-                f"{PHASES} and action in {ACTIONS}"
+                f"{PHASES + LEVEL_PHASES} and action in {ACTIONS}"
             )
         step = int(parts[3]) if len(parts) == 4 else None
         out.setdefault(parts[0], []).append((parts[1], parts[2], step))

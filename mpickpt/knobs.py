@@ -91,11 +91,14 @@ EXIT_GRACE = Knob("MPICKPT_EXIT_GRACE", 30.0, _non_negative, "seconds",
 ABORT_DELAY = Knob("MPICKPT_ABORT_DELAY", 1.0, _non_negative, "seconds",
                    "mpickpt.run: pause between printing a traceback and MPI_Abort, so the "
                    "launcher forwards it")
+NODE = Knob[str | None]("MPICKPT_NODE", None, str, "a node name",
+                        "this rank's node, for the local level (default: the ranks that share "
+                        "memory); for tests that simulate nodes on one host, and odd launchers")
 FAULT = Knob("MPICKPT_FAULT", "", str, "phase:rank:action[:step],...",
              "fault injection for tests (mpickpt/faults.py); unset in production")
 
 ALL: tuple[Knob, ...] = (TIMEOUT, TIMEOUT_GRACE, DEADLINE, REQUEUE, SIGNAL, LOG, EXIT_GRACE,
-                         ABORT_DELAY, FAULT)
+                         ABORT_DELAY, NODE, FAULT)
 
 
 def markdown_table() -> str:

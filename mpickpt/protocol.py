@@ -38,6 +38,7 @@ from .ranks import ranks_text, spans, unspan
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
 # point-to-point tags of the roll call on the private communicators (collectives never match them)
 TAG_ALARM, TAG_CALL, TAG_HERE, TAG_REPORT = 0x6D71, 0x6D72, 0x6D73, 0x6D74  # <= 32767, always valid
+TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.exchange), point to point
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -215,6 +216,66 @@ class Protocol:
             return local.Get_size()
         finally:
             local.Free()
+
+    def nodes(self, override: str | None) -> list[str]:
+        """The node name of every rank: ranks that share memory (MPI's shared-memory split) are
+        one node, named after the host of its lowest rank; ``override`` (``$MPICKPT_NODE``),
+        when every rank sets it, names the nodes instead (several simulated nodes on one host)."""
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            leader = local.allreduce(self.rank, op=MPI.MIN)
+        finally:
+            local.Free()
+        keys = self.allgather((override or None, leader, MPI.Get_processor_name()), "nodes")
+        set_on = [r for r, k in enumerate(keys) if k[0]]
+        if set_on and len(set_on) != self.size:
+            raise ValueError(
+                f"MPICKPT_NODE is set on {ranks_text(set_on)} but not on the others: set it on "
+                "every rank (it names each rank's node) or on none")
+        if set_on:
+            return [str(k[0]) for k in keys]
+        hosts = {k[1]: keys[k[1]][2] for k in keys}
+        same = {h for h in hosts.values() if list(hosts.values()).count(h) > 1}
+        return [hosts[k[1]] if hosts[k[1]] not in same else f"{hosts[k[1]]}-{k[1]}"
+                for k in keys]
+
+    def sub(self, color: int, key: int) -> Protocol:
+        """The ranks of the same ``color``, ordered by ``key``, as a Protocol of their own
+        (collective)."""
+        split = self.comm.Split(color, key)
+        try:
+            return Protocol(split, self.timeout, self.grace)
+        finally:
+            split.Free()
+
+    def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
+                 phase: str) -> None:
+        """Send each buffer to its rank and receive each from its rank, point to point, within
+        the deadline (else :class:`CollectiveTimeout` naming the peers)."""
+        reqs = [self.comm.Irecv(buf, src, TAG_DATA) for buf, src in recvs]
+        reqs += [self.comm.Isend(buf, dest, TAG_DATA) for buf, dest in sends]
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not MPI.Request.Testall(reqs):
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    peers = sorted({p for _, p in sends} | {p for _, p in recvs})
+                    self._abort_delay = self.grace
+                    raise CollectiveTimeout(
+                        f"rank {self.rank}: {phase} with {ranks_text(peers)} did not complete "
+                        f"within {self.timeout:g} s: a peer died or hangs")
+                time.sleep(0.0002)
+
+    def xor_scatter(self, send: np.ndarray, recv: np.ndarray, phase: str) -> None:
+        """Reduce-scatter (bitwise XOR) of equal blocks: rank k gets the XOR of every rank's
+        block k."""
+        self._wait(self.comm.Ireduce_scatter_block(send, recv, op=MPI.BXOR), phase)
+
+    def xor_reduce(self, send: np.ndarray, recv: np.ndarray | None, root: int,
+                   phase: str) -> None:
+        """The bitwise XOR of every rank's ``send``, into ``recv`` on ``root``."""
+        self._wait(self.comm.Ireduce(send, recv, op=MPI.BXOR, root=root), phase)
 
     def complete(self, req: MPI.Request, roll: _RollCall, phase: str) -> None:
         """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from .manifest import NAME as MANIFEST
 from .manifest import Manifest, RankEntry, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
+from .recovery import LocalRecovery
 from .shard import check_file, check_records
 
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
@@ -53,6 +55,12 @@ class RestoreInfo:
     bytes_read: int = 0  # by this rank
     total_bytes_read: int = 0  # by every rank
     seconds: float = 0.0  # the whole restore, the fallbacks included
+    level: str | None = None  # "local" (the node-local level) or "root"
+    source: str | None = None  # this rank's shard: "own", "partner copy from rank R",
+    #                            "XOR rebuild" (level "local"), or "ROOT"
+    network_bytes: int = 0  # received over MPI to rebuild this rank's shard
+    total_network_bytes: int = 0  # by every rank
+    root_bytes: int = 0  # read from ROOT by every rank
 
 
 class Restorer:
@@ -67,22 +75,41 @@ class Restorer:
         self.bytes_read = 0
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
-            explicit: bool = False) -> RestoreInfo:
-        """Load the first candidate every rank can load; ``explicit``: only that one, or raise."""
+            explicit: bool = False, local: LocalRecovery | None = None,
+            local_steps: Sequence[int] = ()) -> RestoreInfo:
+        """Load the first candidate every rank can load; ``explicit``: only that step, or
+        raise. With ``local``, a step committed on the nodes (``local_steps``) is tried from
+        there first, then from ROOT."""
         info = RestoreInfo(None)
-        for step, path in candidates:
-            verdict, loaded = self._try(state, step, path)
+        tries = [(s, "root", p) for s, p in candidates]
+        tries += [(s, "local", "") for s in local_steps]
+        tries.sort(key=lambda t: (t[0], t[1] == "local"), reverse=True)
+        for n, (step, level, path) in enumerate(tries):
+            if level == "local":
+                assert local is not None
+                verdict = local.prepare(step)
+                if verdict is None:
+                    path = local.path(step)
+                    verdict, loaded = self._try(state, step, path)
+                verdict = None if verdict is None else f"from the local level: {verdict}"
+            else:
+                verdict, loaded = self._try(state, step, path)
             if verdict is None:
                 info.step, info.path, info.metadata = step, path, loaded
                 info.world_size, info.bytes_read = self._written_by, self.bytes_read
+                info.level = level
+                info.source = local.last.source if level == "local" and local else "ROOT"
+                info.network_bytes = local.last.received if level == "local" and local else 0
                 break
             info.skipped.append((step, verdict))
+            later = [t for t in tries[n + 1:] if t[0] == step]
             if self.rank == 0:
-                self.log.warning("checkpoint step %d cannot be restored, falling back: %s",
-                                 step, verdict)
-            if explicit:
+                self.log.warning("checkpoint step %d cannot be restored%s, falling back: %s",
+                                 step, " from the local level" if level == "local" else "",
+                                 verdict)
+            if explicit and not later:
                 raise CheckpointError(f"checkpoint step {step} cannot be restored: {verdict}")
-        if info.step is None and info.skipped and self.rank == 0 and all(
+        if info.step is None and info.skipped and candidates and self.rank == 0 and all(
                 _MISSING in why for _, why in info.skipped):
             self.log.warning("every checkpoint under %s lacks shards of some ranks: %s",
                              os.path.dirname(candidates[0][1]),

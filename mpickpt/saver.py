@@ -22,18 +22,21 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import faults, retention, rootdir, sharding
+from . import faults, log, retention, rootdir, sharding
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .errors import CheckpointError, SaveAborted
 from .manifest import NAME as MANIFEST
-from .manifest import Manifest, RankEntry, shard_name
+from .manifest import Manifest, RankEntry, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
 from .shard import DEFAULT_ALIGNMENT, ShardWriter
 from .snapshot import Snapshot, Snapshotter
 from .upkeep import Upkeep
+
+if TYPE_CHECKING:
+    from .levels import LocalLevel
 
 
 @dataclass
@@ -46,6 +49,7 @@ class SaveResult:
     error: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)  # as committed in the manifest
+    level: str = "root"  # where it committed: "root", or "local" (protected on the nodes)
 
 
 class SaveHandle:
@@ -85,6 +89,8 @@ class SaveRequest:
     metadata: dict[str, Any]  # checked; CUDA scalars resolved on rank 0 at the commit
     stats: dict[str, float]
     error: str | None = None
+    drain: bool = False  # with a local level: drain this one to ROOT whatever persist_every says
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True)
@@ -101,23 +107,39 @@ class Saver:
 
     def __init__(self, proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
                  options: ShardOptions, policy: retention.Policy, logger: logging.Logger,
-                 raise_on_error: bool) -> None:
+                 raise_on_error: bool, local: LocalLevel | None = None) -> None:
         self.proto, self.root, self.run_id = proto, root, run_id
         self.rank, self.world_size = proto.rank, proto.size
         self.snapshotter, self.options, self.log = snapshotter, options, logger
         self.upkeep = Upkeep(root, run_id, policy, logger)
         self.raise_on_error = raise_on_error
         self.last: SaveResult | None = None  # the last committed save
+        self.local = local
+        self.drained: int | None = None  # the last step the local level drained to ROOT
+        self._since_drain = 0  # local commits since the last drain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
         self._pending: list[SaveHandle] = []
+        self._jobs: list[Future[None]] = []  # every job on the thread, drains included
 
     # ------------------------------------------------------------------- the training thread
 
     def submit(self, request: SaveRequest) -> SaveHandle:
-        handle = SaveHandle(request.step, self._thread.submit(self._run, request),
-                            self.raise_on_error)
+        """Queue a save; its handle resolves once it is committed at its first level (a drain
+        to ROOT that follows runs on in the background)."""
+        first: Future[SaveResult] = Future()
+        handle = SaveHandle(request.step, first, self.raise_on_error)
+        self._track(self._thread.submit(self._job, request, first))
         self._pending.append(handle)
         return handle
+
+    def scavenge(self) -> None:
+        """Queue the drain to ROOT of the newest local checkpoint, unless it is there already
+        (the end of a job: SCR's scavenge)."""
+        if self.local is not None:
+            self._track(self._thread.submit(self._scavenge))
+
+    def _track(self, job: Future[None]) -> None:
+        self._jobs = [j for j in self._jobs if not j.done()] + [job]
 
     def report_finished(self) -> None:
         """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
@@ -133,6 +155,8 @@ class Saver:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
+        for job in self._jobs:
+            job.result()
         results = [h.outcome() for h in self._pending]
         self.report_finished()
         return results
@@ -140,11 +164,12 @@ class Saver:
     def finish(self, why: str) -> bool:
         """At the end of the program without close(): wait for the saves in flight, saying so;
         whether they all committed."""
-        if not self._pending:
-            return True
-        if self.rank == 0:
+        if self._pending and self.rank == 0:
             steps = ", ".join(str(h.step) for h in self._pending)
             self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
+        self.scavenge()
+        for job in self._jobs:
+            job.result()
         results, self._pending = [h.outcome() for h in self._pending], []
         failed = [r for r in results if not r.committed]
         for r in failed:
@@ -156,6 +181,20 @@ class Saver:
         self._thread.shutdown()
 
     # ----------------------------------------------------------------- the background thread
+
+    def _job(self, req: SaveRequest, first: Future[SaveResult]) -> None:
+        """One save on the background thread: the save, then (local level) the drain if due."""
+        try:
+            result = self._run(req) if self.local is None else self._run_local(req)
+        except BaseException as e:  # the handle must not wait forever
+            first.set_exception(e)
+            raise
+        first.set_result(result)
+        if self.local is not None and result.committed:
+            self._since_drain += 1
+            every = self.local.persist_every
+            if req.drain or (every and self._since_drain >= every):
+                self._drain(result.step)
 
     def _run(self, req: SaveRequest) -> SaveResult:
         partial = os.path.join(self.root, rootdir.partial_name(req.step, self.run_id))
@@ -170,6 +209,15 @@ class Saver:
                 self.snapshotter.release(req.snapshot)
         with self.proto.fatal_timeouts(self.log):
             result = self._vote_and_commit(req, partial, entry, error)
+        self._after(req, result)
+        return result
+
+    def _after(self, req: SaveRequest, result: SaveResult) -> None:
+        """Record a committed save and tidy up after it; log an aborted one."""
+        if result.committed and result.level == "local":
+            self.last = result
+            self._tidy_local(result)
+            return
         if result.committed:
             self.last = result
             try:
@@ -186,7 +234,6 @@ class Saver:
             self.log.error("checkpoint of step %d aborted on all ranks: %s; the previous "
                            "checkpoints are untouched and training goes on", req.step,
                            result.error)
-        return result
 
     def _write(self, req: SaveRequest, partial: str) -> RankEntry:
         """Stage 1: this rank's shard, written and fsynced."""
@@ -229,13 +276,15 @@ class Saver:
         return RankEntry(self.rank, shard_name(self.rank), size, req.tree, writer.records)
 
     def _vote_and_commit(self, req: SaveRequest, partial: str, entry: RankEntry | None,
-                         error: str | None) -> SaveResult:
-        """Stages 2 and 3: every rank votes; rank 0 commits; every rank learns the outcome."""
+                         error: str | None, local: bool = False) -> SaveResult:
+        """Stages 2 and 3: every rank votes; rank 0 commits (``local``: assembles the manifest
+        that every node then publishes); every rank learns the outcome."""
         step, stats = req.step, req.stats
+        owner = self.local.leader if local and self.local else self.rank == 0
         if not self.proto.all_ok(error is None, "vote"):
             reasons = self.proto.allgather(error, "abort")
             why = "; ".join(f"rank {r}: {m}" for r, m in enumerate(reasons) if m)
-            if self.rank == 0:
+            if owner:
                 self._discard(partial)
             return SaveResult(step, False, error=why, stats=stats)
         payload: dict[str, Any] | None = None
@@ -258,13 +307,17 @@ class Saver:
                 manifest = Manifest.assemble(step, self.world_size, self.run_id, entries or [],
                                              metadata, self.options.block)
                 _check_pieces(manifest.ranks)
-                _check_shards(partial, manifest.ranks)
-                outcome = (self._commit(partial, manifest), None, metadata)
+                if local:  # every node publishes it
+                    outcome = (manifest.to_json(), None, metadata)
+                else:
+                    _check_shards(partial, manifest.ranks)
+                    outcome = (self._commit(partial, manifest), None, metadata)
                 stats["commit_s"] = time.perf_counter() - t
                 stats["bytes"] = manifest.total_bytes
             except Exception as e:
                 outcome = (None, f"rank 0: commit failed: {type(e).__name__}: {e}", {})
-                self._discard(partial)
+                if not local:
+                    self._discard(partial)
         else:  # rank 0 writes the manifest and commits while this rank waits for the outcome
             try:
                 faults.hit("mid-manifest-write", self.rank, step)
@@ -272,8 +325,164 @@ class Saver:
                 self.log.error("rank %d: %s: %s while rank 0 commits step %d", self.rank,
                                type(e).__name__, e, step)
         path, error, metadata = self.proto.bcast(outcome, "commit")
+        if local:
+            return self._publish_local(req, partial, path, error, metadata)
         return SaveResult(step, error is None, path=path, error=error, stats=stats,
                           metadata=metadata)
+
+    # --------------------------------------------------------------------- the node-local level
+
+    def _run_local(self, req: SaveRequest) -> SaveResult:
+        """Write into the node-local directory, protect over MPI, vote, commit on every node."""
+        lv = self.local
+        assert lv is not None
+        partial = lv.tier.partial(req.step, self.run_id)
+        entry, error = None, req.error
+        try:
+            if req.snapshot is not None and req.tree is not None:
+                lv.check_room(req.snapshot.nbytes, self.rank)
+                entry = self._write(req, partial)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            if req.snapshot is not None:
+                self.snapshotter.release(req.snapshot)
+        with self.proto.fatal_timeouts(self.log):
+            if lv.exchange is not None:
+                error = self._protect(req, partial, entry, error)
+            result = self._vote_and_commit(req, partial, entry, error, local=True)
+        self._after(req, result)
+        return result
+
+    def _protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
+                 error: str | None) -> str | None:
+        """The redundancy exchange, once every rank has its shard (a rank that could not write
+        must not leave its partner waiting); this rank's error, if any."""
+        lv = self.local
+        assert lv is not None and lv.exchange is not None
+        if not self.proto.all_ok(error is None, "local-write"):
+            return error or "the save aborted: another rank could not write its shard"
+        assert entry is not None
+        t = time.perf_counter()
+        try:
+            moved = lv.exchange.protect(
+                partial, os.path.join(partial, entry.file), entry.bytes, lv.names,
+                on_window=lambda: faults.hit("mid-exchange", self.rank, req.step))
+            faults.hit("after-exchange-before-vote", self.rank, req.step)
+        except Exception as e:
+            return f"the {lv.scheme} exchange failed: {type(e).__name__}: {e}"
+        req.stats.update(protect_s=time.perf_counter() - t, sent_bytes=moved.sent)
+        return None
+
+    def _publish_local(self, req: SaveRequest, partial: str, text: str | None,
+                       error: str | None, metadata: dict[str, Any]) -> SaveResult:
+        """Every node's leader writes the manifest into its partial directory and renames it
+        into place; the step is protected once every node did."""
+        lv = self.local
+        assert lv is not None
+        step = req.step
+        if error is None:
+            try:
+                faults.hit("mid-local-commit", self.rank, step)
+                if lv.leader:
+                    assert text is not None
+                    lv.tier.publish(partial, step, text.encode(), lv.level_record())
+            except Exception as e:
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        elif lv.leader:
+            self._discard(partial)
+        if not self.proto.all_ok(error is None, "local-commit"):
+            reasons = "; ".join(filter(None, self.proto.allgather(error, "local-commit-report")))
+            if lv.leader:
+                self._discard(lv.tier.final(step))
+                self._discard(partial)
+            return SaveResult(step, False, error=reasons, stats=req.stats, level="local")
+        req.stats["protected_s"] = time.perf_counter() - req.started
+        return SaveResult(step, True, path=lv.tier.final(step), stats=req.stats,
+                          metadata=metadata, level="local")
+
+    def _tidy_local(self, result: SaveResult) -> None:
+        """After a local commit: say so (rank 0) and keep the newest local steps (leaders)."""
+        lv = self.local
+        assert lv is not None
+        s = result.stats
+        if self.rank == 0:
+            self.log.info("checkpoint step %d protected on the nodes (%s) %.2f s after save(): "
+                          "%s", result.step, lv.scheme or "no redundancy",
+                          s.get("protected_s", 0.0), log.human_bytes(int(s.get("bytes", 0))))
+        if lv.leader:
+            try:
+                lv.tier.retain(lv.keep, self.run_id)
+            except OSError as e:
+                self.log.warning("rank %d: could not remove an old local checkpoint: %s",
+                                 self.rank, e)
+
+    def _scavenge(self) -> None:
+        last = self.last
+        if last is not None and last.level == "local" and self.drained != last.step:
+            self._drain(last.step)
+
+    def _drain(self, step: int) -> SaveResult:
+        """Copy every rank's shard of a committed local checkpoint to ROOT, vote, commit there
+        as any save (the local copy is not snapshotted again)."""
+        lv = self.local
+        assert lv is not None
+        self._since_drain = 0
+        partial = os.path.join(self.root, rootdir.partial_name(step, self.run_id))
+        error, stats, t = None, {}, time.perf_counter()
+        try:
+            rootdir.make_dirs(partial)
+            name = shard_name(self.rank)
+            stats["drained_bytes"] = lv.drain_copy(
+                os.path.join(lv.tier.final(step), name), os.path.join(partial, name),
+                on_chunk=lambda: faults.hit("mid-drain", self.rank, step))
+        except Exception as e:
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        with self.proto.fatal_timeouts(self.log):
+            if not self.proto.all_ok(error is None, "drain"):
+                why = "; ".join(filter(None, self.proto.allgather(error, "drain-report")))
+                if self.rank == 0:
+                    self._discard(partial)
+                    self.log.error("the drain of step %d to ROOT failed, ROOT is unchanged and "
+                                   "the step stays protected on the nodes: %s", step, why)
+                return SaveResult(step, False, error=why)
+            outcome: tuple[str | None, str | None] = (None, None)
+            if self.rank == 0:
+                try:
+                    faults.hit("mid-drain-commit", 0, step)
+                    manifest = Manifest.from_json(read_bytes(lv.tier.final(step)).decode(),
+                                                  lv.tier.final(step))
+                    _check_shards(partial, manifest.ranks)
+                    stats["drain_s"] = time.perf_counter() - t
+                    outcome = (self._commit(partial, manifest), None)
+                    self.log.info("drained step %d to ROOT in %.2f s", step, stats["drain_s"])
+                except Exception as e:
+                    outcome = (None, f"rank 0: {type(e).__name__}: {e}")
+                    if not os.path.lexists(os.path.join(self.root, rootdir.step_name(step))):
+                        self._discard(partial)
+            else:
+                try:
+                    faults.hit("mid-drain-commit", self.rank, step)
+                except Exception as e:
+                    self.log.error("rank %d: %s: %s while rank 0 commits the drain of step %d",
+                                   self.rank, type(e).__name__, e, step)
+            path, error = self.proto.bcast(outcome, "drain-commit")
+        if error is None and self.rank == 0:
+            last = self.last.stats if self.last and self.last.step == step else {}
+            try:
+                self.upkeep.after_commit(step, path, {"stall_s": 0.0, **last, **stats},
+                                         manifest.metadata)
+            except Exception as e:  # the drain is committed all the same
+                self.log.error("step %d is drained to ROOT, but what follows the commit "
+                               "failed: %s: %s", step, type(e).__name__, e)
+        if error is None:
+            self.drained = step
+            if self.last is not None and self.last.step == step:
+                self.last.stats["drain_s"] = time.perf_counter() - t
+        elif self.rank == 0:
+            self.log.error("the drain of step %d to ROOT failed, the step stays protected on "
+                           "the nodes: %s", step, error)
+        return SaveResult(step, error is None, path=path, error=error, stats=stats)
 
     def _commit(self, partial: str, manifest: Manifest) -> str:
         """Publish: manifest into the partial directory, then the directory into place."""

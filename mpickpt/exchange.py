@@ -1,0 +1,251 @@
+"""Redundancy for the node-local level, over MPI: partner copies and XOR parity.
+
+The protocol layer's data plane (:mod:`mpickpt.protocol` holds every MPI call): files stream
+through two buffers of ``window`` bytes that are allocated once and reused by every checkpoint,
+each transfer within the protocol's deadline. The layout rules (who protects whom, how XOR cuts
+a shard into chunks) are :mod:`mpickpt.topology`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import rootdir
+from .protocol import Protocol
+from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
+
+WINDOW = 32 << 20
+
+
+def _pread(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.preadv(fd, [buf], offset)
+        if n <= 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        buf, offset = buf[n:], offset + n
+
+
+def _pwrite(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def _create(path: str, size: int | None = None) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, rootdir.FILE_MODE)
+    if size:
+        os.ftruncate(fd, size)
+    return fd
+
+
+def _seal(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Keep:
+    """The first error of the local side of an exchange; the transfers go on regardless, so
+    that a peer never waits for a window this rank would not send."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def do(self, fn: Callable[..., object], *args: object) -> None:
+        if self.error is None:
+            try:
+                fn(*args)
+            except Exception as e:
+                self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class Moved:
+    """What one rank sent and received over the network."""
+
+    sent: int = 0
+    received: int = 0
+
+
+class Exchange:
+    """One rank's side of the redundancy of its team (``scheme`` "partner" or "xor")."""
+
+    def __init__(self, proto: Protocol, teams: list[list[int]], scheme: str,
+                 window: int = WINDOW) -> None:
+        self.proto, self.teams, self.scheme, self.window = proto, teams, scheme, window
+        self.rank = proto.rank
+        self.team = team_of(teams, self.rank)
+        self.pos = self.team.index(self.rank)
+        self.team_proto = proto.sub(teams.index(self.team), self.pos) if scheme == "xor" else None
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def buffer(self, name: str, nbytes: int) -> memoryview:
+        """A reused byte buffer of at least ``nbytes``."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._bufs[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return memoryview(buf)[:nbytes]
+
+    def free(self) -> None:
+        self._bufs.clear()
+        if self.team_proto is not None:
+            self.team_proto.free()
+
+    # ---------------------------------------------------------------------------------- saving
+
+    def protect(self, directory: str, own: str, size: int, names: Callable[[int], str],
+                on_window: Callable[[], None] = lambda: None) -> Moved:
+        """Protect this rank's shard ``own`` (``size`` bytes): ``partner``: send it to its holder
+        and store the copy of the rank this one holds as ``directory/names(source)``; ``xor``:
+        store this rank's parity as ``directory/names(rank)``. Collective over the team."""
+        if self.scheme == "partner":
+            return self._partner(directory, own, size, names, on_window)
+        return self._xor(directory, own, size, names, on_window)
+
+    def _partner(self, directory: str, own: str, size: int, names: Callable[[int], str],
+                 on_window: Callable[[], None]) -> Moved:
+        holder, source = partner_holder(self.teams, self.rank), partner_source(self.teams,
+                                                                               self.rank)
+        mine, theirs = np.array([size], dtype=np.int64), np.zeros(1, dtype=np.int64)
+        self.proto.transfer([(mine, holder)], [(theirs, source)], "the partner exchange")
+        other = int(theirs[0])
+        src = rootdir.open_regular(own)
+        dst = _create(os.path.join(directory, names(source)))
+        keep = _Keep()
+        try:
+            for off in range(0, max(size, other), self.window):
+                n_out, n_in = _span(size, off, self.window), _span(other, off, self.window)
+                out, into = self.buffer("out", n_out), self.buffer("in", n_in)
+                _pread(src, out, off)
+                self.proto.transfer([(out, holder)] if n_out else [],
+                                    [(into, source)] if n_in else [], "the partner exchange")
+                keep.do(_pwrite, dst, into, off)
+                keep.do(on_window)
+        finally:
+            os.close(src)
+            _seal(dst)
+        keep.check()
+        return Moved(size, other)
+
+    def _xor(self, directory: str, own: str, size: int, names: Callable[[int], str],
+             on_window: Callable[[], None]) -> Moved:
+        assert self.team_proto is not None
+        n = len(self.team)
+        chunk = xor_chunk_bytes(self.team_proto.max(size, "the XOR parity"), n)
+        src = rootdir.open_regular(own)
+        dst = _create(os.path.join(directory, names(self.rank)), chunk)
+        keep = _Keep()
+        try:
+            for off in range(0, chunk, self.window):
+                w = min(self.window, chunk - off)
+                out = np.frombuffer(self.buffer("out", n * w), dtype=np.uint8).reshape(n, w)
+                for k in range(n):
+                    if k == self.pos:
+                        out[k] = 0
+                    else:
+                        _read_padded(src, size, xor_chunk(n, self.pos, k) * chunk + off, out[k])
+                into = np.frombuffer(self.buffer("in", w), dtype=np.uint8)
+                self.team_proto.xor_scatter(out, into, "the XOR parity")
+                keep.do(_pwrite, dst, memoryview(into), off)
+                keep.do(on_window)
+        finally:
+            os.close(src)
+            _seal(dst)
+        keep.check()
+        return Moved((n - 1) * chunk, chunk)
+
+
+def _span(size: int, off: int, window: int) -> int:
+    return max(0, min(window, size - off))
+
+
+def _read_padded(fd: int, size: int, start: int, out: np.ndarray) -> None:
+    """File bytes ``[start, start + len(out))``, zeros past ``size``."""
+    have = max(0, min(len(out), size - start))
+    if have:
+        _pread(fd, memoryview(out[:have]), start)
+    out[have:] = 0
+
+
+# ------------------------------------------------------------------------------------ rebuilding
+
+
+def copy_over(proto: Protocol, moves: list[tuple[int, int, str, int]], window: int,
+              buffer: Callable[[str, int], memoryview]) -> int:
+    """Each ``(donor, receiver, path, size)`` in order: the donor sends its file ``path``,
+    the receiver writes it to its own ``path`` (the receiver's). Bytes received."""
+    got = 0
+    for donor, receiver, path, size in moves:
+        if proto.rank == donor:
+            fd = rootdir.open_regular(path)
+            try:
+                for off in range(0, size, window):
+                    buf = buffer("out", _span(size, off, window))
+                    _pread(fd, buf, off)
+                    proto.transfer([(buf, receiver)], [], "the rebuild from a partner copy")
+            finally:
+                os.close(fd)
+        elif proto.rank == receiver:
+            fd = _create(path)
+            try:
+                for off in range(0, size, window):
+                    buf = buffer("in", _span(size, off, window))
+                    proto.transfer([], [(buf, donor)], "the rebuild from a partner copy")
+                    _pwrite(fd, buf, off)
+                got += size
+            finally:
+                _seal(fd)
+    return got
+
+
+def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: str | None,
+                parity: str | None, out_shard: str | None, out_parity: str | None,
+                window: int, buffer: Callable[[str, int], memoryview]) -> int:
+    """Rebuild the shard and the parity of team position ``lost`` on that member, from the
+    others' shards (``own``) and parities; collective over ``team``. Bytes received."""
+    n, me = team.size, team.rank
+    src = rootdir.open_regular(own) if me != lost and own else -1
+    par = rootdir.open_regular(parity) if me != lost and parity else -1
+    out = _create(out_shard, sizes[lost]) if me == lost and out_shard else -1
+    outp = _create(out_parity, chunk) if me == lost and out_parity else -1
+    try:
+        for off in range(0, chunk, window):
+            w = min(window, chunk - off)
+            send = np.frombuffer(buffer("out", n * w), dtype=np.uint8).reshape(n, w)
+            if me == lost:
+                send[:] = 0
+            else:
+                for k in range(n):
+                    if k == me:
+                        _pread(par, memoryview(send[k]), off)
+                    else:
+                        _read_padded(src, sizes[me], xor_chunk(n, me, k) * chunk + off, send[k])
+            recv = (np.frombuffer(buffer("in", n * w), dtype=np.uint8).reshape(n, w)
+                    if me == lost else None)
+            team.xor_reduce(send, recv, lost, "the XOR rebuild")
+            if recv is not None:
+                for k in range(n):
+                    if k == lost:
+                        _pwrite(outp, memoryview(recv[k]), off)
+                        continue
+                    start = xor_chunk(n, lost, k) * chunk + off
+                    have = max(0, min(w, sizes[lost] - start))
+                    if have:
+                        _pwrite(out, memoryview(recv[k][:have]), start)
+        return sizes[lost] + chunk if me == lost else 0
+    finally:
+        for fd in (src, par):
+            if fd >= 0:
+                os.close(fd)
+        for fd in (out, outp):
+            if fd >= 0:
+                _seal(fd)

@@ -1,0 +1,133 @@
+"""The node-local level's settings and the plain file work of its stages.
+
+A :class:`LocalLevel` is what a Checkpointer with ``local=`` hands its save pipeline: this
+node's directory (:class:`~mpickpt.localtier.LocalTier`), the redundancy (an
+:class:`~mpickpt.exchange.Exchange`, or None), how often a protected checkpoint is drained to
+ROOT, how many stay on the nodes, and the node's budget for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import log, rootdir
+from .errors import CheckpointError
+from .exchange import Exchange
+from .localtier import LocalTier, parity_name
+from .manifest import shard_name
+from .topology import Topology
+
+DRAIN_CHUNK = 8 << 20
+HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
+
+
+class LocalTierFull(CheckpointError):
+    """The node-local level cannot hold a checkpoint within its budget or its free space."""
+
+
+@dataclass
+class LocalLevel:
+    """One rank's view of the node-local level."""
+
+    tier: LocalTier
+    topology: Topology
+    rank: int
+    scheme: str | None
+    teams: list[list[int]]
+    exchange: Exchange | None
+    persist_every: int | None
+    keep: int
+    budget: int | None  # bytes per node, for the local checkpoints kept and the one written
+    drain_bandwidth: float | None  # bytes per second per rank, None: as fast as it goes
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank writes its node's shared files (the lowest rank of the node)."""
+        return self.topology.leader(self.rank) == self.rank
+
+    @property
+    def node_ranks(self) -> int:
+        return len(self.topology.ranks_of(self.topology.nodes[self.rank]))
+
+    @property
+    def factor(self) -> float:
+        """Redundancy bytes per shard byte on the node."""
+        if self.scheme == "partner":
+            return 1.0
+        if self.scheme == "xor":
+            return 1.0 / (len(self.teams[0]) - 1)
+        return 0.0
+
+    def names(self, rank: int) -> str:
+        """The file name of what this rank stores for ``rank`` (a partner copy: the shard's own
+        name; XOR: its parity)."""
+        return shard_name(rank) if self.scheme == "partner" else parity_name(rank)
+
+    def level_record(self) -> bytes:
+        """LEVEL.json: the redundancy layout, the same on every node."""
+        return json.dumps({"scheme": self.scheme, "nodes": list(self.topology.nodes),
+                           "teams": self.teams}, indent=1).encode()
+
+    def need(self, nbytes: int) -> int:
+        """The node-local bytes one checkpoint of this rank takes (shard and redundancy)."""
+        return int((nbytes + HEADER_SLACK) * (1 + self.factor))
+
+    def check_room(self, nbytes: int, rank: int) -> None:
+        """Refuse a checkpoint the node cannot hold: ``keep`` kept ones and the one being
+        written must fit the budget, and the one being written the free space."""
+        one = self.need(nbytes) * self.node_ranks
+        if self.budget is not None and one * (self.keep + 1) > self.budget:
+            raise LocalTierFull(
+                f"rank {rank}: the local level {self.tier.dir} needs about "
+                f"{log.human_bytes(one)} per checkpoint on this node ({self.node_ranks} ranks, "
+                f"{log.human_bytes(nbytes)} of state each, redundancy {self.scheme}), "
+                f"{log.human_bytes(one * (self.keep + 1))} for the {self.keep} kept and the one "
+                f"being written; its budget is local_budget={log.human_bytes(self.budget)}. "
+                "Raise local_budget, keep fewer (keep_local), or use another local directory")
+        free = self.tier.free()
+        if free < self.need(nbytes):
+            raise LocalTierFull(
+                f"rank {rank}: the local level {self.tier.dir} has {log.human_bytes(free)} free, "
+                f"and this rank's part of the checkpoint needs about "
+                f"{log.human_bytes(self.need(nbytes))}: free space there, or keep fewer "
+                "local checkpoints (keep_local)")
+
+    def drain_copy(self, src: str, dst: str, on_chunk: Callable[[], None]) -> int:
+        """Copy ``src`` to ``dst`` (fsynced), at most ``drain_bandwidth`` bytes per second;
+        the bytes copied."""
+        fin = rootdir.open_regular(src)
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                       rootdir.FILE_MODE)
+        try:
+            size, done, t0 = os.fstat(fin).st_size, 0, time.monotonic()
+            while done < size:
+                n = _copy(fin, fout, done, min(DRAIN_CHUNK, size - done))
+                done += n
+                on_chunk()
+                if self.drain_bandwidth:
+                    ahead = done / self.drain_bandwidth - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            os.fsync(fout)
+            return done
+        finally:
+            os.close(fin)
+            os.close(fout)
+
+
+def _copy(fin: int, fout: int, offset: int, n: int) -> int:
+    """Copy up to ``n`` bytes at ``offset`` (kernel copy where it can); the bytes copied."""
+    try:
+        got = os.copy_file_range(fin, fout, n, offset, offset)
+    except OSError:
+        got = 0
+    if got <= 0:
+        data = os.pread(fin, n, offset)
+        if not data:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        got = os.pwrite(fout, data, offset)
+    return got

@@ -1,0 +1,121 @@
+"""The node-local level's directories: one per node under LOCAL, laid out like ROOT.
+
+``LOCAL/<node>/`` belongs to one ROOT (``OWNER.json`` says which; another ROOT's is refused) and
+holds, per committed local checkpoint, ``step-XXXXXXXX/`` with:
+
+* ``MANIFEST.json``: the checkpoint's manifest, the same that ROOT gets when it is drained; its
+  presence commits the step on this node, as in ROOT;
+* ``LEVEL.json``: the redundancy layout (scheme, every rank's node, the teams, the XOR chunk
+  size): any surviving node can tell who held what;
+* ``rank-RRRRR.h5``: the shards of this node's ranks, and (``partner``) the copies of the shards
+  this node holds for other nodes' ranks, under the same names and byte for byte the same;
+* ``xor-RRRRR.bin``: (``xor``) the parity rank R stores for its team.
+
+A directory holding every rank's ``rank-*.h5`` and the manifest is a complete checkpoint
+that every tool reads like one under ROOT. Being written: ``step-XXXXXXXX.partial-<run>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from . import rootdir
+from .manifest import NAME as MANIFEST
+
+LEVEL = "LEVEL.json"
+OWNER = "OWNER.json"
+
+
+def node_dirname(node: str) -> str:
+    """A node name as a directory name (anything but letters, digits, '.', '_', '-' becomes
+    '_')."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
+    return "_" + name if name.startswith(".") else name
+
+
+def parity_name(rank: int) -> str:
+    return f"xor-{rank:05d}.bin"
+
+
+class LocalTier:
+    """This node's directory of the local level."""
+
+    def __init__(self, base: str, node: str, root: str) -> None:
+        self.base = os.path.abspath(base)
+        self.node = node
+        self.dir = os.path.join(self.base, node_dirname(node))
+        self.root = os.path.realpath(root)
+
+    def prepare(self, run_id: str, log: logging.Logger) -> None:
+        """Create the node's directory (or adopt it when it is this ROOT's) and remove what
+        earlier runs left half done; refuse another ROOT's."""
+        rootdir.make_dirs(self.dir)
+        owner = os.path.join(self.dir, OWNER)
+        try:
+            with open(owner) as f:
+                mine = json.load(f).get("root")
+        except FileNotFoundError:
+            mine = None
+        if mine is None:
+            rootdir.atomic_write(owner, json.dumps({"root": self.root}).encode())
+        elif mine != self.root:
+            raise ValueError(
+                f"the local level {self.dir} holds the checkpoints of ROOT {mine}, not of "
+                f"{self.root}: give each job its own local directory (e.g. one per ROOT), or "
+                "remove it if those checkpoints are no longer wanted")
+        for path in rootdir.leftovers(self.dir, run_id):
+            log.debug("removing %s, left by an earlier run", path)
+            rootdir.remove(path, run_id)
+
+    def partial(self, step: int, run_id: str) -> str:
+        return os.path.join(self.dir, rootdir.partial_name(step, run_id))
+
+    def final(self, step: int) -> str:
+        return os.path.join(self.dir, rootdir.step_name(step))
+
+    def committed(self) -> list[int]:
+        """The steps committed on this node, newest first."""
+        return [s for s, _ in rootdir.committed(self.dir)]
+
+    def publish(self, partial: str, step: int, manifest: bytes, level: bytes) -> str:
+        """Write the layout and the manifest into ``partial`` and rename it into place (the
+        node's commit)."""
+        rootdir.atomic_write(os.path.join(partial, LEVEL), level)
+        rootdir.atomic_write(os.path.join(partial, MANIFEST), manifest)
+        final = self.final(step)
+        if os.path.lexists(final):
+            rootdir.remove(final, "replaced")
+        os.rename(partial, final)
+        rootdir.fsync_path(self.dir)
+        return final
+
+    def retain(self, keep: int, run_id: str) -> list[int]:
+        """Remove all but the newest ``keep`` committed steps; the steps removed."""
+        gone = self.committed()[keep:]
+        for step in gone:
+            rootdir.remove(self.final(step), run_id)
+        return gone
+
+    def usage(self) -> int:
+        """Bytes in this node's directory."""
+        total = 0
+        for top, _, files in os.walk(self.dir):
+            for f in files:
+                total += os.lstat(os.path.join(top, f)).st_size
+        return total
+
+    def free(self) -> int:
+        st = os.statvfs(self.dir)
+        return st.f_bavail * st.f_frsize
+
+
+def read_level(step_dir: str) -> dict | None:
+    """The redundancy layout of a local step directory, or None."""
+    try:
+        with open(os.path.join(step_dir, LEVEL)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

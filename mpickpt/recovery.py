@@ -1,0 +1,234 @@
+"""Restore from the node-local level: make one local checkpoint whole on every node, or say why
+it cannot be.
+
+For a step that some node committed locally, collectively:
+
+1. every rank lists what its node's directory holds for the step (manifest, shards, parity); the
+   lowest rank that has the manifest sends it and the redundancy layout to all;
+2. every rank verifies its own shard there, every checksum (a replaced node has none);
+3. every rank decides the same plan from what all reported: a rank whose shard is missing or
+   damaged gets it from a rank of another node that holds a copy (``partner``), else rebuilds
+   it with its XOR team (every other member whole, with its parity), else the step cannot be
+   had from the local level;
+4. the copies move and the rebuilds run over MPI; each rebuilt shard is verified against the
+   manifest and written into the node's directory (with the manifest, so the node is whole
+   again); an allreduce says whether every rank now has its verified shard.
+
+Nothing is loaded into the state here: :class:`mpickpt.restorer.Restorer` then loads the step
+from each rank's own node directory, as it loads one from ROOT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import rootdir
+from .blocks import verify_file
+from .errors import ManifestError, ShardError
+from .exchange import copy_over, xor_rebuild
+from .levels import LocalLevel
+from .localtier import LEVEL, parity_name
+from .manifest import NAME as MANIFEST
+from .manifest import Manifest, read_bytes, shard_name
+from .protocol import Protocol, ranks_text
+from .topology import partner_holder, team_of, xor_chunk_bytes
+
+
+@dataclass
+class Recovered:
+    """Where this rank's shard of the step came from, and what moved over the network."""
+
+    source: str = "own"  # "own", "partner copy from rank R", "XOR rebuild"
+    received: int = 0
+    rebuilt: list[int] = field(default_factory=list)  # every rank whose shard was rebuilt
+
+
+class LocalRecovery:
+    """The restore side of the node-local level, for one Checkpointer."""
+
+    def __init__(self, proto: Protocol, level: LocalLevel, io_threads: int) -> None:
+        self.proto, self.level, self.io_threads = proto, level, io_threads
+        self.rank, self.size = proto.rank, proto.size
+        self.last = Recovered()
+
+    def path(self, step: int) -> str:
+        return self.level.tier.final(step)
+
+    def steps(self) -> list[int]:
+        """The steps any node committed locally, newest first (collective)."""
+        mine = self.level.tier.committed() if self.level.leader else []
+        return sorted({s for part in self.proto.allgather(mine, "local-list") for s in part},
+                      reverse=True)
+
+    def _inventory(self, d: str) -> tuple[bool, list[int], list[int]]:
+        """(manifest there, ranks whose shard file is there, ranks whose parity is there)."""
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return False, [], []
+        shards = [int(n[5:10]) for n in names if n.startswith("rank-") and n.endswith(".h5")]
+        parity = [int(n[4:9]) for n in names if n.startswith("xor-") and n.endswith(".bin")]
+        return MANIFEST in names, sorted(shards), sorted(parity)
+
+    def prepare(self, step: int) -> str | None:
+        """Make ``step`` whole on every node; None, or why it cannot be (the same on every
+        rank). Collective."""
+        d = self.path(step)
+        inv = self.proto.allgather(self._inventory(d), "local-inventory")
+        holders = [r for r, (has, _, _) in enumerate(inv) if has]
+        if not holders:
+            return "no node holds its manifest"
+        sent = None
+        if self.rank == holders[0]:
+            try:
+                sent = (read_bytes(d).decode(), _read_text(os.path.join(d, LEVEL)), None)
+            except (ManifestError, OSError) as e:
+                sent = (None, None, str(e))
+        text, level_text, err = self.proto.bcast(sent, "local-manifest", root=holders[0])
+        if err is not None:
+            return err
+        try:
+            manifest = Manifest.from_json(text, os.path.join(d, MANIFEST))
+            layout = json.loads(level_text) if level_text else {}
+        except (ManifestError, ValueError) as e:
+            return str(e)
+        if manifest.world_size != self.size:
+            return (f"written by {manifest.world_size} ranks, this job has {self.size} (the "
+                    "local level restores on as many ranks as saved it; ROOT reshards)")
+        mine = self._verify(d, manifest, self.rank)
+        problems = self.proto.allgather(mine, "local-verify")
+        lost = [r for r, p in enumerate(problems) if p]
+        moves, xor_lost, why = self._plan(step, lost, problems, inv, layout)
+        if why is not None:
+            return why
+        self.last = Recovered(rebuilt=lost)
+        if not lost:
+            return None
+        return self._rebuild(d, manifest, text, level_text, moves, xor_lost, layout)
+
+    def _verify(self, d: str, manifest: Manifest, rank: int) -> str | None:
+        entry = manifest.ranks[rank]
+        try:
+            verify_file(rank, os.path.join(d, entry.file), entry.bytes, entry.tensors,
+                        manifest.checksum_block, self.io_threads)
+        except ShardError as e:
+            return str(e)
+        return None
+
+    def _plan(self, step: int, lost: list[int], problems: list[str | None],
+              inv: list[tuple[bool, list[int], list[int]]], layout: dict[str, Any]
+              ) -> tuple[list[tuple[int, int]], dict[int, int], str | None]:
+        """((donor, receiver) copies, {team index: lost rank} XOR rebuilds, or why not)."""
+        nodes = self.level.topology.nodes
+        teams: list[list[int]] = layout.get("teams") or []
+        moves: list[tuple[int, int]] = []
+        xor_lost: dict[int, int] = {}
+        for r in lost:
+            donors = [d for d in range(self.size)
+                      if nodes[d] != nodes[r] and r in inv[d][1] and d not in lost]
+            if layout.get("scheme") == "partner" and teams:  # the holder first: spread the load
+                donors.sort(key=lambda d: d != partner_holder(teams, r))
+            if donors:
+                moves.append((donors[0], r))
+                continue
+            if layout.get("scheme") == "xor" and teams:
+                team = team_of(teams, r)
+                others = [m for m in team if m != r]
+                if not any(m in lost for m in others) and all(m in inv[m][2] for m in others):
+                    xor_lost[teams.index(team)] = r
+                    continue
+            scheme = layout.get("scheme")
+            return [], {}, (
+                f"{ranks_text(lost)} cannot get their shards from the local level: rank {r}'s "
+                f"{problems[r]}, and " + (
+                    "no other node holds a copy or a whole XOR team" if scheme else
+                    "it was saved without redundancy"))
+        return moves, xor_lost, None
+
+    def _rebuild(self, d: str, manifest: Manifest, text: str, level_text: str | None,
+                 moves: list[tuple[int, int]], xor_lost: dict[int, int],
+                 layout: dict[str, Any]) -> str | None:
+        ex = self.level.exchange
+        window = ex.window if ex is not None else 32 << 20
+        buffers = ex.buffer if ex is not None else _Buffers().get
+        err: str | None = None
+        received = 0
+        try:
+            if self.rank in {r for _, r in moves} | set(xor_lost.values()):
+                rootdir.make_dirs(d)
+                shard = os.path.join(d, shard_name(self.rank))
+                if os.path.lexists(shard):
+                    os.unlink(shard)
+        except OSError as e:
+            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        if not self.proto.all_ok(err is None, "local-rebuild-start"):
+            return "; ".join(filter(None, self.proto.allgather(err, "local-rebuild-report")))
+        try:
+            received += copy_over(self.proto, [
+                (donor, r, os.path.join(d, shard_name(r)), manifest.ranks[r].bytes)
+                for donor, r in moves], window, buffers)
+        except OSError as e:
+            err = f"rank {self.rank}: the copy failed: {e}"
+        if xor_lost:
+            teams: list[list[int]] = layout["teams"]
+            team = team_of(teams, self.rank)
+            sub = self.proto.sub(teams.index(team), team.index(self.rank))
+            try:
+                lost = xor_lost.get(teams.index(team))
+                if lost is not None:
+                    sizes = [manifest.ranks[m].bytes for m in team]
+                    me = self.rank
+                    received += xor_rebuild(
+                        sub, team.index(lost), xor_chunk_bytes(max(sizes), len(team)), sizes,
+                        os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
+                        os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
+                        window, buffers)
+            except OSError as e:
+                err = err or f"rank {self.rank}: the XOR rebuild failed: {e}"
+            finally:
+                sub.free()
+        donor = {r: dn for dn, r in moves}.get(self.rank)
+        if self.rank in receivers(moves, xor_lost) and err is None:
+            err = self._verify(d, manifest, self.rank)
+            if err is None and not os.path.lexists(os.path.join(d, MANIFEST)):
+                try:
+                    if level_text:
+                        rootdir.atomic_write(os.path.join(d, LEVEL), level_text.encode())
+                    rootdir.atomic_write(os.path.join(d, MANIFEST), text.encode())
+                except OSError as e:
+                    err = f"rank {self.rank}: {e}"
+        if not self.proto.all_ok(err is None, "local-rebuild"):
+            return "rebuilding from redundancy failed: " + "; ".join(
+                filter(None, self.proto.allgather(err, "local-rebuild-report")))
+        source = ("own" if self.rank not in self.last.rebuilt else
+                  f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
+        self.last.source, self.last.received = source, received
+        return None
+
+
+def receivers(moves: list[tuple[int, int]], xor_lost: dict[int, int]) -> set[int]:
+    """The ranks that receive a rebuilt shard."""
+    return {r for _, r in moves} | set(xor_lost.values())
+
+
+class _Buffers:
+    def __init__(self) -> None:
+        self._bufs: dict[str, bytearray] = {}
+
+    def get(self, name: str, nbytes: int) -> memoryview:
+        buf = self._bufs.get(name)
+        if buf is None or len(buf) < nbytes:
+            buf = self._bufs[name] = bytearray(max(nbytes, 1))
+        return memoryview(buf)[:nbytes]
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+

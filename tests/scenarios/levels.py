@@ -1,0 +1,113 @@
+"""A training job with the node-local level, for the multi-level tests.
+
+Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
+
+* ``root``, ``local``: the directories; ``per_node``: ranks per simulated node (rank r runs on
+  node ``n{r // per_node}``, through ``$MPICKPT_NODE``); ``redundancy``, ``persist_every``,
+  ``keep_local``, ``local_budget``, ``xor_set``: the Checkpointer's settings;
+* ``steps``: train up to this step; ``every``: save every that many steps;
+* ``crash_after``: after the save of this step is protected, every rank SIGKILLs itself (the
+  drain that would follow never runs; node loss is the test's wiping of a node's directory);
+* ``out``: every rank writes ``out/rank-R.json``: the restore (step, level, source, bytes over the
+  network and from ROOT, skipped), the saves' results, and the final state's digest.
+
+The state of a rank is a pure function of (rank, step) through a deterministic training step,
+so a resumed run that restored bit for bit ends with the digest of an uninterrupted one.
+
+Run by tests/multirank/test_levels.py and tests/matrix/test_level_matrix.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+import mpickpt
+
+NAMES = ("w1", "w2", "b")
+
+
+def initial(rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return {"model": {"w1": torch.randn(96, 128, generator=g),
+                      "w2": torch.randn(64, 64, generator=g, dtype=torch.float64),
+                      "b": torch.randn(333, generator=g).to(torch.bfloat16)},
+            "opt": {"count": torch.zeros((), dtype=torch.int64)}, "epoch": 0}
+
+
+def train_step(state: dict[str, Any], rank: int, step: int) -> None:
+    """One deterministic step: every value depends on the whole history."""
+    g = torch.Generator().manual_seed(7919 * (rank + 1) + step)
+    for name in NAMES:
+        t = state["model"][name]
+        t.mul_(0.5).add_(torch.randn(t.shape, generator=g).to(t.dtype))
+    state["opt"]["count"] += step
+    state["epoch"] = step // 7
+
+
+def digest(state: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    for name in NAMES:
+        h.update(state["model"][name].contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(state["opt"]["count"].numpy().tobytes())
+    h.update(str(state["epoch"]).encode())
+    return h.hexdigest()
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    os.environ["MPICKPT_NODE"] = f"n{rank // plan.get('per_node', 1)}"
+    report: dict[str, Any] = {"rank": rank, "saves": {}}
+    ck = mpickpt.Checkpointer(
+        plan["root"], keep=plan.get("keep"), timeout=plan.get("timeout", 60),
+        local=plan["local"], redundancy=plan.get("redundancy"),
+        persist_every=plan.get("persist_every"), keep_local=plan.get("keep_local", 1),
+        local_budget=plan.get("local_budget"), xor_set=plan.get("xor_set"))
+    state = initial(rank)
+    start = ck.restore(state) or 0
+    info = ck.restore_info
+    assert info is not None
+    report["restore"] = {
+        "step": info.step, "level": info.level, "source": info.source,
+        "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
+        "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state)}
+    every = plan.get("every", 10)
+    for step in range(start + 1, plan["steps"] + 1):
+        train_step(state, rank, step)
+        if step % every == 0:
+            try:
+                result = ck.save(step, state).wait()
+                report["saves"][step] = {"committed": result.committed, "level": result.level,
+                                         "error": result.error}
+            except Exception as e:
+                report["saves"][step] = {"raised": f"{type(e).__name__}: {e}"}
+            if plan.get("crash_after") == step:
+                _write(plan, rank, report)
+                comm.Barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+    ck.close()
+    report["final"] = digest(state)
+    report["drained"] = ck._saver.drained
+    _write(plan, rank, report)
+
+
+def _write(plan: dict[str, Any], rank: int, report: dict[str, Any]) -> None:
+    out = plan.get("out")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
