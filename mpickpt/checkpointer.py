@@ -165,7 +165,7 @@ class Checkpointer:
         if local is not None:
             self._local = self._local_level(local, redundancy, persist_every, keep_local,
                                             local_budget, xor_set, drain_bandwidth)
-            self._recovery = LocalRecovery(self._proto, self._local, io_threads)
+            self._recovery = LocalRecovery(self._proto, self._local, io_threads, self.log)
         elif redundancy is not None:
             raise ValueError("redundancy protects the node-local level: give local= too")
         self._local_checked = False

@@ -21,6 +21,7 @@ from each rank's own node directory, as it loads one from ROOT.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,8 +50,9 @@ class Recovered:
 class LocalRecovery:
     """The restore side of the node-local level, for one Checkpointer."""
 
-    def __init__(self, proto: Protocol, level: LocalLevel, io_threads: int) -> None:
-        self.proto, self.level, self.io_threads = proto, level, io_threads
+    def __init__(self, proto: Protocol, level: LocalLevel, io_threads: int,
+                 log: logging.Logger) -> None:
+        self.proto, self.level, self.io_threads, self.log = proto, level, io_threads, log
         self.rank, self.size = proto.rank, proto.size
         self.last = Recovered()
 
@@ -104,6 +106,10 @@ class LocalRecovery:
         moves, xor_lost, why = self._plan(step, lost, problems, inv, layout)
         if why is not None:
             return why
+        if lost and self.rank == 0:
+            self.log.warning("step %d: rebuilding the shards of %s from the local level's "
+                             "redundancy: %s", step, ranks_text(lost),
+                             "; ".join(p for p in problems if p))
         self.last = Recovered(rebuilt=lost)
         if not lost:
             return None

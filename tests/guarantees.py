@@ -74,6 +74,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "Saving forever is flat: file descriptors, memory and disk stay bounded."),
     Guarantee("reshard-bit-exact",
               "A sharded checkpoint restores on another number of ranks, bit for bit."),
+    Guarantee("local-survives-node-loss",
+              "With a node-local level and redundancy, losing one node per redundancy set loses "
+              "no protected checkpoint: the restart rebuilds it over MPI and reads nothing from "
+              "ROOT; losing more falls back to ROOT's newest."),
+    Guarantee("root-shows-committed-drains",
+              "ROOT only ever shows committed drains: a drain stopped at any point leaves ROOT "
+              "as it was."),
     Guarantee("resume-bit-identical",
               "A resumed job ends bit-identical to an uninterrupted one (DDP on more than 2 "
               "ranks: with `find_unused_parameters=True`)."),

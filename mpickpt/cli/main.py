@@ -1,8 +1,11 @@
 """mpickpt COMMAND: the operator's tools for the checkpoints of an mpickpt job.
 
-``ls`` (= ``mpickpt-restore ROOT --list``), ``verify``, ``inspect``, ``export``, ``stats``, and
+``ls`` (= ``mpickpt-restore ROOT --list``; ``--local LOCAL`` adds the node-local level),
+``verify``, ``inspect``, ``export``, ``stats``, ``drain`` (a node-local checkpoint into ROOT), and
 ``restore`` (= ``mpickpt-restore``). Every command takes ``--json``; the exit codes are those of
-:mod:`mpickpt.cli`. Under ``mpiexec -n N`` rank 0 runs the command and the others help verify.
+:mod:`mpickpt.cli`. Under ``mpiexec -n N`` rank 0 runs the command and the others help verify
+(with the local level, each also reports its node's directory, and ``drain`` copies the shards
+it holds).
 Only ``export`` imports torch (it writes .pt files); the other commands start without it.
 """
 
@@ -12,7 +15,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import common_options, export, inspect, restore, stats, verify
+from . import common_options, drain, export, inspect, restore, stats, verify
 from .render import Out
 from .team import Team
 
@@ -32,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="every checkpoint with its status (changes nothing)")
     ls.add_argument("root", metavar="ROOT")
+    ls.add_argument("--local", metavar="LOCAL",
+                    help="also list the node-local level under LOCAL (the job's "
+                    "Checkpointer(local=...)): each step, the nodes holding it, whether they hold "
+                    "it completely, its redundancy, whether ROOT has it")
     common_options(ls)
     v = sub.add_parser("verify", help="check every checkpoint, every byte by default "
                        "(changes nothing); in parallel under mpiexec -n N")
@@ -40,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_parser(sub)
     export.add_parser(sub)
     stats.add_parser(sub)
+    drain.add_parser(sub)
     sub.add_parser("restore", help="= mpickpt-restore (see mpickpt-restore --help)",
                    add_help=False)
     return p
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return team.lead(team.checked(out, "list" if args.cmd == "ls" else args.cmd, args.root,
                                       lambda: verify.command(args, out, team,
                                                              verify_mode=args.cmd == "verify")))
-    module = {"inspect": inspect, "export": export, "stats": stats}[args.cmd]
+    module = {"inspect": inspect, "export": export, "stats": stats, "drain": drain}[args.cmd]
     path = args.src if args.cmd == "export" else args.path if args.cmd == "inspect" else args.root
     return team.lead(team.checked(out, args.cmd, path, lambda: module.command(args, out, team)))
 

@@ -1,12 +1,16 @@
 """The processes a command runs on: one, or every rank of ``mpiexec -n N mpickpt ...``.
 
 Rank 0 runs the command (it alone reads ROOT's listing, prints and changes anything); the other
-ranks wait for work. Full verification is the one piece of work shared: rank 0 splits the shards to
-check over the ranks (largest first, each to the least loaded rank), broadcasts the plan, checks
-its own share, and gathers everyone's verdicts. All communication goes through
-:class:`mpickpt.protocol.Protocol` (deadlines included); payloads are the small frozen records
-below (:class:`Job`, :class:`Verdict`, :class:`View` and the orders :class:`LookAt`,
-:class:`Check`, :class:`Stop`), of paths, numbers and sentences only. A single process does
+ranks wait for work. Full verification is shared: rank 0 splits the shards to check over the ranks
+(largest first, each to the least loaded rank), broadcasts the plan, checks its own share, and
+gathers everyone's verdicts. So is the node-local level (:mod:`.local`), of which each rank may
+see only its own node's directory: every rank sends what it sees there (:class:`LookLocal`), and
+``mpickpt drain`` has each shard verified and copied into ROOT by a rank that holds it
+(:class:`CopyShards`). All communication goes through :class:`mpickpt.protocol.Protocol`
+(deadlines included); payloads are the small frozen records below and in :mod:`.local`
+(:class:`Job`, :class:`Verdict`, :class:`View` and the orders :class:`LookAt`, :class:`Check`,
+:class:`LookLocal`, :class:`CopyShards`, :class:`Stop`), of paths, numbers, sentences and
+manifest texts only. A single process does
 everything itself and never communicates: MPI (mpi4py) is imported only when the environment says
 that a launcher started this process (:func:`launched`), so a plain ``mpickpt ls`` never
 initialises it.
@@ -33,6 +37,7 @@ from ..ranks import ranks_text
 from . import EXIT_ERROR
 from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
 from .checks import verify_shard
+from .local import Copied, CopyJob, LocalView, copy_share, look
 from .render import Out, Progress
 
 if TYPE_CHECKING:
@@ -95,6 +100,23 @@ class Check:
     """Check your share ``shares[rank]`` and send back its verdicts (:class:`Verdict`)."""
 
     shares: list[list[Job]]
+
+
+@dataclass(frozen=True, slots=True)
+class LookLocal:
+    """Send back your :class:`~.local.LocalView` of the local level at ``path``."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class CopyShards:
+    """Verify and copy your share ``shares[rank]`` of a drain (the step's manifest is ``text``)
+    and send back what became of each (:class:`~.local.Copied`)."""
+
+    text: str
+    shares: list[list[CopyJob]]
+    threads: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +217,25 @@ class Team:
 
         return run
 
+    def local_views(self, path: str) -> list[LocalView]:
+        """Rank 0: every process's view of the local level at ``path`` (process ``i``'s at
+        ``i``)."""
+        if self.proto is None:
+            return [look(path)]
+        self.proto.bcast(LookLocal(path), "cli-work")
+        return self.proto.gather(_look(path), "cli-verdicts") or []
+
+    def copy(self, text: str, shares: list[list[CopyJob]], progress: Progress | None = None
+             ) -> list[Copied]:
+        """Rank 0: each process verifies and copies its share of a drain; what became of every
+        job."""
+        if self.proto is not None:
+            self.proto.bcast(CopyShards(text, shares, self.threads), "cli-work")
+        mine = _copy(text, shares[0], self.threads, progress.add if progress else None)
+        if self.proto is None:
+            return mine
+        return [c for part in self.proto.gather(mine, "cli-verdicts") or [] for c in part]
+
     def lead(self, command: Callable[[], int]) -> int:
         """Run ``command`` on rank 0 while the other ranks serve; every rank returns its code."""
         if self.rank != 0:
@@ -224,10 +265,18 @@ class Team:
     def _serve(self) -> int:
         assert self.proto is not None
         while True:
-            msg: Stop | LookAt | Check = self.proto.bcast(None, "cli-work")
+            msg: Stop | LookAt | Check | LookLocal | CopyShards = self.proto.bcast(
+                None, "cli-work")
             if isinstance(msg, Stop):
                 self.proto.free()
                 return int(msg.code)
+            if isinstance(msg, LookLocal):
+                self.proto.gather(_look(msg.path), "cli-verdicts")
+                continue
+            if isinstance(msg, CopyShards):
+                self.proto.gather(_copy(msg.text, msg.shares[self.rank], msg.threads, None),
+                                  "cli-verdicts")
+                continue
             if isinstance(msg, LookAt):
                 try:
                     view = root_view(msg.path)
@@ -306,3 +355,22 @@ class Team:
             out.append(Verdict(path, rank, p and p.reason, p and p.file, job.nbytes,
                                bool(p and p.restorable)))
         return out
+
+
+def _look(path: str) -> LocalView:
+    """This process's view of the local level; an error is said in it, never raised (the others
+    are waiting in the gather)."""
+    try:
+        return look(path)
+    except Exception as e:
+        return LocalView(os.path.abspath(path), f"{path}: {type(e).__name__}: {e}", [], {})
+
+
+def _copy(text: str, share: list[CopyJob], threads: int,
+          on_bytes: Callable[[int], None] | None) -> list[Copied]:
+    """:func:`~.local.copy_share`, every failure said in the results rather than raised."""
+    try:
+        return copy_share(text, share, threads, on_bytes)
+    except Exception as e:
+        return [Copied(j.rank, j.src, None, f"rank {j.rank}: {j.src}: {type(e).__name__}: {e}", 0)
+                for j in share]

@@ -3,7 +3,8 @@
 ``mpickpt ls ROOT`` (= ``mpickpt-restore ROOT --list``) and ``mpickpt verify ROOT`` print one table:
 every checkpoint with its step, time, world size, size and status, the one restore will load
 marked ``*``. ``verify`` defaults to ``--verify full`` and exits 5 when any committed
-checkpoint fails; both exit 4 when none passes. Neither changes anything.
+checkpoint fails; both exit 4 when none passes. Neither changes anything. ``ls --local LOCAL``
+adds the node-local level's steps (:mod:`.local`); the exit code stays ROOT's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..log import human_bytes
-from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK, catalog, checks, diagnose
+from . import (
+    EXIT_DAMAGED,
+    EXIT_ERROR,
+    EXIT_NO_CHECKPOINT,
+    EXIT_OK,
+    catalog,
+    checks,
+    diagnose,
+    local,
+)
 from .catalog import Entry
 from .changes import active_rollback
 from .render import STATUS_STYLE, Cell, Out, human_age, local_time
@@ -148,8 +158,12 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
     bad = [e for e in s.committed if e.status != "committed"]
     code = (EXIT_NO_CHECKPOINT if s.current is None
             else EXIT_DAMAGED if verify_mode and bad else EXIT_OK)
+    lv = getattr(args, "local", None)  # ls --local: the node-local level too
+    views = team.local_views(lv) if lv is not None else []
+    steps = local.pool(views, root) if lv is not None else []
+    more = {"local": local.to_json(views, steps, root, now)} if lv is not None else {}
     out.json({"command": "verify" if verify_mode else "list", "exit_code": code, "error": None,
-              **s.to_json(now), "rollback": active_rollback(root)})
+              **s.to_json(now), "rollback": active_rollback(root), **more})
     show(out, s, now)
     hdf5 = [e for e in bad if e.status == "hdf5-damaged"]
     if len(bad) > len(hdf5) and code != EXIT_NO_CHECKPOINT:
@@ -160,6 +174,8 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
         out.line(f"{len(hdf5)} checkpoint(s) have damaged HDF5 metadata: restore still loads "
                  "them (it reads the tensors without HDF5 and they verify), but h5py and h5dump "
                  "cannot read them.")
+    if lv is not None:
+        local.show(out, views, steps, root, lv, now)
     return code
 
 

@@ -1,0 +1,474 @@
+"""The node-local level as the tools see it: ``mpickpt ls ROOT --local LOCAL`` and what
+``mpickpt drain`` plans from.
+
+Each process of the command looks under LOCAL (:func:`look`): its node directories
+(``LOCAL/<node>/``, or LOCAL itself when it is one), their ``OWNER.json`` and their committed
+steps, with each step's manifest (hashed and validated), its redundancy layout and the size of
+every ``rank-*.h5`` there. Under ``mpiexec`` with one process per node each process sees only its
+own node's directory; rank 0 pools what all saw (:func:`pool`): a step is *complete* when every
+rank's shard is in some node directory that holds the step's manifest, at the size the manifest
+records (the quick check: drain reads every checksum before it copies). Where node directories
+hold different manifests of one step, the one most of them hold counts (a tie: the newest).
+
+Nothing here writes; payloads between processes are the small frozen records below (paths,
+numbers, sentences and manifest texts).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import checksum, rootdir
+from ..blocks import verify_file
+from ..errors import ManifestError, ShardError
+from ..localtier import LEVEL, OWNER, node_dirname
+from ..log import human_bytes
+from ..manifest import Manifest, read_bytes
+from ..ranks import ranks_text
+from .render import Cell, Out, human_age, iso_utc, local_time
+
+MAX_NAMES = 8  # node names listed in a sentence before the rest is counted
+COPY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStep:
+    """One committed step in one node directory: its manifest's hash (None when unusable, then
+    ``problem`` says why), the redundancy layout, and the size of every shard file there."""
+
+    node: str
+    path: str
+    step: int
+    digest: str | None
+    problem: str | None
+    shards: dict[int, int]
+    scheme: str | None
+    nodes: list[str] | None  # LEVEL.json: the node of every rank
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDir:
+    """A node directory: its name, path, the ROOT its OWNER.json names, its committed steps."""
+
+    name: str
+    path: str
+    owner: str | None
+    steps: list[NodeStep]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalView:
+    """What one process sees under LOCAL: the node directories, the text of every valid
+    manifest by hash, or why there is nothing (``problem``)."""
+
+    where: str
+    problem: str | None
+    dirs: list[NodeDir]
+    manifests: dict[str, str]
+
+
+def _owner(path: str) -> str | None:
+    try:
+        fd = rootdir.open_regular(os.path.join(path, OWNER))
+        with os.fdopen(fd, "rb") as f:
+            root = json.loads(f.read()).get("root")
+        return root if isinstance(root, str) else None
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+
+
+def _shards(step_dir: str) -> dict[int, int]:
+    out = {}
+    with os.scandir(step_dir) as it:
+        for e in it:
+            n = e.name
+            if (n.startswith("rank-") and n.endswith(".h5") and n[5:-3].isdigit()
+                    and e.is_file(follow_symlinks=False)):
+                out[int(n[5:-3])] = e.stat(follow_symlinks=False).st_size
+    return out
+
+
+def _layout(step_dir: str) -> tuple[str | None, list[str] | None]:
+    try:
+        fd = rootdir.open_regular(os.path.join(step_dir, LEVEL))
+        with os.fdopen(fd, "rb") as f:
+            d = json.loads(f.read())
+        nodes = d.get("nodes")
+        ok = isinstance(nodes, list) and all(isinstance(n, str) for n in nodes)
+        scheme = d.get("scheme")
+        return (scheme if isinstance(scheme, str) else None), (nodes if ok else None)
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None, None
+
+
+def _node_dir(path: str, manifests: dict[str, str]) -> NodeDir:
+    steps = []
+    for step, d in rootdir.committed(path):
+        digest = problem = None
+        try:
+            text = read_bytes(d)
+            m = Manifest.from_json(text.decode("utf-8", errors="replace"),
+                                   os.path.join(d, "MANIFEST.json"))
+            if m.step != step:
+                raise ManifestError(f"{d}/MANIFEST.json says step {m.step}")
+            digest = checksum.digest(text)
+            manifests.setdefault(digest, text.decode())
+        except ManifestError as e:
+            problem = str(e)
+        try:
+            shards = _shards(d)
+        except OSError as e:
+            shards, problem = {}, problem or f"{d}: cannot list: {e.strerror}"
+        scheme, nodes = _layout(d)
+        steps.append(NodeStep(os.path.basename(path), d, step, digest, problem, shards,
+                              scheme, nodes))
+    return NodeDir(os.path.basename(path), path, _owner(path), steps)
+
+
+def _is_node_dir(path: str) -> bool:
+    if not rootdir.is_real_dir(path):
+        return False
+    if os.path.lexists(os.path.join(path, OWNER)):
+        return True
+    try:
+        return any(rootdir.STEP_RE.match(n) or rootdir.PARTIAL_RE.match(n)
+                   for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+def look(local: str) -> LocalView:
+    """What this process sees under ``local`` (read only)."""
+    where = os.path.abspath(local)
+    manifests: dict[str, str] = {}
+    if not os.path.isdir(where):
+        what = "not a directory" if os.path.lexists(where) else "no such directory"
+        return LocalView(where, f"{where}: {what}", [], manifests)
+    if _is_node_dir(where) and os.path.lexists(os.path.join(where, OWNER)):
+        return LocalView(where, None, [_node_dir(where, manifests)], manifests)
+    try:
+        names = sorted(os.listdir(where))
+    except OSError as e:
+        return LocalView(where, f"{where}: cannot list: {e.strerror}", [], manifests)
+    dirs = [_node_dir(os.path.join(where, n), manifests) for n in names
+            if _is_node_dir(os.path.join(where, n))]
+    return LocalView(where, None, dirs, manifests)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A copy of one rank's shard of the step: in node directory ``node`` at ``path``, seen by
+    process ``proc`` of the command."""
+
+    proc: int
+    node: str
+    path: str
+
+
+@dataclass
+class LocalStep:
+    """One step of the local level, pooled over every node directory seen."""
+
+    step: int
+    manifest: Manifest | None = None
+    text: str | None = None  # the manifest's bytes, as the nodes hold them
+    scheme: str | None = None
+    layout: list[str] | None = None  # the node of every rank, from LEVEL.json
+    nodes: list[str] = field(default_factory=list)  # node directories holding this manifest
+    holders: dict[int, list[Holder]] = field(default_factory=dict)  # rank -> intact-sized copies
+    wrong: dict[int, list[str]] = field(default_factory=dict)  # rank -> copies of another size
+    notes: list[str] = field(default_factory=list)
+    in_root: bool = False
+
+    @property
+    def missing(self) -> list[int]:
+        if self.manifest is None:
+            return []
+        return [r.rank for r in self.manifest.ranks if not self.holders.get(r.rank)]
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and not self.missing
+
+    def home(self, rank: int) -> str | None:
+        """The directory name of rank ``rank``'s own node (from LEVEL.json), or None."""
+        if self.layout is None or rank >= len(self.layout):
+            return None
+        return node_dirname(self.layout[rank])
+
+    def missing_text(self) -> str:
+        """Which ranks' shards no node directory seen holds, and what was found instead."""
+        gone = self.missing
+        text = f"no node directory seen holds the shard of {ranks_text(gone)}"
+        homes = sorted({h for r in gone if (h := self.home(r)) is not None})
+        if homes:
+            text += f" (the rank(s) of {names_text(homes)})"
+        wrong = [w for r in gone for w in self.wrong.get(r, [])]
+        if wrong:
+            text += f"; of another size than the manifest records: {'; '.join(wrong[:4])}"
+        return text
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "step": self.step, "nodes": self.nodes, "complete": self.complete,
+            "missing": self.missing, "scheme": self.scheme, "drained": self.in_root,
+            "world_size": m.world_size if m else None, "bytes": m.total_bytes if m else None,
+            "time": m.created if m else None, "time_iso": iso_utc(m.created) if m else None,
+            "age_s": round(now - m.created, 3) if m else None,
+            "run_id": m.run_id if m else None, "notes": self.notes,
+        }
+
+
+def names_text(names: list[str]) -> str:
+    """``"n0, n1"``; past :data:`MAX_NAMES` names the rest is counted."""
+    head = ", ".join(names[:MAX_NAMES])
+    return head + (f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else "")
+
+
+def _choose(copies: list[NodeStep], manifests: dict[str, str]) -> str | None:
+    """The manifest hash most node directories hold (a tie: the newest manifest)."""
+    count: dict[str, int] = {}
+    for c in copies:
+        if c.digest is not None and c.digest in manifests:
+            count[c.digest] = count.get(c.digest, 0) + 1
+    if not count:
+        return None
+    created = {d: json.loads(manifests[d]).get("created", 0) for d in count}
+    return max(count, key=lambda d: (count[d], created[d]))
+
+
+def pool(views: list[LocalView], root: str | None) -> list[LocalStep]:
+    """Every step any node directory seen committed, newest first, pooled over the views (view
+    ``i`` is process ``i``'s)."""
+    manifests = {d: t for v in views for d, t in v.manifests.items()}
+    by_step: dict[int, list[tuple[int, NodeStep]]] = {}
+    for proc, v in enumerate(views):
+        for nd in v.dirs:
+            for s in nd.steps:
+                by_step.setdefault(s.step, []).append((proc, s))
+    in_root = {s for s, _ in rootdir.committed(root)} if root else set()
+    out = []
+    for step in sorted(by_step, reverse=True):
+        copies = by_step[step]
+        ls = LocalStep(step, in_root=step in in_root)
+        chosen = _choose([c for _, c in copies], manifests)
+        for _, c in copies:
+            if c.problem is not None:
+                ls.notes.append(f"{c.node}: {c.problem}")
+            elif c.digest != chosen:
+                ls.notes.append(f"{c.node} holds another manifest of this step (another save "
+                                "of it); its shards are not used")
+        if chosen is None:
+            out.append(ls)
+            continue
+        ls.text = manifests[chosen]
+        ls.manifest = Manifest.from_json(ls.text, f"step {step}'s MANIFEST.json")
+        mine = [(p, c) for p, c in copies if c.digest == chosen]
+        ls.nodes = sorted({c.node for _, c in mine})
+        first = next((c for _, c in mine if c.nodes is not None), mine[0][1])
+        ls.scheme, ls.layout = first.scheme, first.nodes
+        for r in ls.manifest.ranks:
+            for proc, c in mine:
+                size = c.shards.get(r.rank)
+                path = os.path.join(c.path, r.file)
+                if size == r.bytes:
+                    ls.holders.setdefault(r.rank, []).append(Holder(proc, c.node, path))
+                elif size is not None:
+                    ls.wrong.setdefault(r.rank, []).append(
+                        f"{path} has {size} bytes, not {r.bytes}")
+        out.append(ls)
+    return out
+
+
+def foreign(views: list[LocalView], root: str) -> list[tuple[NodeDir, str]]:
+    """The node directories whose OWNER.json names another ROOT than ``root``."""
+    real = os.path.realpath(root)
+    return [(nd, nd.owner) for v in views for nd in v.dirs
+            if nd.owner is not None and nd.owner != real]
+
+
+def node_names(views: list[LocalView]) -> list[str]:
+    return sorted({nd.name for v in views for nd in v.dirs})
+
+
+def problem(views: list[LocalView]) -> str | None:
+    """Why no process sees any node directory, or None."""
+    if any(v.dirs for v in views):
+        return None
+    where = views[0].where if views else "LOCAL"
+    seen = "; ".join(sorted({v.problem for v in views if v.problem}))
+    seen = seen or "no LOCAL/<node>/ with OWNER.json or step-XXXXXXXX directories"
+    return (f"{where}: no node directory of the local level there ({seen}): give the directory "
+            "the job was given as Checkpointer(local=...)")
+
+
+# ------------------------------------------------------------------------ mpickpt ls --local
+
+
+def to_json(views: list[LocalView], steps: list[LocalStep], root: str, now: float
+            ) -> dict[str, Any]:
+    return {
+        "path": views[0].where if views else None, "error": problem(views),
+        "nodes": [{"name": nd.name, "path": nd.path, "root": nd.owner, "process": p,
+                   "steps": [s.step for s in nd.steps]}
+                  for p, v in enumerate(views) for nd in v.dirs],
+        "foreign": [{"node": nd.name, "path": nd.path, "root": owner}
+                    for nd, owner in foreign(views, root)],
+        "steps": [s.to_json(now) for s in steps],
+    }
+
+
+def _nodes_cell(s: LocalStep) -> str:
+    total = len(set(s.layout)) if s.layout else None
+    return f"{len(s.nodes)} of {total}" if total else str(len(s.nodes))
+
+
+def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, local: str,
+         now: float) -> None:
+    """The local level's section of ``mpickpt ls``."""
+    out.line()
+    names = node_names(views)
+    where = views[0].where if views else local
+    seen = f" (as {len(views)} processes see it)" if len(views) > 1 else ""
+    dirs = f"{len(names)} node director{'y' if len(names) == 1 else 'ies'}"
+    out.line(f"{out.style('LOCAL', 'bold')} {where}{seen}: "
+             + (f"{dirs} ({names_text(names)})" if names else "no node directory"))
+    why = problem(views)
+    if why is not None:
+        out.line(why)
+        return
+    for nd, owner in foreign(views, root):
+        out.line(out.style(f"{nd.path} holds the checkpoints of ROOT {owner}, not of this "
+                           "ROOT", "red bold"))
+    out.line()
+    if not steps:
+        out.line("no committed checkpoint on the nodes")
+        return
+    rows = []
+    for s in steps:
+        m = s.manifest
+        status = ("complete" if s.complete else "incomplete" if m is not None else "unreadable")
+        note = (f"missing {ranks_text(s.missing)}" if s.missing
+                else "" if m is not None else "no node holds a valid manifest")
+        if s.notes:
+            note = "; ".join(filter(None, [note, *s.notes]))
+        rows.append([
+            str(s.step), local_time(m.created if m else None),
+            human_age(now - m.created if m else None), str(m.world_size) if m else "-",
+            human_bytes(m.total_bytes if m else None), s.scheme or "none", _nodes_cell(s),
+            Cell(status, "green" if s.complete else "red"),
+            Cell("yes" if s.in_root else "no", "" if s.in_root else "yellow"), note])
+    out.table(["STEP", "WRITTEN", "AGE", "RANKS", "SIZE", "REDUNDANCY", "NODES", "STATUS",
+               "IN ROOT", "NOTE"], rows, right=(0, 3, 4))
+    out.line()
+    newest = steps[0]
+    best = next((s for s in steps if s.complete), None)
+    if best is not None and not best.in_root:
+        out.line(f"step {best.step} is complete on the nodes but not in ROOT: `mpickpt drain "
+                 f"{where} {root}` copies it there")
+    if not newest.complete and newest.manifest is not None:
+        out.line(f"step {newest.step} is incomplete: {newest.missing_text()}. "
+                 f"{rebuild_hint(newest)}")
+
+
+def rebuild_hint(s: LocalStep) -> str:
+    """What to do about a step the nodes seen do not hold completely."""
+    if s.scheme == "xor":
+        return ("Its XOR parity may rebuild them: a restart of the job with the same local "
+                "level rebuilds XOR-protected shards when it restores, and drains the step to "
+                "ROOT at close(). Under mpiexec/srun with one process per node, a process on "
+                "every node must run this command")
+    return ("A restart of the job rebuilds XOR-protected shards (redundancy='xor') when it "
+            f"restores and drains at close(); with redundancy {s.scheme or 'none'} they can "
+            "only come from a node directory this command does not see (under mpiexec/srun "
+            "with one process per node, run it on every node)")
+
+
+# ------------------------------------------------------------- mpickpt drain: one process's part
+
+
+@dataclass(frozen=True, slots=True)
+class CopyJob:
+    """Verify rank ``rank``'s shard at ``src`` (every checksum), then copy it to ``dst``."""
+
+    rank: int
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True, slots=True)
+class Copied:
+    """What became of a :class:`CopyJob`: ``damaged`` says why ``src`` failed verification
+    (another copy may serve), ``error`` why the copy itself failed (the drain stops)."""
+
+    rank: int
+    src: str
+    damaged: str | None
+    error: str | None
+    nbytes: int
+
+
+def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None) -> int:
+    """Copy ``src`` (a regular file, never through a link) to ``dst`` and fsync it; the bytes
+    copied."""
+    fin = rootdir.open_regular(src)
+    try:
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       rootdir.FILE_MODE)
+        try:
+            size, done = os.fstat(fin).st_size, 0
+            while done < size:
+                n = min(COPY_CHUNK, size - done)
+                try:
+                    got = os.copy_file_range(fin, fout, n, done, done)
+                except OSError:
+                    got = 0
+                if got <= 0:
+                    data = os.pread(fin, n, done)
+                    if not data:
+                        raise OSError(errno.EIO, f"{src} ended at byte {done} of {size}")
+                    got = os.pwrite(fout, data, done)
+                done += got
+                if on_bytes is not None:
+                    on_bytes(got)
+            os.fsync(fout)
+            return done
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
+
+
+def copy_share(text: str, jobs: list[CopyJob], threads: int,
+               on_bytes: Callable[[int], None] | None = None) -> list[Copied]:
+    """This process's part of a drain: each job's shard verified against the manifest ``text``,
+    then copied; jobs run ``threads`` at a time."""
+    if not jobs:
+        return []
+    m = Manifest.from_json(text, "the drained step's MANIFEST.json")
+    workers = max(1, min(threads, len(jobs)))
+
+    def one(job: CopyJob) -> Copied:
+        entry = m.ranks[job.rank]
+        try:
+            verify_file(job.rank, job.src, entry.bytes, entry.tensors, m.checksum_block,
+                        threads=max(1, threads // workers))
+        except ShardError as e:
+            return Copied(job.rank, job.src, str(e), None, 0)
+        try:
+            n = copy_file(job.src, job.dst, on_bytes)
+        except OSError as e:
+            why = e.strerror or str(e)
+            return Copied(job.rank, job.src, None,
+                          f"rank {job.rank}: copying {job.src} to {job.dst}: {why}", 0)
+        return Copied(job.rank, job.src, None, None, n)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="mpickpt-drain") as pool:
+        return list(pool.map(one, jobs))

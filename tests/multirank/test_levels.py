@@ -1,0 +1,185 @@
+"""The node-local level on real MPI jobs: nodes simulated with $MPICKPT_NODE, each with its own
+local directory; a lost node is its ranks killed and its directory wiped (as a replacement node
+comes back: empty).
+
+Each case trains tests/scenarios/levels.py to step 40 with a save every 10 steps, drained to ROOT
+every third (step 30), and kills every rank once step 40 is protected (before any drain of it).
+Then nodes are wiped, a new job restores and trains on to step 60, and its final state must be
+bit-identical to an uninterrupted run's. Cases are counted in the guarantee report (suite
+"levels") before their assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import SCENARIOS, run_mpi
+
+JOB = SCENARIOS / "levels.py"
+SUITE = "levels"
+CRASH, LAST, DRAINED = 40, 60, 30  # the step protected before the crash, the end, ROOT's newest
+
+
+def job(tmp: Path, name: str, n: int, **plan: Any) -> tuple[Any, dict[int, dict]]:
+    """Run the scenario on ``n`` ranks; (the job, each rank's report)."""
+    out = tmp / f"out-{name}"
+    full = {"root": str(tmp / "root"), "local": str(tmp / "local"), "steps": LAST,
+            "every": 10, "persist_every": 3, "out": str(out), **plan}
+    path = tmp / f"plan-{name}.json"
+    path.write_text(json.dumps(full))
+    done = run_mpi(n, [str(JOB), str(path)], timeout=120)
+    reports = {}
+    for r in range(n):
+        f = out / f"rank-{r}.json"
+        if f.exists():
+            reports[r] = json.loads(f.read_text())
+    return done, reports
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, str]]:
+    """The final digests of uninterrupted runs, per rank count (they depend on nothing else)."""
+    out: dict[int, dict[int, str]] = {}
+    for n in (4, 6):
+        tmp = tmp_path_factory.mktemp(f"reference{n}")
+        done, reports = job(tmp, "ref", n, per_node=1)
+        assert done.returncode == 0, done.output
+        out[n] = {r: rep["final"] for r, rep in reports.items()}
+    return out
+
+
+def crash_then_resume(tmp: Path, n: int, wipe: list[int], **settings: Any
+                      ) -> tuple[Any, dict[int, dict]]:
+    """Train to CRASH and die there, wipe the nodes ``wipe``, resume to LAST."""
+    crashed, _ = job(tmp, "crash", n, crash_after=CRASH, **settings)
+    assert crashed.returncode != 0, crashed.output
+    assert (tmp / "root" / f"step-{DRAINED:08d}" / "MANIFEST.json").exists()
+    assert not (tmp / "root" / f"step-{CRASH:08d}").exists()  # the crash came before its drain
+    for node in wipe:
+        shutil.rmtree(tmp / "local" / f"n{node}")
+    return job(tmp, "resume", n, **settings)
+
+
+def outcome(reports: dict[int, dict], n: int, step: int, finals: dict[int, str]) -> str:
+    if len(reports) != n or any("final" not in r for r in reports.values()):
+        return "failed"
+    steps = {r["restore"]["step"] for r in reports.values()}
+    if len(steps) > 1:
+        return "torn"
+    if steps != {step} or any(r["final"] != finals[k] for k, r in reports.items()):
+        return "silent-wrong"
+    return "correct"
+
+
+LOSSES = [
+    # (id, redundancy, ranks, ranks per node, xor_set, nodes wiped, restored from)
+    ("partner-2x2-one-node", "partner", 4, 2, None, [1], "local"),
+    ("partner-4x1-two-pairs", "partner", 4, 1, None, [0, 2], "local"),
+    ("partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root"),
+    ("partner-4x1-one-pair", "partner", 4, 1, None, [2, 3], "root"),
+    ("xor-3x2-one-node", "xor", 6, 2, 3, [1], "local"),
+    ("xor-6x1-two-sets", "xor", 6, 1, 3, [0, 4], "local"),
+    ("xor-3x2-two-nodes", "xor", 6, 2, 3, [0, 2], "root"),
+]
+
+
+@pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in LOSSES])
+def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
+        tmp_path: Path, reference, guarantees, case: tuple) -> None:
+    name, redundancy, n, per_node, xor_set, wipe, level = case
+    done, reports = crash_then_resume(tmp_path, n, wipe, redundancy=redundancy,
+                                      per_node=per_node, xor_set=xor_set)
+    step = CRASH if level == "local" else DRAINED
+    guarantees.record(SUITE, name, outcome(reports, n, step, reference[n]), done.output[-2000:])
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(n)]
+    assert {r["step"] for r in restored} == {step}, restored
+    assert {r["level"] for r in restored} == {level}
+    lost = [r for r in range(n) if r // per_node in wipe]
+    if level == "local":
+        assert {r["root_bytes"] for r in restored} == {0}  # nothing read from ROOT
+        how = "partner copy from rank" if redundancy == "partner" else "XOR rebuild"
+        for r in range(n):
+            assert restored[r]["source"].startswith(how if r in lost else "own"), restored[r]
+        assert restored[0]["total_network_bytes"] == sum(r["network_bytes"] for r in restored)
+        assert all(restored[r]["network_bytes"] > 0 for r in lost)
+    else:
+        assert restored[0]["root_bytes"] > 0
+        if len(wipe) < n // per_node:  # a surviving node still holds step 40: tried first
+            assert any(step == CRASH and "from the local level" in why
+                       for step, why in restored[0]["skipped"]), restored[0]["skipped"]
+    for r in range(n):
+        assert reports[r]["final"] == reference[n][r], f"rank {r} did not end bit-identical"
+        assert all(s["committed"] for s in reports[r]["saves"].values())
+    assert reports[0]["drained"] == LAST  # close() drained the newest to ROOT
+
+
+@pytest.mark.guarantee("local-survives-node-loss", "damage-detected")
+@pytest.mark.parametrize("redundancy", ["partner", None])
+def test_a_corrupt_local_shard_is_rebuilt_or_falls_back_and_is_named(
+        tmp_path: Path, reference, guarantees, redundancy: str | None) -> None:
+    """A flipped byte in rank 1's own local shard: rebuilt from its partner copy on the other
+    node (nothing from ROOT), or without redundancy, the step falls back to ROOT; the log names
+    the file and the tensor either way."""
+    crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, redundancy=redundancy,
+                     per_node=2)
+    assert crashed.returncode != 0
+    shard = tmp_path / "local" / "n0" / f"step-{CRASH:08d}" / "rank-00001.h5"
+    data = bytearray(shard.read_bytes())
+    m = json.loads((shard.parent / "MANIFEST.json").read_text())
+    rec = max(m["ranks"][1]["tensors"], key=lambda t: t["nbytes"])
+    data[rec["offset"] + rec["nbytes"] // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    done, reports = job(tmp_path, "resume", 4, redundancy=redundancy, per_node=2)
+    step = CRASH if redundancy else DRAINED
+    guarantees.record(SUITE, f"corrupt-local-shard-{redundancy}",
+                      outcome(reports, 4, step, reference[4]), done.output[-2000:])
+    assert done.returncode == 0, done.output
+    assert str(shard) in done.stderr and rec["name"] in done.stderr
+    restored = [reports[r]["restore"] for r in range(4)]
+    assert {r["step"] for r in restored} == {step}
+    if redundancy:
+        assert restored[1]["source"] == "partner copy from rank 3"
+        assert {r["source"] for k, r in enumerate(restored) if k != 1} == {"own"}
+        assert {r["root_bytes"] for r in restored} == {0}
+    else:
+        assert {r["level"] for r in restored} == {"root"}
+        assert "checksum mismatch" in restored[0]["skipped"][0][1]
+    assert all(reports[r]["final"] == reference[4][r] for r in range(4))
+
+
+def test_a_local_level_too_small_is_refused_on_every_rank_at_the_first_save(
+        tmp_path: Path) -> None:
+    done, reports = job(tmp_path, "small", 4, per_node=2, redundancy="partner",
+                        local_budget=100_000, steps=10)
+    assert done.returncode == 0, done.output
+    for r in range(4):
+        raised = reports[r]["saves"]["10"]["raised"]
+        assert raised.startswith("LocalTierFull") and "local_budget=" in raised, raised
+        assert "keep_local" in raised
+    for node in ("n0", "n1"):
+        assert [p.name for p in (tmp_path / "local" / node).iterdir()] == ["OWNER.json"]
+    assert not any(p.name.startswith("step-") for p in (tmp_path / "root").iterdir())
+
+
+def test_redundancy_on_one_node_is_refused_at_construction(tmp_path: Path) -> None:
+    done, reports = job(tmp_path, "one", 2, per_node=2, redundancy="partner", steps=10)
+    assert done.returncode != 0
+    assert "run on one node" in done.stderr and "redundancy=None" in done.stderr
+    assert not reports
+
+
+def test_another_number_of_ranks_restores_from_root(tmp_path: Path) -> None:
+    """The local level restores on as many ranks as saved it; 2 ranks reshard ROOT's newest."""
+    crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, redundancy="partner", per_node=2)
+    assert crashed.returncode != 0
+    done, reports = job(tmp_path, "two", 2, redundancy="partner", per_node=1, steps=DRAINED)
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(2)]
+    assert {(r["step"], r["level"]) for r in restored} == {(DRAINED, "root")}
+    assert "written by 4 ranks" in restored[0]["skipped"][0][1]

@@ -1,0 +1,95 @@
+"""mpickpt/topology.py: nodes, redundancy sets and teams, partner rings, XOR chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpickpt.topology import (
+    Topology,
+    TopologyError,
+    partner_holder,
+    partner_source,
+    xor_chunk,
+    xor_chunk_bytes,
+)
+
+
+def nodes(*counts: int) -> Topology:
+    return Topology(tuple(f"n{i}" for i, c in enumerate(counts) for _ in range(c)))
+
+
+def test_partner_pairs_nodes_and_keeps_each_copy_on_another_node() -> None:
+    t = nodes(2, 2, 2, 2)
+    teams = t.teams("partner")
+    assert teams == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for r in range(8):
+        assert t.nodes[partner_holder(teams, r)] != t.nodes[r]
+        assert partner_source(teams, partner_holder(teams, r)) == r
+
+
+def test_an_odd_node_out_joins_the_last_set() -> None:
+    t = nodes(1, 1, 1)
+    assert t.teams("partner") == [[0, 1, 2]]
+    assert [partner_holder([[0, 1, 2]], r) for r in range(3)] == [1, 2, 0]
+    assert nodes(1, 1, 1, 1, 1).teams("xor", 2) == [[0, 1], [2, 3, 4]]
+
+
+def test_xor_teams_take_one_rank_of_each_node_of_a_set() -> None:
+    t = nodes(2, 2, 2)
+    assert t.teams("xor", 3) == [[0, 2, 4], [1, 3, 5]]
+    assert nodes(1, 1, 1, 1, 1, 1).teams("xor", 3) == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_nodes_are_ordered_by_their_lowest_rank_whatever_the_names() -> None:
+    t = Topology(("b", "a", "b", "a"))
+    assert t.names == ["b", "a"]
+    assert t.teams("partner") == [[0, 1], [2, 3]]
+    assert t.leader(2) == 0 and t.leader(3) == 1
+
+
+def test_one_node_with_redundancy_is_refused_with_what_to_do() -> None:
+    with pytest.raises(TopologyError, match=r"all 4 ranks run on one node.*redundancy=None"):
+        nodes(4).teams("partner")
+
+
+def test_uneven_nodes_are_refused_naming_the_counts() -> None:
+    with pytest.raises(TopologyError, match="n0: 2, n1: 1"):
+        nodes(2, 1).teams("xor")
+
+
+def test_an_unknown_scheme_is_refused() -> None:
+    with pytest.raises(TopologyError, match="redundancy must be"):
+        nodes(1, 1).teams("mirror")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_xor_parity_rebuilds_any_one_member(n: int) -> None:
+    """The chunk rule of the module docstring, worked through with numpy: the parities of a
+    team and the other members' shards give back any one member's shard."""
+    rng = np.random.default_rng(n)
+    sizes = [int(s) for s in rng.integers(1, 5000, n)]
+    shards = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+    chunk = xor_chunk_bytes(max(sizes), n)
+
+    def chunk_of(j: int, k: int) -> np.ndarray:
+        c = np.zeros(chunk, dtype=np.uint8)
+        start = xor_chunk(n, j, k) * chunk
+        piece = shards[j][start:start + chunk]
+        c[:len(piece)] = piece
+        return c
+
+    parity = [np.bitwise_xor.reduce([chunk_of(j, k) for j in range(n) if j != k])
+              for k in range(n)]
+    for lost in range(n):
+        rebuilt = np.zeros(chunk * (n - 1), dtype=np.uint8)
+        for k in range(n):
+            if k == lost:
+                continue
+            got = parity[k].copy()
+            for j in range(n):
+                if j not in (k, lost):
+                    got ^= chunk_of(j, k)
+            start = xor_chunk(n, lost, k) * chunk
+            rebuilt[start:start + chunk] = got
+        assert np.array_equal(rebuilt[:sizes[lost]], shards[lost])
