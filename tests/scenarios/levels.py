@@ -9,7 +9,12 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 * ``crash_after``: after the save of this step is protected, every rank SIGKILLs itself (the
   drain that would follow never runs; node loss is the test's wiping of a node's directory);
 * ``out``: every rank writes ``out/rank-R.json``: the restore (step, level, source, bytes over the
-  network and from ROOT, skipped), the saves' results, and the final state's digest.
+  network and from ROOT, skipped, whether the state is bit for bit the one trained to that
+  step), the saves' results, and the final state's digest;
+* ``fault``: an ``MPICKPT_FAULT`` spec armed once the Checkpointer exists;
+* ``verify``: restore only, then check ROOT alone: a Checkpointer without the local level
+  restores every step committed in ROOT explicitly; each must be bit for bit the state trained
+  to that step (``root_steps`` in the report).
 
 The state of a rank is a pure function of (rank, step) through a deterministic training step,
 so a resumed run that restored bit for bit ends with the digest of an uninterrupted one.
@@ -30,6 +35,7 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
+from mpickpt import faults, rootdir
 
 NAMES = ("w1", "w2", "b")
 
@@ -61,6 +67,26 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def trained(rank: int, step: int) -> dict[str, Any]:
+    """The state of ``rank`` after ``step`` steps of an uninterrupted run."""
+    state = initial(rank)
+    for s in range(1, step + 1):
+        train_step(state, rank, s)
+    return state
+
+
+def check_root(plan: dict[str, Any], rank: int) -> dict[str, bool]:
+    """Every step committed in ROOT, restored from ROOT alone: bit for bit the trained state?"""
+    ck = mpickpt.Checkpointer(plan["root"], timeout=plan.get("timeout", 60))
+    out = {}
+    for step, _ in rootdir.committed(plan["root"]):
+        state = initial(rank)
+        got = ck.restore(state, step=step)
+        out[str(step)] = got == step and digest(state) == digest(trained(rank, step))
+    ck.close()
+    return out
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         plan = json.load(f)
@@ -73,6 +99,7 @@ def main() -> None:
         local=plan["local"], redundancy=plan.get("redundancy"),
         persist_every=plan.get("persist_every"), keep_local=plan.get("keep_local", 1),
         local_budget=plan.get("local_budget"), xor_set=plan.get("xor_set"))
+    faults.configure(plan.get("fault", ""))
     state = initial(rank)
     start = ck.restore(state) or 0
     info = ck.restore_info
@@ -80,7 +107,13 @@ def main() -> None:
     report["restore"] = {
         "step": info.step, "level": info.level, "source": info.source,
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
-        "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state)}
+        "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
+        "exact": digest(state) == digest(trained(rank, start))}
+    if plan.get("verify"):
+        ck.close()
+        report["root_steps"] = check_root(plan, rank)
+        _write(plan, rank, report)
+        return
     every = plan.get("every", 10)
     for step in range(start + 1, plan["steps"] + 1):
         train_step(state, rank, step)

@@ -1,0 +1,156 @@
+"""The counted fault matrix of the node-local level: {kill, raise, hang} x {rank 0, the last rank}
+x every phase the level adds (its local write, the redundancy exchange, the local commit, the
+drain's copy and the drain's commit in ROOT), on 4 ranks as 2 simulated nodes with partner
+redundancy, each cell in real MPI jobs (tests/scenarios/levels.py).
+
+The job saves steps 10, 20 and 30 into the local level (step 20 is drained to ROOT as the second
+save; step 30 only at close()), with the fault armed for step 30: in its save, or in the drain of
+it at close. kill and hang must end the job (hang at the deadline, exit 75), raise must leave it
+running to a normal end. Then a new job restores (the local level first) and must land, on every
+rank and bit for bit, on the newest step whose local commit completed: 20 after a fault in the
+save of 30, 30 after one in its drain, either after a kill or hang amid the local commit (one
+node may have published it; all shards were protected by then). And ROOT alone: every step it
+shows must restore bit for bit (a drain stopped anywhere never shows). Every cell is counted in
+the guarantee report (suite "level-fault-matrix") before its assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from harness import SCENARIOS, Job, run_mpi
+
+from mpickpt import rootdir
+from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
+from mpickpt.faults import LEVEL_PHASES
+
+JOB = SCENARIOS / "levels.py"
+SUITE = "level-fault-matrix"
+N, PER_NODE = 4, 2
+PHASES = ("mid-write", *LEVEL_PHASES)
+ACTIONS = ("kill", "raise", "hang")
+DRAIN_PHASES = ("mid-drain", "mid-drain-commit")
+WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))
+
+
+@dataclass(frozen=True)
+class Cell:
+    action: str
+    rank: int
+    phase: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.action}/rank{self.rank}/{self.phase}"
+
+    def expected(self) -> set[int]:
+        if self.phase in DRAIN_PHASES:
+            return {30}
+        if self.phase == "mid-local-commit" and self.action != "raise":
+            return {20, 30}
+        return {20}
+
+
+CELLS = [Cell(a, r, p) for a in ACTIONS for r in (0, N - 1) for p in PHASES]
+
+
+@dataclass
+class CellRun:
+    fault: Job
+    verify: Job
+    reports: dict[int, dict]
+    unmanifested: list[int]  # step directories in ROOT without a manifest, after the fault
+
+
+def run_cell(cell: Cell, base: Path) -> CellRun:
+    where = base / cell.id.replace("/", "-")
+    where.mkdir(parents=True)
+    plan = {"root": str(where / "root"), "local": str(where / "local"), "per_node": PER_NODE,
+            "redundancy": "partner", "persist_every": 2, "steps": 30, "every": 10,
+            "timeout": 3 if cell.action == "hang" else 30,
+            "fault": f"{cell.phase}:{cell.rank}:{cell.action}:30"}
+    (where / "fault.json").write_text(json.dumps(plan))
+    fault = run_mpi(N, [str(JOB), str(where / "fault.json")], timeout=90,
+                    env={"MPICKPT_TIMEOUT_GRACE": "2"})
+    unmanifested = sorted(
+        {s for s, _ in rootdir.committed(plan["root"], require_manifest=False)}
+        - {s for s, _ in rootdir.committed(plan["root"])})
+    verify_plan = {**plan, "fault": "", "verify": True, "timeout": 30,
+                   "out": str(where / "verify")}
+    (where / "verify.json").write_text(json.dumps(verify_plan))
+    verify = run_mpi(N, [str(JOB), str(where / "verify.json")], timeout=90)
+    reports = {}
+    for r in range(N):
+        f = where / "verify" / f"rank-{r}.json"
+        if f.exists():
+            reports[r] = json.loads(f.read_text())
+    return CellRun(fault, verify, reports, unmanifested)
+
+
+@pytest.fixture(scope="module")
+def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, CellRun]:
+    base = tmp_path_factory.mktemp("level-matrix")
+    chosen = [item.callspec.params["cell"] for item in request.session.items
+              if getattr(item, "callspec", None) and isinstance(
+                  item.callspec.params.get("cell"), Cell)]
+    with ThreadPoolExecutor(WORKERS) as pool:
+        runs = dict(zip([c.id for c in chosen],
+                        pool.map(lambda c: run_cell(c, base), chosen), strict=True))
+    return runs
+
+
+def judge(cell: Cell, run: CellRun) -> str:
+    reps = run.reports
+    if run.verify.returncode != 0 or len(reps) != N:
+        return "failed"
+    steps = {rep["restore"]["step"] for rep in reps.values()}
+    if len(steps) != 1:
+        return "torn"
+    if not all(rep["restore"]["exact"] for rep in reps.values()):
+        return "silent-wrong"
+    if run.unmanifested or not all(all(rep["root_steps"].values()) for rep in reps.values()):
+        return "silent-wrong"
+    return "correct" if steps <= cell.expected() else "failed"
+
+
+def proves(cell: Cell) -> pytest.MarkDecorator:
+    ids = ["no-torn-load", "root-shows-committed-drains"]
+    if cell.action == "hang":
+        ids.append("no-hang")
+    return pytest.mark.guarantee(*ids)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=proves(c)) for c in CELLS])
+def test_cell(matrix, guarantees, cell: Cell) -> None:
+    run = matrix[cell.id]
+    guarantees.record(SUITE, cell.id, judge(cell, run), run.verify.output[-1500:])
+    fault = run.fault
+    if cell.action == "raise":
+        assert fault.returncode == 0, fault.output
+    elif cell.action == "hang":
+        assert fault.returncode == EXIT_COLLECTIVE_TIMEOUT, fault.output
+    else:
+        assert fault.returncode != 0, fault.output
+    assert run.verify.returncode == 0, run.verify.output
+    restored = {r: rep["restore"] for r, rep in run.reports.items()}
+    assert len(restored) == N
+    steps = {r["step"] for r in restored.values()}
+    assert len(steps) == 1 and steps <= cell.expected(), restored
+    assert all(r["exact"] for r in restored.values())
+    assert {r["level"] for r in restored.values()} == {"local"}
+    root_steps = run.reports[0]["root_steps"]
+    assert "20" in root_steps and set(root_steps) <= {"20", "30"}, root_steps
+    assert all(all(rep["root_steps"].values()) for rep in run.reports.values())
+    assert run.unmanifested == []
+
+
+def test_the_matrix_covers_every_phase_of_the_local_level() -> None:
+    assert set(LEVEL_PHASES) <= {c.phase for c in CELLS}
+    assert len(CELLS) == len(ACTIONS) * 2 * len(PHASES) == 36
