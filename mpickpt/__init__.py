@@ -19,6 +19,7 @@ from . import preempt
 from .errors import (
     CheckpointError,
     CollectiveTimeout,
+    LocalTierFull,
     ManifestError,
     MetadataError,
     RootNotSharedError,
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CollectiveTimeout",
+    "LocalTierFull",
     "ManifestError",
     "MetadataError",
     "Piece",

@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 from . import knobs, log, preempt, retention, rootdir, shared_root, slurm
 from .capture import Capture
-from .errors import CheckpointError
+from .errors import CheckpointError, LocalTierFull
 from .exchange import Exchange
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
-from .levels import LocalLevel, LocalTierFull
+from .levels import LocalLevel
 from .localtier import LocalTier
 from .pinned_pool import HostPool
 from .protocol import Protocol

@@ -19,6 +19,10 @@ class RootNotSharedError(CheckpointError):
     """ROOT is not one directory that every rank sees (node-local storage, different paths)."""
 
 
+class LocalTierFull(CheckpointError):
+    """The node-local level cannot hold a checkpoint within its budget or its free space."""
+
+
 class StateMismatchError(CheckpointError):
     """A checkpoint does not fit the state it is restored into (a missing key, shape or dtype)."""
 

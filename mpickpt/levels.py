@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import log, rootdir
-from .errors import CheckpointError
+from .errors import LocalTierFull
 from .exchange import Exchange
 from .localtier import LocalTier, parity_name
 from .manifest import shard_name
@@ -23,10 +23,6 @@ from .topology import Topology
 
 DRAIN_CHUNK = 8 << 20
 HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
-
-
-class LocalTierFull(CheckpointError):
-    """The node-local level cannot hold a checkpoint within its budget or its free space."""
 
 
 @dataclass
