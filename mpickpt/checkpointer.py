@@ -246,7 +246,8 @@ class Checkpointer:
         why = None
         if request.snapshot is not None:
             try:
-                self._local.check_room(request.snapshot.nbytes, self.rank)
+                self._local.check_room(request.snapshot.nbytes, len(request.snapshot.tensors),
+                                       self.rank)
             except LocalTierFull as e:
                 why = str(e)
         with self._proto.fatal_timeouts(self.log):
@@ -267,6 +268,12 @@ class Checkpointer:
         (on the GPU); call this before changing a checkpointed tensor any other way.
         """
         self._capture.snapshotter.wait_snapshot()
+
+    @property
+    def drained(self) -> int | None:
+        """With a local level: the last step this Checkpointer drained to ROOT (after
+        :meth:`wait`, the drains that were due are done), or None."""
+        return self._saver.drained
 
     @property
     def pinned_bytes(self) -> int:

@@ -87,6 +87,10 @@ class Exchange:
         self.pos = self.team.index(self.rank)
         self.team_proto = proto.sub(teams.index(self.team), self.pos) if scheme == "xor" else None
         self._bufs: dict[str, np.ndarray] = {}
+        # allocated (and touched) once, here: the first save does not pay for them
+        wide = len(self.team) if scheme == "xor" else 1
+        np.asarray(self.buffer("out", wide * window))[:] = 0
+        np.asarray(self.buffer("in", window))[:] = 0
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         """A reused byte buffer of at least ``nbytes``."""

@@ -19,6 +19,7 @@ from .errors import LocalTierFull
 from .exchange import Exchange
 from .localtier import LocalTier, parity_name
 from .manifest import shard_name
+from .shard import DEFAULT_ALIGNMENT
 from .topology import Topology
 
 DRAIN_CHUNK = 8 << 20
@@ -68,14 +69,16 @@ class LocalLevel:
         return json.dumps({"scheme": self.scheme, "nodes": list(self.topology.nodes),
                            "teams": self.teams}, indent=1).encode()
 
-    def need(self, nbytes: int) -> int:
-        """The node-local bytes one checkpoint of this rank takes (shard and redundancy)."""
-        return int((nbytes + HEADER_SLACK) * (1 + self.factor))
+    def need(self, nbytes: int, tensors: int) -> int:
+        """The node-local bytes one checkpoint of this rank takes at most (shard, its metadata
+        and alignment, and redundancy)."""
+        return int((nbytes + HEADER_SLACK + tensors * DEFAULT_ALIGNMENT) * (1 + self.factor))
 
-    def check_room(self, nbytes: int, rank: int) -> None:
+    def check_room(self, nbytes: int, tensors: int, rank: int) -> None:
         """Refuse a checkpoint the node cannot hold: ``keep`` kept ones and the one being
         written must fit the budget, and the one being written the free space."""
-        one = self.need(nbytes) * self.node_ranks
+        need = self.need(nbytes, tensors)
+        one = need * self.node_ranks
         if self.budget is not None and one * (self.keep + 1) > self.budget:
             raise LocalTierFull(
                 f"rank {rank}: the local level {self.tier.dir} needs about "
@@ -85,11 +88,11 @@ class LocalLevel:
                 f"being written; its budget is local_budget={log.human_bytes(self.budget)}. "
                 "Raise local_budget, keep fewer (keep_local), or use another local directory")
         free = self.tier.free()
-        if free < self.need(nbytes):
+        if free < need:
             raise LocalTierFull(
                 f"rank {rank}: the local level {self.tier.dir} has {log.human_bytes(free)} free, "
                 f"and this rank's part of the checkpoint needs about "
-                f"{log.human_bytes(self.need(nbytes))}: free space there, or keep fewer "
+                f"{log.human_bytes(need)}: free space there, or keep fewer "
                 "local checkpoints (keep_local)")
 
     def drain_copy(self, src: str, dst: str, on_chunk: Callable[[], None]) -> int:

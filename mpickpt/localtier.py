@@ -92,9 +92,11 @@ class LocalTier:
         rootdir.fsync_path(self.dir)
         return final
 
-    def retain(self, keep: int, run_id: str) -> list[int]:
-        """Remove all but the newest ``keep`` committed steps; the steps removed."""
-        gone = self.committed()[keep:]
+    def retain(self, keep: int, run_id: str, newest: int) -> list[int]:
+        """Keep ``newest`` (the step just committed, whatever its number: a rerun may save a
+        lower one) and the ``keep - 1`` highest others; remove the rest. The steps removed."""
+        order = [newest] + [s for s in self.committed() if s != newest]
+        gone = order[keep:]
         for step in gone:
             rootdir.remove(self.final(step), run_id)
         return gone

@@ -35,6 +35,7 @@ from .localtier import LEVEL, parity_name
 from .manifest import NAME as MANIFEST
 from .manifest import Manifest, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
+from .records import check_file, check_records
 from .topology import partner_holder, team_of, xor_chunk_bytes
 
 
@@ -75,9 +76,10 @@ class LocalRecovery:
         parity = [int(n[4:9]) for n in names if n.startswith("xor-") and n.endswith(".bin")]
         return MANIFEST in names, sorted(shards), sorted(parity)
 
-    def prepare(self, step: int) -> str | None:
+    def prepare(self, step: int, verify: bool = True) -> str | None:
         """Make ``step`` whole on every node; None, or why it cannot be (the same on every
-        rank). Collective."""
+        rank). Collective. Without ``verify`` a shard counts as whole when it is there with its
+        size and records (the load then verifies its checksums)."""
         d = self.path(step)
         inv = self.proto.allgather(self._inventory(d), "local-inventory")
         holders = [r for r, (has, _, _) in enumerate(inv) if has]
@@ -100,7 +102,7 @@ class LocalRecovery:
         if manifest.world_size != self.size:
             return (f"written by {manifest.world_size} ranks, this job has {self.size} (the "
                     "local level restores on as many ranks as saved it; ROOT reshards)")
-        mine = self._verify(d, manifest, self.rank)
+        mine = self._verify(d, manifest, self.rank, verify)
         problems = self.proto.allgather(mine, "local-verify")
         lost = [r for r, p in enumerate(problems) if p]
         moves, xor_lost, why = self._plan(step, lost, problems, inv, layout)
@@ -115,11 +117,16 @@ class LocalRecovery:
             return None
         return self._rebuild(d, manifest, text, level_text, moves, xor_lost, layout)
 
-    def _verify(self, d: str, manifest: Manifest, rank: int) -> str | None:
+    def _verify(self, d: str, manifest: Manifest, rank: int, full: bool = True) -> str | None:
         entry = manifest.ranks[rank]
+        path = os.path.join(d, entry.file)
         try:
-            verify_file(rank, os.path.join(d, entry.file), entry.bytes, entry.tensors,
-                        manifest.checksum_block, self.io_threads)
+            if full:
+                verify_file(rank, path, entry.bytes, entry.tensors, manifest.checksum_block,
+                            self.io_threads)
+            else:
+                check_file(rank, path, entry.bytes)
+                check_records(rank, path, entry.tensors, entry.bytes, manifest.checksum_block)
         except ShardError as e:
             return str(e)
         return None

@@ -87,11 +87,8 @@ class Restorer:
         for n, (step, level, path) in enumerate(tries):
             if level == "local":
                 assert local is not None
-                verdict = local.prepare(step)
-                if verdict is None:
-                    path = local.path(step)
-                    verdict, loaded = self._try(state, step, path)
-                verdict = None if verdict is None else f"from the local level: {verdict}"
+                verdict, loaded = self._try_local(state, step, local)
+                path = local.path(step)
             else:
                 verdict, loaded = self._try(state, step, path)
             if verdict is None:
@@ -115,6 +112,23 @@ class Restorer:
                              os.path.dirname(candidates[0][1]),
                              rootdir.not_shared_hint())
         return info
+
+    def _try_local(self, state: dict[str, Any], step: int, local: LocalRecovery
+                   ) -> tuple[str | None, dict[str, Any]]:
+        """A step of the local level: first as it is (each own shard present, of its size: the
+        load verifies every checksum), and if that fails, once more after every rank verified
+        its shard and the damaged or missing ones were rebuilt from redundancy."""
+        verdict, loaded = local.prepare(step, verify=False), {}
+        if verdict is None:
+            verdict, loaded = self._try(state, step, local.path(step))
+            if verdict is not None:
+                if self.rank == 0:
+                    self.log.warning("step %d from the local level: %s; verifying every shard "
+                                     "and rebuilding the damaged ones", step, verdict)
+                verdict = local.prepare(step, verify=True)
+                if verdict is None:
+                    verdict, loaded = self._try(state, step, local.path(step))
+        return (None if verdict is None else f"from the local level: {verdict}"), loaded
 
     def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
         """(text, None) or (None, reason), on rank 0."""

@@ -340,7 +340,7 @@ class Saver:
         entry, error = None, req.error
         try:
             if req.snapshot is not None and req.tree is not None:
-                lv.check_room(req.snapshot.nbytes, self.rank)
+                lv.check_room(req.snapshot.nbytes, len(req.snapshot.tensors), self.rank)
                 entry = self._write(req, partial)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -412,7 +412,7 @@ class Saver:
                           s.get("protected_s", 0.0), log.human_bytes(int(s.get("bytes", 0))))
         if lv.leader:
             try:
-                lv.tier.retain(lv.keep, self.run_id)
+                lv.tier.retain(lv.keep, self.run_id, result.step)
             except OSError as e:
                 self.log.warning("rank %d: could not remove an old local checkpoint: %s",
                                  self.rank, e)
