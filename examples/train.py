@@ -62,6 +62,15 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--no-checkpoint", action="store_true", help="train without checkpoints")
     ap.add_argument("--out", help="write final state per rank here")
+    ap.add_argument("--local", default=os.environ.get("MPICKPT_LOCAL") or None, metavar="DIR",
+                    help="the node-local level: every save commits here first, on each node "
+                         "(default: $MPICKPT_LOCAL, which slurm/train.sbatch sets; none)")
+    ap.add_argument("--redundancy", choices=["partner", "xor", "none"], default="none",
+                    help="protects the local level from the loss of a node (more than one "
+                         "node only; default none)")
+    ap.add_argument("--persist-every", type=int, default=10, metavar="K",
+                    help="with --local: drain every K-th save to ROOT (0: only the emergency "
+                         "save and the newest at the end; default 10)")
     args = ap.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -69,7 +78,9 @@ def main() -> None:
     start = 0
     ckpt = None
     if not args.no_checkpoint:
-        ckpt = mpickpt.Checkpointer(args.root, keep=args.keep)
+        ckpt = mpickpt.Checkpointer(
+            args.root, keep=args.keep, local=args.local, persist_every=args.persist_every or None,
+            redundancy=None if args.redundancy == "none" else args.redundancy)
         restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
     if comm.rank == 0:

@@ -1,12 +1,15 @@
 """examples/train.py's job, slowed down and observable, for the Slurm tests (tests/slurm/).
 
 Usage: slurm_jobs.py ROOT OUT STEPS [--sleep S] [--every N] [--keep K]
+                     [--local DIR] [--redundancy partner|xor|none] [--persist-every K]
 
 Each rank trains exactly like examples/train.py (width 64), so a run that was preempted, requeued
 and resumed ends bit-identical to an uninterrupted ``examples/train.py --no-checkpoint`` run. It
 sleeps S seconds per step so that Slurm's signals (30 s granularity) land mid-training, saves a
 checkpoint every N steps and calls ``should_exit`` every step (SystemExit(3) on every rank after
-the emergency save). It reports through files in OUT, which every run of a requeued job shares:
+the emergency save). ``--local`` (default: $MPICKPT_LOCAL, which slurm/train.sbatch exports),
+``--redundancy`` and ``--persist-every`` (0: None) go to the Checkpointer as examples/train.py
+passes them. It reports through files in OUT, which every run of a requeued job shares:
 
 * ``progress-R``: one line per finished step, ``STEP JOB RESTART`` (JOB: $SLURM_JOB_ID; RESTART:
   $SLURM_RESTART_COUNT, 0 on a job's first run);
@@ -41,6 +44,9 @@ ap.add_argument("steps", type=int)
 ap.add_argument("--sleep", type=float, default=0.5)
 ap.add_argument("--every", type=int, default=10)
 ap.add_argument("--keep", type=int, default=2)
+ap.add_argument("--local", default=os.environ.get("MPICKPT_LOCAL") or None)
+ap.add_argument("--redundancy", choices=["partner", "xor", "none"], default="none")
+ap.add_argument("--persist-every", type=int, default=10)
 args = ap.parse_args()
 
 comm = MPI.COMM_WORLD
@@ -48,7 +54,9 @@ job = os.environ.get("SLURM_JOB_ID", "-")
 restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 args.out.mkdir(parents=True, exist_ok=True)
 state = make_state(comm.rank, 64)
-ck = mpickpt.Checkpointer(args.root, keep=args.keep)
+ck = mpickpt.Checkpointer(args.root, keep=args.keep, local=args.local,
+                          persist_every=args.persist_every or None,
+                          redundancy=None if args.redundancy == "none" else args.redundancy)
 start = ck.restore(state) or 0
 with open(args.out / f"starts-{comm.rank}", "a") as f:
     f.write(f"{job} {restart} {start}\n")
