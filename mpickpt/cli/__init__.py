@@ -3,8 +3,9 @@
 One module per concern: :mod:`.catalog` (what is under ROOT), :mod:`.checks` (quick and full
 verification of one checkpoint), :mod:`.team` (verification spread over the ranks of
 ``mpiexec -n N``), :mod:`.changes` (quarantine, rollback, prune: every change to ROOT),
-:mod:`.render` (tables, colour, progress, JSON), and one module per command (:mod:`.restore`,
-:mod:`.verify`, :mod:`.inspect`, :mod:`.export`, :mod:`.stats`; :mod:`.main` dispatches).
+:mod:`.render` (tables, colour, progress, JSON), :mod:`.local` (the node-local level's
+directories), and one module per command (:mod:`.restore`, :mod:`.verify`, :mod:`.inspect`,
+:mod:`.export`, :mod:`.stats`, :mod:`.drain`; :mod:`.main` dispatches).
 
 Exit codes, the same for every command, so that batch scripts can branch on them:
 :data:`mpickpt.exitcodes.TOOLS` (0 done, 1 could not, 2 bad command line, 4 no good checkpoint,

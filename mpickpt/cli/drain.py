@@ -29,10 +29,11 @@ import os
 import time
 from typing import Any
 
-from .. import rootdir
+from .. import checksum, rootdir
 from ..localtier import OWNER
 from ..log import human_bytes
 from ..manifest import NAME as MANIFEST
+from ..manifest import Manifest
 from ..ranks import rank_ranges, ranks_text
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, local
 from .changes import RUN_ID
@@ -44,7 +45,8 @@ from .team import Team
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("drain", help="commit a checkpoint of the node-local level into ROOT "
                        "(the newest complete one); under srun, one process per node",
-                       description=__doc__.split("\n\n")[1])
+                       description="\n\n".join(__doc__.split("\n\n")[1:4]),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("local", metavar="LOCAL", help="the job's Checkpointer(local=...) directory")
     p.add_argument("root", metavar="ROOT", help="the job's Checkpointer(ROOT)")
     p.add_argument("--step", type=int, metavar="N",
@@ -60,9 +62,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 class Refused(Exception):
     """The drain cannot be done; ``code`` is the exit code."""
 
-    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+    def __init__(self, message: str, code: int = EXIT_ERROR,
+                 missing: list[int] | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.missing = code, missing or []
 
 
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
@@ -76,7 +79,15 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     except Refused as e:
         out.problem(str(e))
         code = e.code
-        report["error"] = str(e)
+        report["error"], report["missing"] = str(e), e.missing
+    except OSError as e:  # ROOT not writable, full, ...: a sentence, not a traceback
+        final = os.path.join(root, rootdir.step_name(report["step"] or 0))
+        there = report["step"] is not None and os.path.lexists(os.path.join(final, MANIFEST))
+        why = (f"the drain of step {report['step']} into {root} failed: {e}; "
+               + (f"{final} was committed all the same" if there else "nothing was drained"))
+        out.problem(why)
+        code = EXIT_ERROR
+        report["error"] = why
     report.setdefault("error", None)
     out.json({**report, "exit_code": code})
     return code
@@ -96,10 +107,10 @@ def _pick(steps: list[LocalStep], want: int | None, where: str, names: str) -> L
     s = next((x for x in steps if x.complete or x.in_root), None)
     if s is not None:
         return s
-    why = "; ".join(f"step {x.step}: {x.missing_text() if x.manifest else 'no valid manifest'}"
-                    for x in steps)
+    why = "; ".join(f"step {x.step}: {x.missing_text()}" for x in steps)
     raise Refused(f"no checkpoint on the nodes is complete in the node directories seen "
-                  f"({names}), nothing was drained: {why}. {local.rebuild_hint(steps[0])}")
+                  f"({names}), nothing was drained: {why}. {local.rebuild_hint(steps[0])}",
+                  missing=steps[0].missing)
 
 
 def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out,
@@ -115,7 +126,8 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
     foreign = local.foreign(views, root)
     if foreign:
         nd, owner = foreign[0]
-        more = f" ({len(foreign) - 1} more node directories likewise)" if len(foreign) > 1 else ""
+        k = len(foreign) - 1
+        more = f" (and {k} more node director{'y' if k == 1 else 'ies'})" if k else ""
         raise Refused(f"{os.path.join(nd.path, OWNER)}: the node directory {nd.name} holds the "
                       f"checkpoints of ROOT {owner}, not of {os.path.realpath(root)}{more}; "
                       f"nothing was drained. Drain it into its own ROOT (`mpickpt drain "
@@ -125,21 +137,26 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
     s = _pick(steps, args.step, where, names)
     report["step"] = s.step
     final = os.path.join(root, rootdir.step_name(s.step))
-    newer = [x for x in steps if x.step > s.step]
+    newer = [x for x in steps if x.step > s.step and not x.complete and not x.in_root]
     if s.in_root:
         report["already_in_root"], report["path"] = True, final
         out.line(f"step {s.step} is in ROOT already ({final}): nothing to do")
         for x in newer:
             out.line(f"  step {x.step} on the nodes is newer but incomplete: "
-                     f"{x.missing_text() if x.manifest else 'no valid manifest'}")
+                     f"{x.missing_text()}")
         return EXIT_OK
-    if s.manifest is None or s.text is None:
+    if s.first is None or s.source is None or s.digest is None:
         raise Refused(f"step {s.step}: no node directory seen holds a valid manifest of it: "
                       + "; ".join(s.notes))
     if not s.complete:
-        report["missing"] = s.missing
         raise Refused(f"step {s.step} cannot be drained, nothing was: {s.missing_text()}. "
-                      f"{local.rebuild_hint(s)}")
+                      f"{local.rebuild_hint(s)}", missing=s.missing)
+    data = team.manifest_bytes(s.source.proc, s.source.path)
+    if isinstance(data, str) or checksum.digest(data) != s.digest:
+        raise Refused(f"{os.path.join(s.source.path, MANIFEST)} changed while the drain was "
+                      f"planned ({data if isinstance(data, str) else 'another manifest'}); "
+                      "nothing was drained: run the command again")
+    manifest = Manifest.from_json(data.decode(), os.path.join(s.source.path, MANIFEST))
     rootdir.make_dirs(root)
     partial = os.path.join(root, rootdir.partial_name(s.step, RUN_ID))
     if os.path.lexists(partial):
@@ -147,12 +164,12 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
     os.mkdir(partial, rootdir.DIR_MODE)
     committed = False
     try:
-        copied, skipped = _copy_all(s, partial, out, team)
+        copied, skipped = _copy_all(s, manifest, partial, out, team)
         report["skipped"] = skipped
         report["shards"] = [{"rank": r, "from": h.path, "node": h.node, "process": h.proc,
                              "bytes": c.nbytes} for r, (h, c) in sorted(copied.items())]
-        _check(partial, s)
-        rootdir.atomic_write(os.path.join(partial, MANIFEST), s.text.encode())
+        _check(partial, manifest)
+        rootdir.atomic_write(os.path.join(partial, MANIFEST), data)
         if os.path.lexists(final):
             raise Refused(f"{final} appeared while step {s.step} was being drained (is the job "
                           "running?); ROOT keeps that one, nothing was drained")
@@ -175,17 +192,17 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
         out.line(f"  skipped a damaged copy: {k['reason']}")
     for x in newer:
         out.line(f"  step {x.step} on the nodes is newer but incomplete: "
-                 f"{x.missing_text() if x.manifest else 'no valid manifest'}")
+                 f"{x.missing_text()}")
     return EXIT_OK
 
 
-def _copy_all(s: LocalStep, partial: str, out: Out, team: Team
+def _copy_all(s: LocalStep, m: Manifest, partial: str, out: Out, team: Team
               ) -> tuple[dict[int, tuple[Holder, Copied]], list[dict[str, Any]]]:
     """Every rank's shard verified and copied into ``partial`` by a process that holds it, in
     rounds: a copy that fails verification is tried from the next holder. Refused when a rank
     has no intact copy or a copy fails."""
-    assert s.manifest is not None and s.text is not None
-    sizes = {r.rank: r.bytes for r in s.manifest.ranks}
+    assert s.digest is not None
+    sizes = {r.rank: r.bytes for r in m.ranks}
     tried: dict[int, list[Holder]] = {r: [] for r in sizes}
     damaged: dict[int, list[str]] = {r: [] for r in sizes}
     copied: dict[int, tuple[Holder, Copied]] = {}
@@ -203,16 +220,16 @@ def _copy_all(s: LocalStep, partial: str, out: Out, team: Team
                 why = "; ".join(d for x in lost for d in damaged[x])
                 raise Refused(f"step {s.step} cannot be drained, nothing was: every copy of the "
                               f"shard of {ranks_text(lost)} seen on the nodes fails "
-                              f"verification: {why}", EXIT_DAMAGED)
+                              f"verification: {why}", EXIT_DAMAGED, missing=lost)
             home = s.home(r)
             h = min(cands, key=lambda h: (h.node != home, load[h.proc], h.proc, h.node))
             load[h.proc] += sizes[r]
-            shares[h.proc].append(CopyJob(r, h.path, os.path.join(partial,
-                                                                  s.manifest.ranks[r].file)))
+            shares[h.proc].append(CopyJob(r, h.path, os.path.join(partial, m.ranks[r].file),
+                                          s.digest))
             chosen[(r, h.path)] = h
         label = "draining" if team.size == 1 else f"draining (rank 0's share of {team.size})"
         progress = out.progress(label, load[0])
-        results = team.copy(s.text, shares, progress)
+        results = team.copy(shares, progress)
         progress.close()
         errors = [c.error for c in results if c.error is not None]
         if errors:
@@ -233,16 +250,15 @@ def _copy_all(s: LocalStep, partial: str, out: Out, team: Team
     return copied, skipped
 
 
-def _check(partial: str, s: LocalStep) -> None:
+def _check(partial: str, m: Manifest) -> None:
     """Rank 0: every rank's shard is in ``partial`` as it sees it, at its size (under mpiexec a
     ROOT that is not shared leaves them elsewhere)."""
-    assert s.manifest is not None
     there = {}
     with os.scandir(partial) as it:
         for e in it:
             if e.is_file(follow_symlinks=False):
                 there[e.name] = e.stat(follow_symlinks=False).st_size
-    missing = [r.rank for r in s.manifest.ranks if there.get(r.file) != r.bytes]
+    missing = [r.rank for r in m.ranks if there.get(r.file) != r.bytes]
     if missing:
         raise Refused(f"the shards of ranks {rank_ranges(missing)} were copied but are not in "
                       f"{partial} at their sizes as rank 0 of this command sees it; nothing was "

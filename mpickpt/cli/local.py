@@ -10,8 +10,9 @@ rank's shard is in some node directory that holds the step's manifest, at the si
 records (the quick check: drain reads every checksum before it copies). Where node directories
 hold different manifests of one step, the one most of them hold counts (a tie: the newest).
 
-Nothing here writes; payloads between processes are the small frozen records below (paths,
-numbers, sentences and manifest texts).
+Each process checks its shards against its own node's manifest, so only hashes, sizes and
+sentences travel (the small frozen records below). :func:`look` and :func:`pool` only read;
+:func:`copy_share` is one process's part of ``mpickpt drain``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..blocks import verify_file
 from ..errors import ManifestError, ShardError
 from ..localtier import LEVEL, OWNER, node_dirname
 from ..log import human_bytes
-from ..manifest import Manifest, read_bytes
+from ..manifest import NAME as MANIFEST
+from ..manifest import Manifest, read_bytes, shard_name
 from ..ranks import ranks_text
 from .render import Cell, Out, human_age, iso_utc, local_time
 
@@ -39,17 +41,23 @@ COPY_CHUNK = 8 << 20
 
 @dataclass(frozen=True, slots=True)
 class NodeStep:
-    """One committed step in one node directory: its manifest's hash (None when unusable, then
-    ``problem`` says why), the redundancy layout, and the size of every shard file there."""
+    """One committed step in one node directory: its manifest's hash and summary (hash None
+    when it is unusable, then ``problem`` says why), the ranks whose shard is there at the size
+    the manifest records, those there at another size (sentences), the redundancy layout."""
 
     node: str
     path: str
     step: int
     digest: str | None
     problem: str | None
-    shards: dict[int, int]
-    scheme: str | None
-    nodes: list[str] | None  # LEVEL.json: the node of every rank
+    world_size: int = 0
+    total_bytes: int = 0
+    created: float = 0.0
+    run_id: str = ""
+    sized: list[int] = field(default_factory=list)
+    wrong: dict[int, str] = field(default_factory=dict)
+    scheme: str | None = None
+    nodes: list[str] | None = None  # LEVEL.json: the node of every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +72,11 @@ class NodeDir:
 
 @dataclass(frozen=True, slots=True)
 class LocalView:
-    """What one process sees under LOCAL: the node directories, the text of every valid
-    manifest by hash, or why there is nothing (``problem``)."""
+    """What one process sees under LOCAL: the node directories, or why none (``problem``)."""
 
     where: str
     problem: str | None
     dirs: list[NodeDir]
-    manifests: dict[str, str]
 
 
 def _owner(path: str) -> str | None:
@@ -107,28 +113,45 @@ def _layout(step_dir: str) -> tuple[str | None, list[str] | None]:
         return None, None
 
 
-def _node_dir(path: str, manifests: dict[str, str]) -> NodeDir:
-    steps = []
-    for step, d in rootdir.committed(path):
-        digest = problem = None
-        try:
-            text = read_bytes(d)
-            m = Manifest.from_json(text.decode("utf-8", errors="replace"),
-                                   os.path.join(d, "MANIFEST.json"))
-            if m.step != step:
-                raise ManifestError(f"{d}/MANIFEST.json says step {m.step}")
-            digest = checksum.digest(text)
-            manifests.setdefault(digest, text.decode())
-        except ManifestError as e:
-            problem = str(e)
-        try:
-            shards = _shards(d)
-        except OSError as e:
-            shards, problem = {}, problem or f"{d}: cannot list: {e.strerror}"
-        scheme, nodes = _layout(d)
-        steps.append(NodeStep(os.path.basename(path), d, step, digest, problem, shards,
-                              scheme, nodes))
-    return NodeDir(os.path.basename(path), path, _owner(path), steps)
+def read_manifest(step_dir: str) -> tuple[Manifest, bytes]:
+    """A local step's manifest, validated as restore validates it, and its bytes;
+    ManifestError naming the file otherwise."""
+    path = os.path.join(step_dir, MANIFEST)
+    data = read_bytes(step_dir)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
+    return Manifest.from_json(text, path), data
+
+
+def _node_step(node: str, step: int, d: str) -> NodeStep:
+    scheme, nodes = _layout(d)
+    try:
+        m, data = read_manifest(d)
+        if m.step != step:
+            raise ManifestError(f"{os.path.join(d, MANIFEST)} says step {m.step}")
+        shards = _shards(d)
+    except ManifestError as e:
+        return NodeStep(node, d, step, None, str(e), scheme=scheme, nodes=nodes)
+    except OSError as e:
+        return NodeStep(node, d, step, None, f"{d}: cannot list: {e.strerror}", scheme=scheme,
+                        nodes=nodes)
+    sized, wrong = [], {}
+    for r in m.ranks:
+        size = shards.get(r.rank)
+        if size == r.bytes:
+            sized.append(r.rank)
+        elif size is not None:
+            wrong[r.rank] = f"{os.path.join(d, r.file)} has {size} bytes, not {r.bytes}"
+    return NodeStep(node, d, step, checksum.digest(data), None, m.world_size, m.total_bytes,
+                    m.created, m.run_id, sized, wrong, scheme, nodes)
+
+
+def _node_dir(path: str) -> NodeDir:
+    name = os.path.basename(path)
+    steps = [_node_step(name, step, d) for step, d in rootdir.committed(path)]
+    return NodeDir(name, path, _owner(path), steps)
 
 
 def _is_node_dir(path: str) -> bool:
@@ -146,19 +169,17 @@ def _is_node_dir(path: str) -> bool:
 def look(local: str) -> LocalView:
     """What this process sees under ``local`` (read only)."""
     where = os.path.abspath(local)
-    manifests: dict[str, str] = {}
     if not os.path.isdir(where):
         what = "not a directory" if os.path.lexists(where) else "no such directory"
-        return LocalView(where, f"{where}: {what}", [], manifests)
-    if _is_node_dir(where) and os.path.lexists(os.path.join(where, OWNER)):
-        return LocalView(where, None, [_node_dir(where, manifests)], manifests)
+        return LocalView(where, f"{where}: {what}", [])
+    if os.path.lexists(os.path.join(where, OWNER)):  # LOCAL/<node> itself
+        return LocalView(where, None, [_node_dir(where)])
     try:
         names = sorted(os.listdir(where))
     except OSError as e:
-        return LocalView(where, f"{where}: cannot list: {e.strerror}", [], manifests)
-    dirs = [_node_dir(os.path.join(where, n), manifests) for n in names
-            if _is_node_dir(os.path.join(where, n))]
-    return LocalView(where, None, dirs, manifests)
+        return LocalView(where, f"{where}: cannot list: {e.strerror}", [])
+    return LocalView(where, None, [_node_dir(os.path.join(where, n)) for n in names
+                                   if _is_node_dir(os.path.join(where, n))])
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,25 +197,26 @@ class LocalStep:
     """One step of the local level, pooled over every node directory seen."""
 
     step: int
-    manifest: Manifest | None = None
-    text: str | None = None  # the manifest's bytes, as the nodes hold them
+    digest: str | None = None  # of the manifest counted (None: no valid one)
+    first: NodeStep | None = None  # a node directory's summary of that manifest
+    source: Holder | None = None  # where that manifest can be read
     scheme: str | None = None
     layout: list[str] | None = None  # the node of every rank, from LEVEL.json
     nodes: list[str] = field(default_factory=list)  # node directories holding this manifest
-    holders: dict[int, list[Holder]] = field(default_factory=dict)  # rank -> intact-sized copies
+    holders: dict[int, list[Holder]] = field(default_factory=dict)  # rank -> copies at its size
     wrong: dict[int, list[str]] = field(default_factory=dict)  # rank -> copies of another size
     notes: list[str] = field(default_factory=list)
     in_root: bool = False
 
     @property
     def missing(self) -> list[int]:
-        if self.manifest is None:
+        if self.first is None:
             return []
-        return [r.rank for r in self.manifest.ranks if not self.holders.get(r.rank)]
+        return [r for r in range(self.first.world_size) if not self.holders.get(r)]
 
     @property
     def complete(self) -> bool:
-        return self.manifest is not None and not self.missing
+        return self.first is not None and not self.missing
 
     def home(self, rank: int) -> str | None:
         """The directory name of rank ``rank``'s own node (from LEVEL.json), or None."""
@@ -204,18 +226,20 @@ class LocalStep:
 
     def missing_text(self) -> str:
         """Which ranks' shards no node directory seen holds, and what was found instead."""
+        if self.first is None:
+            return "no node directory seen holds a valid manifest of it"
         gone = self.missing
         text = f"no node directory seen holds the shard of {ranks_text(gone)}"
         homes = sorted({h for r in gone if (h := self.home(r)) is not None})
         if homes:
-            text += f" (the rank(s) of {names_text(homes)})"
+            text += f" (their node{'s' if len(homes) > 1 else ''}: {names_text(homes)})"
         wrong = [w for r in gone for w in self.wrong.get(r, [])]
         if wrong:
             text += f"; of another size than the manifest records: {'; '.join(wrong[:4])}"
         return text
 
     def to_json(self, now: float) -> dict[str, Any]:
-        m = self.manifest
+        m = self.first
         return {
             "step": self.step, "nodes": self.nodes, "complete": self.complete,
             "missing": self.missing, "scheme": self.scheme, "drained": self.in_root,
@@ -232,22 +256,22 @@ def names_text(names: list[str]) -> str:
     return head + (f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else "")
 
 
-def _choose(copies: list[NodeStep], manifests: dict[str, str]) -> str | None:
+def _choose(copies: list[NodeStep]) -> str | None:
     """The manifest hash most node directories hold (a tie: the newest manifest)."""
     count: dict[str, int] = {}
+    created: dict[str, float] = {}
     for c in copies:
-        if c.digest is not None and c.digest in manifests:
+        if c.digest is not None:
             count[c.digest] = count.get(c.digest, 0) + 1
+            created[c.digest] = c.created
     if not count:
         return None
-    created = {d: json.loads(manifests[d]).get("created", 0) for d in count}
     return max(count, key=lambda d: (count[d], created[d]))
 
 
 def pool(views: list[LocalView], root: str | None) -> list[LocalStep]:
     """Every step any node directory seen committed, newest first, pooled over the views (view
     ``i`` is process ``i``'s)."""
-    manifests = {d: t for v in views for d, t in v.manifests.items()}
     by_step: dict[int, list[tuple[int, NodeStep]]] = {}
     for proc, v in enumerate(views):
         for nd in v.dirs:
@@ -258,32 +282,27 @@ def pool(views: list[LocalView], root: str | None) -> list[LocalStep]:
     for step in sorted(by_step, reverse=True):
         copies = by_step[step]
         ls = LocalStep(step, in_root=step in in_root)
-        chosen = _choose([c for _, c in copies], manifests)
+        out.append(ls)
+        ls.digest = chosen = _choose([c for _, c in copies])
         for _, c in copies:
             if c.problem is not None:
                 ls.notes.append(f"{c.node}: {c.problem}")
             elif c.digest != chosen:
                 ls.notes.append(f"{c.node} holds another manifest of this step (another save "
                                 "of it); its shards are not used")
-        if chosen is None:
-            out.append(ls)
+        mine = [(p, c) for p, c in copies if chosen is not None and c.digest == chosen]
+        if not mine:
             continue
-        ls.text = manifests[chosen]
-        ls.manifest = Manifest.from_json(ls.text, f"step {step}'s MANIFEST.json")
-        mine = [(p, c) for p, c in copies if c.digest == chosen]
+        ls.first = next((c for _, c in mine if c.nodes is not None), mine[0][1])
+        ls.source = Holder(mine[0][0], mine[0][1].node, mine[0][1].path)
         ls.nodes = sorted({c.node for _, c in mine})
-        first = next((c for _, c in mine if c.nodes is not None), mine[0][1])
-        ls.scheme, ls.layout = first.scheme, first.nodes
-        for r in ls.manifest.ranks:
-            for proc, c in mine:
-                size = c.shards.get(r.rank)
-                path = os.path.join(c.path, r.file)
-                if size == r.bytes:
-                    ls.holders.setdefault(r.rank, []).append(Holder(proc, c.node, path))
-                elif size is not None:
-                    ls.wrong.setdefault(r.rank, []).append(
-                        f"{path} has {size} bytes, not {r.bytes}")
-        out.append(ls)
+        ls.scheme, ls.layout = ls.first.scheme, ls.first.nodes
+        for proc, c in mine:
+            for r in c.sized:
+                ls.holders.setdefault(r, []).append(
+                    Holder(proc, c.node, os.path.join(c.path, shard_name(r))))
+            for r, why in c.wrong.items():
+                ls.wrong.setdefault(r, []).append(why)
     return out
 
 
@@ -353,7 +372,7 @@ def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, lo
         return
     rows = []
     for s in steps:
-        m = s.manifest
+        m = s.first
         status = ("complete" if s.complete else "incomplete" if m is not None else "unreadable")
         note = (f"missing {ranks_text(s.missing)}" if s.missing
                 else "" if m is not None else "no node holds a valid manifest")
@@ -373,22 +392,27 @@ def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, lo
     if best is not None and not best.in_root:
         out.line(f"step {best.step} is complete on the nodes but not in ROOT: `mpickpt drain "
                  f"{where} {root}` copies it there")
-    if not newest.complete and newest.manifest is not None:
-        out.line(f"step {newest.step} is incomplete: {newest.missing_text()}. "
-                 f"{rebuild_hint(newest)}")
+    if not newest.complete and not newest.in_root and newest.first is not None:
+        homes = sorted({h for r in newest.missing if (h := newest.home(r)) is not None})
+        on = f" (their node{'s' if len(homes) > 1 else ''}: {names_text(homes)})" if homes else ""
+        then = ("a restart of the job rebuilds them from XOR parity and drains at close()"
+                if newest.scheme == "xor" else
+                "only node directories not seen here can hold them (`mpickpt drain` says more)")
+        out.line(f"step {newest.step} lacks the shards of {ranks_text(newest.missing)}{on}: "
+                 f"{then}")
 
 
 def rebuild_hint(s: LocalStep) -> str:
-    """What to do about a step the nodes seen do not hold completely."""
+    """What to do about a step the node directories seen do not hold completely."""
     if s.scheme == "xor":
-        return ("Its XOR parity may rebuild them: a restart of the job with the same local "
-                "level rebuilds XOR-protected shards when it restores, and drains the step to "
-                "ROOT at close(). Under mpiexec/srun with one process per node, a process on "
-                "every node must run this command")
-    return ("A restart of the job rebuilds XOR-protected shards (redundancy='xor') when it "
-            f"restores and drains at close(); with redundancy {s.scheme or 'none'} they can "
-            "only come from a node directory this command does not see (under mpiexec/srun "
-            "with one process per node, run it on every node)")
+        return ("Its redundancy is XOR parity: a restart of the job with this local level "
+                "rebuilds the missing shards when it restores, and drains the newest local "
+                "checkpoint to ROOT at close(). If some nodes were not seen, run this command "
+                "with one process on every node (srun --ntasks-per-node=1 mpickpt drain ...)")
+    return ("A restart of the job rebuilds XOR-protected shards when it restores and drains at "
+            f"close(), but this step's redundancy is {s.scheme or 'none'}: its missing shards "
+            "can only come from node directories this command did not see (run it with one "
+            "process on every node: srun --ntasks-per-node=1 mpickpt drain ...)")
 
 
 # ------------------------------------------------------------- mpickpt drain: one process's part
@@ -396,11 +420,13 @@ def rebuild_hint(s: LocalStep) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CopyJob:
-    """Verify rank ``rank``'s shard at ``src`` (every checksum), then copy it to ``dst``."""
+    """Verify rank ``rank``'s shard at ``src`` (every checksum) against the MANIFEST.json beside
+    it, which must hash to ``digest``, then copy it to ``dst``."""
 
     rank: int
     src: str
     dst: str
+    digest: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,16 +472,27 @@ def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None)
         os.close(fin)
 
 
-def copy_share(text: str, jobs: list[CopyJob], threads: int,
+def copy_share(jobs: list[CopyJob], threads: int,
                on_bytes: Callable[[int], None] | None = None) -> list[Copied]:
-    """This process's part of a drain: each job's shard verified against the manifest ``text``,
-    then copied; jobs run ``threads`` at a time."""
+    """This process's part of a drain: each job's shard verified, then copied; jobs run
+    ``threads`` at a time."""
     if not jobs:
         return []
-    m = Manifest.from_json(text, "the drained step's MANIFEST.json")
+    manifests: dict[str, Manifest | str] = {}
+    for d in {os.path.dirname(j.src) for j in jobs}:
+        try:
+            m, data = read_manifest(d)
+            manifests[d] = m if checksum.digest(data) == jobs[0].digest else (
+                f"{os.path.join(d, MANIFEST)} is no longer the manifest the drain was planned "
+                "with (did a job write this step again?)")
+        except ManifestError as e:
+            manifests[d] = str(e)
     workers = max(1, min(threads, len(jobs)))
 
     def one(job: CopyJob) -> Copied:
+        m = manifests[os.path.dirname(job.src)]
+        if isinstance(m, str):
+            return Copied(job.rank, job.src, f"rank {job.rank}: {job.src}: {m}", None, 0)
         entry = m.ranks[job.rank]
         try:
             verify_file(job.rank, job.src, entry.bytes, entry.tensors, m.checksum_block,

@@ -9,11 +9,10 @@ see only its own node's directory: every rank sends what it sees there (:class:`
 (:class:`CopyShards`). All communication goes through :class:`mpickpt.protocol.Protocol`
 (deadlines included); payloads are the small frozen records below and in :mod:`.local`
 (:class:`Job`, :class:`Verdict`, :class:`View` and the orders :class:`LookAt`, :class:`Check`,
-:class:`LookLocal`, :class:`CopyShards`, :class:`Stop`), of paths, numbers, sentences and
-manifest texts only. A single process does
-everything itself and never communicates: MPI (mpi4py) is imported only when the environment says
-that a launcher started this process (:func:`launched`), so a plain ``mpickpt ls`` never
-initialises it.
+:class:`LookLocal`, :class:`ReadManifest`, :class:`CopyShards`, :class:`Stop`), of paths, numbers
+and sentences only (and once, for a drain, one manifest's bytes). A single process does everything
+itself and never communicates: MPI (mpi4py) is imported only when the environment says that a
+launcher started this process (:func:`launched`), so a plain ``mpickpt ls`` never initialises it.
 
 Before a command that reads ROOT, :meth:`Team.same_root` makes sure every rank sees the same
 directory: each rank lists the path it was given (resolved in its own working directory, as the
@@ -31,8 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import checksum, rootdir
-from ..errors import CollectiveTimeout
-from ..manifest import Manifest
+from ..errors import CollectiveTimeout, ManifestError
+from ..manifest import Manifest, read_bytes
 from ..ranks import ranks_text
 from . import EXIT_ERROR
 from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
@@ -110,11 +109,19 @@ class LookLocal:
 
 
 @dataclass(frozen=True, slots=True)
-class CopyShards:
-    """Verify and copy your share ``shares[rank]`` of a drain (the step's manifest is ``text``)
-    and send back what became of each (:class:`~.local.Copied`)."""
+class ReadManifest:
+    """Rank ``rank``: send back the bytes of the MANIFEST.json in ``path`` (or why not); the
+    others: None."""
 
-    text: str
+    rank: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class CopyShards:
+    """Verify and copy your share ``shares[rank]`` of a drain and send back what became of
+    each (:class:`~.local.Copied`)."""
+
     shares: list[list[CopyJob]]
     threads: int
 
@@ -225,13 +232,22 @@ class Team:
         self.proto.bcast(LookLocal(path), "cli-work")
         return self.proto.gather(_look(path), "cli-verdicts") or []
 
-    def copy(self, text: str, shares: list[list[CopyJob]], progress: Progress | None = None
+    def manifest_bytes(self, rank: int, path: str) -> bytes | str:
+        """Rank 0: the bytes of ``path``/MANIFEST.json as process ``rank`` reads them, or why it
+        cannot."""
+        if self.proto is not None and rank != 0:
+            self.proto.bcast(ReadManifest(rank, path), "cli-work")
+            got = self.proto.gather(None, "cli-verdicts") or []
+            return got[rank]
+        return _read_manifest(path)
+
+    def copy(self, shares: list[list[CopyJob]], progress: Progress | None = None
              ) -> list[Copied]:
         """Rank 0: each process verifies and copies its share of a drain; what became of every
         job."""
         if self.proto is not None:
-            self.proto.bcast(CopyShards(text, shares, self.threads), "cli-work")
-        mine = _copy(text, shares[0], self.threads, progress.add if progress else None)
+            self.proto.bcast(CopyShards(shares, self.threads), "cli-work")
+        mine = _copy(shares[0], self.threads, progress.add if progress else None)
         if self.proto is None:
             return mine
         return [c for part in self.proto.gather(mine, "cli-verdicts") or [] for c in part]
@@ -265,16 +281,20 @@ class Team:
     def _serve(self) -> int:
         assert self.proto is not None
         while True:
-            msg: Stop | LookAt | Check | LookLocal | CopyShards = self.proto.bcast(
-                None, "cli-work")
+            msg: Stop | LookAt | Check | LookLocal | ReadManifest | CopyShards = \
+                self.proto.bcast(None, "cli-work")
             if isinstance(msg, Stop):
                 self.proto.free()
                 return int(msg.code)
             if isinstance(msg, LookLocal):
                 self.proto.gather(_look(msg.path), "cli-verdicts")
                 continue
+            if isinstance(msg, ReadManifest):
+                mine = _read_manifest(msg.path) if msg.rank == self.rank else None
+                self.proto.gather(mine, "cli-verdicts")
+                continue
             if isinstance(msg, CopyShards):
-                self.proto.gather(_copy(msg.text, msg.shares[self.rank], msg.threads, None),
+                self.proto.gather(_copy(msg.shares[self.rank], msg.threads, None),
                                   "cli-verdicts")
                 continue
             if isinstance(msg, LookAt):
@@ -363,14 +383,21 @@ def _look(path: str) -> LocalView:
     try:
         return look(path)
     except Exception as e:
-        return LocalView(os.path.abspath(path), f"{path}: {type(e).__name__}: {e}", [], {})
+        return LocalView(os.path.abspath(path), f"{path}: {type(e).__name__}: {e}", [])
 
 
-def _copy(text: str, share: list[CopyJob], threads: int,
+def _read_manifest(path: str) -> bytes | str:
+    try:
+        return read_bytes(path)
+    except Exception as e:
+        return str(e) if isinstance(e, ManifestError) else f"{path}: {type(e).__name__}: {e}"
+
+
+def _copy(share: list[CopyJob], threads: int,
           on_bytes: Callable[[int], None] | None) -> list[Copied]:
     """:func:`~.local.copy_share`, every failure said in the results rather than raised."""
     try:
-        return copy_share(text, share, threads, on_bytes)
+        return copy_share(share, threads, on_bytes)
     except Exception as e:
         return [Copied(j.rank, j.src, None, f"rank {j.rank}: {j.src}: {type(e).__name__}: {e}", 0)
                 for j in share]
