@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rootdir
-from .protocol import Protocol
+from .protocol import Pending, Protocol
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
 WINDOW = 32 << 20
@@ -80,8 +80,9 @@ class Exchange:
     """One rank's side of the redundancy of its team (``scheme`` "partner" or "xor")."""
 
     def __init__(self, proto: Protocol, teams: list[list[int]], scheme: str,
-                 window: int = WINDOW) -> None:
-        self.proto, self.teams, self.scheme, self.window = proto, teams, scheme, window
+                 window: int | None = None) -> None:
+        self.proto, self.teams, self.scheme = proto, teams, scheme
+        self.window = window or WINDOW
         self.rank = proto.rank
         self.team = team_of(teams, self.rank)
         self.pos = self.team.index(self.rank)
@@ -89,8 +90,10 @@ class Exchange:
         self._bufs: dict[str, np.ndarray] = {}
         # allocated (and touched) once, here: the first save does not pay for them
         wide = len(self.team) if scheme == "xor" else 1
-        np.asarray(self.buffer("out", wide * window))[:] = 0
-        np.asarray(self.buffer("in", window))[:] = 0
+        for name in ("out0", "out1"):
+            np.asarray(self.buffer(name, wide * self.window))[:] = 0
+        for name in ("in0", "in1"):
+            np.asarray(self.buffer(name, self.window))[:] = 0
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         """A reused byte buffer of at least ``nbytes``."""
@@ -117,28 +120,44 @@ class Exchange:
 
     def _partner(self, directory: str, own: str, size: int, names: Callable[[int], str],
                  on_window: Callable[[], None]) -> Moved:
+        """Windows go out and come in two at a time: while one is on the wire, the next is
+        read and the last one received is written."""
         holder, source = partner_holder(self.teams, self.rank), partner_source(self.teams,
                                                                                self.rank)
         mine, theirs = np.array([size], dtype=np.int64), np.zeros(1, dtype=np.int64)
         self.proto.transfer([(mine, holder)], [(theirs, source)], "the partner exchange")
         other = int(theirs[0])
         src = rootdir.open_regular(own)
-        dst = _create(os.path.join(directory, names(source)))
+        dst = _create(os.path.join(directory, names(source)), other)
         keep = _Keep()
+        prev: tuple[Pending, memoryview, int] | None = None
         try:
-            for off in range(0, max(size, other), self.window):
+            for k, off in enumerate(range(0, max(size, other), self.window)):
                 n_out, n_in = _span(size, off, self.window), _span(other, off, self.window)
-                out, into = self.buffer("out", n_out), self.buffer("in", n_in)
+                out, into = self.buffer(f"out{k % 2}", n_out), self.buffer(f"in{k % 2}", n_in)
                 _pread(src, out, off)
-                self.proto.transfer([(out, holder)] if n_out else [],
-                                    [(into, source)] if n_in else [], "the partner exchange")
-                keep.do(_pwrite, dst, into, off)
-                keep.do(on_window)
+                cur = (self.proto.start([(out, holder)] if n_out else [],
+                                        [(into, source)] if n_in else [],
+                                        "the partner exchange"), into, off)
+                if prev is not None:
+                    self._land(prev, dst, keep, on_window)
+                prev = cur
+            if prev is not None:
+                self._land(prev, dst, keep, on_window)
         finally:
             os.close(src)
             _seal(dst)
         keep.check()
         return Moved(size, other)
+
+    @staticmethod
+    def _land(sent: tuple[Pending, memoryview, int], dst: int, keep: _Keep,
+              on_window: Callable[[], None]) -> None:
+        """Wait for a window's transfer; write what came in."""
+        pending, into, off = sent
+        pending.wait()
+        keep.do(_pwrite, dst, into, off)
+        keep.do(on_window)
 
     def _xor(self, directory: str, own: str, size: int, names: Callable[[int], str],
              on_window: Callable[[], None]) -> Moved:
@@ -148,19 +167,25 @@ class Exchange:
         src = rootdir.open_regular(own)
         dst = _create(os.path.join(directory, names(self.rank)), chunk)
         keep = _Keep()
+        prev: tuple[Pending, memoryview, int] | None = None
         try:
-            for off in range(0, chunk, self.window):
+            for k, off in enumerate(range(0, chunk, self.window)):
                 w = min(self.window, chunk - off)
-                out = np.frombuffer(self.buffer("out", n * w), dtype=np.uint8).reshape(n, w)
-                for k in range(n):
-                    if k == self.pos:
-                        out[k] = 0
+                out = np.frombuffer(self.buffer(f"out{k % 2}", n * w),
+                                    dtype=np.uint8).reshape(n, w)
+                for j in range(n):
+                    if j == self.pos:
+                        out[j] = 0
                     else:
-                        _read_padded(src, size, xor_chunk(n, self.pos, k) * chunk + off, out[k])
-                into = np.frombuffer(self.buffer("in", w), dtype=np.uint8)
-                self.team_proto.xor_scatter(out, into, "the XOR parity")
-                keep.do(_pwrite, dst, memoryview(into), off)
-                keep.do(on_window)
+                        _read_padded(src, size, xor_chunk(n, self.pos, j) * chunk + off, out[j])
+                into = self.buffer(f"in{k % 2}", w)
+                cur = (self.team_proto.xor_scatter(out, np.frombuffer(into, dtype=np.uint8),
+                                                   "the XOR parity"), into, off)
+                if prev is not None:
+                    self._land(prev, dst, keep, on_window)
+                prev = cur
+            if prev is not None:
+                self._land(prev, dst, keep, on_window)
         finally:
             os.close(src)
             _seal(dst)
@@ -186,28 +211,38 @@ def _read_padded(fd: int, size: int, start: int, out: np.ndarray) -> None:
 def copy_over(proto: Protocol, moves: list[tuple[int, int, str, int]], window: int,
               buffer: Callable[[str, int], memoryview]) -> int:
     """Each ``(donor, receiver, path, size)`` in order: the donor sends its file ``path``,
-    the receiver writes it to its own ``path`` (the receiver's). Bytes received."""
+    the receiver writes it to its own ``path`` (the receiver's), two windows in flight. Bytes
+    received."""
     got = 0
+    phase = "the rebuild from a partner copy"
     for donor, receiver, path, size in moves:
-        if proto.rank == donor:
-            fd = rootdir.open_regular(path)
-            try:
-                for off in range(0, size, window):
-                    buf = buffer("out", _span(size, off, window))
+        if proto.rank not in (donor, receiver):
+            continue
+        sending = proto.rank == donor
+        fd = rootdir.open_regular(path) if sending else _create(path, size)
+        prev: tuple[Pending, memoryview, int] | None = None
+        try:
+            for k, off in enumerate(range(0, size, window)):
+                buf = buffer(f"{'out' if sending else 'in'}{k % 2}", _span(size, off, window))
+                if sending:
                     _pread(fd, buf, off)
-                    proto.transfer([(buf, receiver)], [], "the rebuild from a partner copy")
-            finally:
+                cur = (proto.start([(buf, receiver)] if sending else [],
+                                   [] if sending else [(buf, donor)], phase), buf, off)
+                if prev is not None:
+                    prev[0].wait()
+                    if not sending:
+                        _pwrite(fd, prev[1], prev[2])
+                prev = cur
+            if prev is not None:
+                prev[0].wait()
+                if not sending:
+                    _pwrite(fd, prev[1], prev[2])
+        finally:
+            if sending:
                 os.close(fd)
-        elif proto.rank == receiver:
-            fd = _create(path)
-            try:
-                for off in range(0, size, window):
-                    buf = buffer("in", _span(size, off, window))
-                    proto.transfer([], [(buf, donor)], "the rebuild from a partner copy")
-                    _pwrite(fd, buf, off)
-                got += size
-            finally:
+            else:
                 _seal(fd)
+        got += 0 if sending else size
     return got
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -248,34 +249,31 @@ class Protocol:
         finally:
             split.Free()
 
-    def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
-                 phase: str) -> None:
-        """Send each buffer to its rank and receive each from its rank, point to point, within
-        the deadline (else :class:`CollectiveTimeout` naming the peers)."""
+    def start(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
+              phase: str) -> Pending:
+        """Start sending each buffer to its rank and receiving each from its rank, point to
+        point; :meth:`Pending.wait` ends them within the deadline."""
         reqs = [self.comm.Irecv(buf, src, TAG_DATA) for buf, src in recvs]
         reqs += [self.comm.Isend(buf, dest, TAG_DATA) for buf, dest in sends]
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while not MPI.Request.Testall(reqs):
-            spins += 1
-            if spins > 200:
-                if time.monotonic() > deadline:
-                    peers = sorted({p for _, p in sends} | {p for _, p in recvs})
-                    self._abort_delay = self.grace
-                    raise CollectiveTimeout(
-                        f"rank {self.rank}: {phase} with {ranks_text(peers)} did not complete "
-                        f"within {self.timeout:g} s: a peer died or hangs")
-                time.sleep(0.0002)
+        peers = sorted({p for _, p in sends} | {p for _, p in recvs})
+        return Pending(self, reqs, f"{phase} with {ranks_text(peers)}")
 
-    def xor_scatter(self, send: np.ndarray, recv: np.ndarray, phase: str) -> None:
-        """Reduce-scatter (bitwise XOR) of equal blocks: rank k gets the XOR of every rank's
-        block k."""
-        self._wait(self.comm.Ireduce_scatter_block(send, recv, op=MPI.BXOR), phase)
+    def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
+                 phase: str) -> None:
+        """:meth:`start`, and wait for it."""
+        self.start(sends, recvs, phase).wait()
+
+    def xor_scatter(self, send: np.ndarray, recv: np.ndarray, phase: str) -> Pending:
+        """Start a reduce-scatter (bitwise XOR) of equal blocks: rank k gets the XOR of every
+        rank's block k."""
+        return Pending(self, [self.comm.Ireduce_scatter_block(send, recv, op=MPI.BXOR)],
+                       f"{phase} of {self.size} ranks")
 
     def xor_reduce(self, send: np.ndarray, recv: np.ndarray | None, root: int,
                    phase: str) -> None:
         """The bitwise XOR of every rank's ``send``, into ``recv`` on ``root``."""
-        self._wait(self.comm.Ireduce(send, recv, op=MPI.BXOR, root=root), phase)
+        Pending(self, [self.comm.Ireduce(send, recv, op=MPI.BXOR, root=root)],
+                f"{phase} of {self.size} ranks").wait()
 
     def complete(self, req: MPI.Request, roll: _RollCall, phase: str) -> None:
         """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
@@ -370,6 +368,39 @@ class Protocol:
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+class Pending:
+    """Data transfers in flight (the local level's shard copies and parity). A helper thread
+    blocks in ``Waitall``, where MPI moves data at full speed (polling with sleeps, as the
+    protocol's small collectives do, starves its progress); :meth:`wait` waits for that thread
+    within the deadline, else raises :class:`CollectiveTimeout` (the communicator, and the
+    helper thread, are then given up: the job aborts)."""
+
+    def __init__(self, proto: Protocol, reqs: list[MPI.Request], what: str) -> None:
+        self._proto, self._what = proto, what
+        self._done = threading.Event()
+        self._error: str | None = None
+        threading.Thread(target=self._run, args=(reqs,), name="mpickpt-transfer",
+                         daemon=True).start()
+
+    def _run(self, reqs: list[MPI.Request]) -> None:
+        try:
+            MPI.Request.Waitall(reqs)
+        except MPI.Exception as e:
+            self._error = e.Get_error_string().strip()
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        p = self._proto
+        if not self._done.wait(p.timeout):
+            p._abort_delay = p.grace
+            raise CollectiveTimeout(f"rank {p.rank}: {self._what} did not complete within "
+                                    f"{p.timeout:g} s: a peer died or hangs")
+        if self._error is not None:
+            raise CollectiveTimeout(f"rank {p.rank}: {self._what} failed (MPI reported: "
+                                    f"{self._error})")
 
 
 class ExitVote:

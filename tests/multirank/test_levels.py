@@ -75,15 +75,16 @@ def outcome(reports: dict[int, dict], n: int, step: int, finals: dict[int, str])
     return "correct"
 
 
+WINDOW = 7000  # bytes moved at a time in the cases that set it: a shard takes ~15 windows
 LOSSES = [
-    # (id, redundancy, ranks, ranks per node, xor_set, nodes wiped, restored from)
-    ("partner-2x2-one-node", "partner", 4, 2, None, [1], "local"),
-    ("partner-4x1-two-pairs", "partner", 4, 1, None, [0, 2], "local"),
-    ("partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root"),
-    ("partner-4x1-one-pair", "partner", 4, 1, None, [2, 3], "root"),
-    ("xor-3x2-one-node", "xor", 6, 2, 3, [1], "local"),
-    ("xor-6x1-two-sets", "xor", 6, 1, 3, [0, 4], "local"),
-    ("xor-3x2-two-nodes", "xor", 6, 2, 3, [0, 2], "root"),
+    # (id, redundancy, ranks, ranks per node, xor_set, nodes wiped, restored from, window)
+    ("partner-2x2-one-node", "partner", 4, 2, None, [1], "local", WINDOW),
+    ("partner-4x1-two-pairs", "partner", 4, 1, None, [0, 2], "local", None),
+    ("partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root", None),
+    ("partner-4x1-one-pair", "partner", 4, 1, None, [2, 3], "root", None),
+    ("xor-3x2-one-node", "xor", 6, 2, 3, [1], "local", WINDOW),
+    ("xor-6x1-two-sets", "xor", 6, 1, 3, [0, 4], "local", None),
+    ("xor-3x2-two-nodes", "xor", 6, 2, 3, [0, 2], "root", None),
 ]
 
 
@@ -91,9 +92,9 @@ LOSSES = [
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in LOSSES])
 def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         tmp_path: Path, reference, guarantees, case: tuple) -> None:
-    name, redundancy, n, per_node, xor_set, wipe, level = case
+    name, redundancy, n, per_node, xor_set, wipe, level, window = case
     done, reports = crash_then_resume(tmp_path, n, wipe, redundancy=redundancy,
-                                      per_node=per_node, xor_set=xor_set)
+                                      per_node=per_node, xor_set=xor_set, window=window)
     step = CRASH if level == "local" else DRAINED
     guarantees.record(SUITE, name, outcome(reports, n, step, reference[n]), done.output[-2000:])
     assert done.returncode == 0, done.output

@@ -12,6 +12,8 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
   network and from ROOT, skipped, whether the state is bit for bit the one trained to that
   step), the saves' results, and the final state's digest;
 * ``fault``: an ``MPICKPT_FAULT`` spec armed once the Checkpointer exists;
+* ``window``: the bytes the redundancy exchange moves at a time (default 32 MiB: one window
+  for this small state; a few KiB make many, in flight two at a time);
 * ``verify``: restore only, then check ROOT alone: a Checkpointer without the local level
   restores every step committed in ROOT explicitly; each must be bit for bit the state trained
   to that step (``root_steps`` in the report).
@@ -35,7 +37,7 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import faults, rootdir
+from mpickpt import exchange, faults, rootdir
 
 NAMES = ("w1", "w2", "b")
 
@@ -93,6 +95,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank = comm.rank
     os.environ["MPICKPT_NODE"] = f"n{rank // plan.get('per_node', 1)}"
+    if plan.get("window"):
+        exchange.WINDOW = plan["window"]
     report: dict[str, Any] = {"rank": rank, "saves": {}}
     ck = mpickpt.Checkpointer(
         plan["root"], keep=plan.get("keep"), timeout=plan.get("timeout", 60),
