@@ -8,7 +8,10 @@ a shard into chunks) are :mod:`mpickpt.topology`'s.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +22,55 @@ from .protocol import Pending, Protocol
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
 WINDOW = 32 << 20
+DEPTH = 4  # partner windows in flight
+
+
+class _Mapped:
+    """A file as a shared memory map (``create``: made, its blocks allocated first, so that a
+    full disk is an error here rather than a SIGBUS later; fsynced when it closes)."""
+
+    def __init__(self, path: str, size: int, create: bool = False) -> None:
+        self.path, self.size, self.create = path, size, create
+        self.error: OSError | None = None
+        self._map: mmap.mmap | None = None
+        self._arr: np.ndarray | None = None
+
+    def __enter__(self) -> _Mapped:
+        if self.create:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                         rootdir.FILE_MODE)
+        else:
+            fd = rootdir.open_regular(self.path)
+        self.fd = fd
+        try:
+            if self.size:
+                if self.create:
+                    os.posix_fallocate(fd, 0, self.size)
+                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | (
+                    mmap.PROT_WRITE if self.create else 0))
+                self._arr = np.frombuffer(self._map, dtype=np.uint8)
+        except OSError as e:
+            if not self.create:
+                os.close(fd)
+                raise
+            self.error = OSError(e.errno, e.strerror, self.path)
+        return self
+
+    def view(self, off: int, n: int) -> np.ndarray:
+        assert self._arr is not None
+        return self._arr[off:off + n]
+
+    def __exit__(self, *exc: object) -> None:
+        self._arr = None
+        if self._map is not None:
+            # MPI may still hold a view of it: then the map goes with its last reference
+            with contextlib.suppress(BufferError):
+                self._map.close()
+        try:
+            if self.create:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 def _pread(fd: int, buf: memoryview, offset: int) -> None:
@@ -120,33 +172,32 @@ class Exchange:
 
     def _partner(self, directory: str, own: str, size: int, names: Callable[[int], str],
                  on_window: Callable[[], None]) -> Moved:
-        """Windows go out and come in two at a time: while one is on the wire, the next is
-        read and the last one received is written."""
+        """The shard goes out of, and the copy comes into, memory maps of the two files: MPI
+        copies straight from one node's pages into the other's, ``DEPTH`` windows in flight."""
         holder, source = partner_holder(self.teams, self.rank), partner_source(self.teams,
                                                                                self.rank)
         mine, theirs = np.array([size], dtype=np.int64), np.zeros(1, dtype=np.int64)
         self.proto.transfer([(mine, holder)], [(theirs, source)], "the partner exchange")
         other = int(theirs[0])
-        src = rootdir.open_regular(own)
-        dst = _create(os.path.join(directory, names(source)), other)
         keep = _Keep()
-        prev: tuple[Pending, memoryview, int] | None = None
-        try:
-            for k, off in enumerate(range(0, max(size, other), self.window)):
+        with _Mapped(own, size) as out, _Mapped(os.path.join(directory, names(source)), other,
+                                                 create=True) as into:
+            if into.error is not None:  # no room: receive into a scratch window instead
+                keep.error = into.error
+            flying: deque[Pending] = deque()
+            for off in range(0, max(size, other), self.window):
                 n_out, n_in = _span(size, off, self.window), _span(other, off, self.window)
-                out, into = self.buffer(f"out{k % 2}", n_out), self.buffer(f"in{k % 2}", n_in)
-                _pread(src, out, off)
-                cur = (self.proto.start([(out, holder)] if n_out else [],
-                                        [(into, source)] if n_in else [],
-                                        "the partner exchange"), into, off)
-                if prev is not None:
-                    self._land(prev, dst, keep, on_window)
-                prev = cur
-            if prev is not None:
-                self._land(prev, dst, keep, on_window)
-        finally:
-            os.close(src)
-            _seal(dst)
+                sink = (into.view(off, n_in) if into.error is None else
+                        self.buffer("in0", n_in))
+                flying.append(self.proto.start(
+                    [(out.view(off, n_out), holder)] if n_out else [],
+                    [(sink, source)] if n_in else [], "the partner exchange"))
+                if len(flying) >= DEPTH:
+                    flying.popleft().wait()
+                    keep.do(on_window)
+            while flying:
+                flying.popleft().wait()
+                keep.do(on_window)
         keep.check()
         return Moved(size, other)
 

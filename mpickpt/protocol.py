@@ -20,10 +20,10 @@ passed; none while the job is healthy beyond one ``Iprobe`` per poll of a collec
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -371,36 +371,47 @@ class Protocol:
 
 
 class Pending:
-    """Data transfers in flight (the local level's shard copies and parity). A helper thread
+    """Data transfers in flight (the local level's shard copies and parity). One helper thread
     blocks in ``Waitall``, where MPI moves data at full speed (polling with sleeps, as the
-    protocol's small collectives do, starves its progress); :meth:`wait` waits for that thread
-    within the deadline, else raises :class:`CollectiveTimeout` (the communicator, and the
-    helper thread, are then given up: the job aborts)."""
+    protocol's small collectives do, starves its progress); :meth:`wait` waits for it within the
+    deadline, else raises :class:`CollectiveTimeout` (the communicator, and the helper thread,
+    are then given up: the job aborts)."""
 
     def __init__(self, proto: Protocol, reqs: list[MPI.Request], what: str) -> None:
         self._proto, self._what = proto, what
-        self._done = threading.Event()
-        self._error: str | None = None
-        threading.Thread(target=self._run, args=(reqs,), name="mpickpt-transfer",
-                         daemon=True).start()
+        self._future = _waiter().submit(self._run, reqs)
 
-    def _run(self, reqs: list[MPI.Request]) -> None:
+    @staticmethod
+    def _run(reqs: list[MPI.Request]) -> str | None:
         try:
             MPI.Request.Waitall(reqs)
         except MPI.Exception as e:
-            self._error = e.Get_error_string().strip()
-        finally:
-            self._done.set()
+            return str(e.Get_error_string().strip())
+        return None
 
     def wait(self) -> None:
         p = self._proto
-        if not self._done.wait(p.timeout):
+        try:
+            error = self._future.result(p.timeout)
+        except concurrent.futures.TimeoutError:
             p._abort_delay = p.grace
             raise CollectiveTimeout(f"rank {p.rank}: {self._what} did not complete within "
-                                    f"{p.timeout:g} s: a peer died or hangs")
-        if self._error is not None:
+                                    f"{p.timeout:g} s: a peer died or hangs") from None
+        if error is not None:
             raise CollectiveTimeout(f"rank {p.rank}: {self._what} failed (MPI reported: "
-                                    f"{self._error})")
+                                    f"{error})")
+
+
+_WAITER: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _waiter() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that waits on data transfers, started once (MPICH keeps a little memory
+    for every thread started after MPI_Init)."""
+    if not _WAITER:
+        _WAITER.append(concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mpickpt-transfer"))
+    return _WAITER[0]
 
 
 class ExitVote:
