@@ -25,7 +25,7 @@ from .errors import CheckpointError, LocalTierFull
 from .exchange import Exchange
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .levels import LocalLevel
-from .localtier import LocalTier
+from .localtier import LocalTier, in_memory
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .recovery import LocalRecovery
@@ -205,7 +205,7 @@ class Checkpointer:
                           "%s save(s)", base, len(topo.names), redundancy,
                           persist_every or "no")
         return LocalLevel(tier, topo, self.rank, redundancy, teams, exchange, persist_every,
-                          keep_local, budget, drain_bandwidth)
+                          keep_local, budget, drain_bandwidth, in_memory(tier.dir))
 
     # -------------------------------------------------------------------------------------- save
 

@@ -13,9 +13,11 @@ import mmap
 import os
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from . import rootdir
 from .protocol import Pending, Protocol
@@ -59,6 +61,12 @@ class _Mapped:
     def view(self, off: int, n: int) -> np.ndarray:
         assert self._arr is not None
         return self._arr[off:off + n]
+
+    def put(self, off: int, data: memoryview) -> None:
+        """Copy ``data`` into the file at ``off`` (torch's copy lets go of the GIL)."""
+        assert self._arr is not None
+        torch.from_numpy(self._arr[off:off + len(data)]).copy_(
+            torch.frombuffer(data, dtype=torch.uint8))
 
     def __exit__(self, *exc: object) -> None:
         self._arr = None
@@ -144,8 +152,9 @@ class Exchange:
         wide = len(self.team) if scheme == "xor" else 1
         for name in ("out0", "out1"):
             np.asarray(self.buffer(name, wide * self.window))[:] = 0
-        for name in ("in0", "in1"):
-            np.asarray(self.buffer(name, self.window))[:] = 0
+        for slot in range(DEPTH):
+            np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
+        self._copier = ThreadPoolExecutor(DEPTH, thread_name_prefix="mpickpt-copy")
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         """A reused byte buffer of at least ``nbytes``."""
@@ -155,6 +164,7 @@ class Exchange:
         return memoryview(buf)[:nbytes]
 
     def free(self) -> None:
+        self._copier.shutdown()
         self._bufs.clear()
         if self.team_proto is not None:
             self.team_proto.free()
@@ -172,32 +182,47 @@ class Exchange:
 
     def _partner(self, directory: str, own: str, size: int, names: Callable[[int], str],
                  on_window: Callable[[], None]) -> Moved:
-        """The shard goes out of, and the copy comes into, memory maps of the two files: MPI
-        copies straight from one node's pages into the other's, ``DEPTH`` windows in flight."""
+        """The shard goes out of a memory map of its file, ``DEPTH - 1`` windows in flight; the
+        copy comes into reused buffers, and threads copy each into a memory map of the copy's
+        file (in parallel: a single writer of fresh pages is the slowest part)."""
         holder, source = partner_holder(self.teams, self.rank), partner_source(self.teams,
                                                                                self.rank)
         mine, theirs = np.array([size], dtype=np.int64), np.zeros(1, dtype=np.int64)
         self.proto.transfer([(mine, holder)], [(theirs, source)], "the partner exchange")
         other = int(theirs[0])
         keep = _Keep()
+        copies: list[Future[None] | None] = [None] * DEPTH
         with _Mapped(own, size) as out, _Mapped(os.path.join(directory, names(source)), other,
                                                  create=True) as into:
-            if into.error is not None:  # no room: receive into a scratch window instead
-                keep.error = into.error
-            flying: deque[Pending] = deque()
-            for off in range(0, max(size, other), self.window):
-                n_out, n_in = _span(size, off, self.window), _span(other, off, self.window)
-                sink = (into.view(off, n_in) if into.error is None else
-                        self.buffer("in0", n_in))
-                flying.append(self.proto.start(
-                    [(out.view(off, n_out), holder)] if n_out else [],
-                    [(sink, source)] if n_in else [], "the partner exchange"))
-                if len(flying) >= DEPTH:
-                    flying.popleft().wait()
-                    keep.do(on_window)
-            while flying:
-                flying.popleft().wait()
+            keep.error = into.error  # no room for the copy: receive all the same, then fail
+            flying: deque[tuple[Pending, int, int, int]] = deque()
+
+            def land() -> None:
+                pending, slot, off, n = flying.popleft()
+                pending.wait()
+                if n and into.error is None:
+                    copies[slot] = self._copier.submit(into.put, off,
+                                                       self.buffer(f"in{slot}", n))
                 keep.do(on_window)
+
+            for k, off in enumerate(range(0, max(size, other), self.window)):
+                n_out, n_in = _span(size, off, self.window), _span(other, off, self.window)
+                if len(flying) >= DEPTH - 1:
+                    land()
+                slot = k % DEPTH
+                done = copies[slot]
+                if done is not None:  # its last window is in the file: the buffer is free
+                    keep.do(done.result)
+                    copies[slot] = None
+                flying.append((self.proto.start(
+                    [(out.view(off, n_out), holder)] if n_out else [],
+                    [(self.buffer(f"in{slot}", n_in), source)] if n_in else [],
+                    "the partner exchange"), slot, off, n_in))
+            while flying:
+                land()
+            for done in copies:
+                if done is not None:
+                    keep.do(done.result)
         keep.check()
         return Moved(size, other)
 
@@ -260,41 +285,50 @@ def _read_padded(fd: int, size: int, start: int, out: np.ndarray) -> None:
 
 
 def copy_over(proto: Protocol, moves: list[tuple[int, int, str, int]], window: int,
-              buffer: Callable[[str, int], memoryview]) -> int:
-    """Each ``(donor, receiver, path, size)`` in order: the donor sends its file ``path``,
-    the receiver writes it to its own ``path`` (the receiver's), two windows in flight. Bytes
-    received."""
+              buffer: Callable[[str, int], memoryview], copier: ThreadPoolExecutor) -> int:
+    """Each ``(donor, receiver, path, size)`` in order: the donor sends its file ``path`` out of
+    a memory map, the receiver writes it to its own ``path`` (the receiver's) through one, as
+    the partner exchange does. Bytes received."""
     got = 0
-    phase = "the rebuild from a partner copy"
     for donor, receiver, path, size in moves:
-        if proto.rank not in (donor, receiver):
-            continue
-        sending = proto.rank == donor
-        fd = rootdir.open_regular(path) if sending else _create(path, size)
-        prev: tuple[Pending, memoryview, int] | None = None
-        try:
-            for k, off in enumerate(range(0, size, window)):
-                buf = buffer(f"{'out' if sending else 'in'}{k % 2}", _span(size, off, window))
-                if sending:
-                    _pread(fd, buf, off)
-                cur = (proto.start([(buf, receiver)] if sending else [],
-                                   [] if sending else [(buf, donor)], phase), buf, off)
-                if prev is not None:
-                    prev[0].wait()
-                    if not sending:
-                        _pwrite(fd, prev[1], prev[2])
-                prev = cur
-            if prev is not None:
-                prev[0].wait()
-                if not sending:
-                    _pwrite(fd, prev[1], prev[2])
-        finally:
-            if sending:
-                os.close(fd)
-            else:
-                _seal(fd)
-        got += 0 if sending else size
+        if proto.rank in (donor, receiver):
+            _copy_one(proto, donor, receiver, path, size, window, buffer, copier)
+            got += size if proto.rank == receiver else 0
     return got
+
+
+def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int, window: int,
+              buffer: Callable[[str, int], memoryview], copier: ThreadPoolExecutor) -> None:
+    sending = proto.rank == donor
+    copies: list[Future[None] | None] = [None] * DEPTH
+    with _Mapped(path, size, create=not sending) as f:
+        if f.error is not None:
+            raise f.error
+        flying: deque[tuple[Pending, int, int, int]] = deque()
+
+        def land() -> None:
+            pending, slot, off, n = flying.popleft()
+            pending.wait()
+            if not sending and n:
+                copies[slot] = copier.submit(f.put, off, buffer(f"in{slot}", n))
+
+        for k, off in enumerate(range(0, size, window)):
+            n = _span(size, off, window)
+            if len(flying) >= DEPTH - 1:
+                land()
+            slot = k % DEPTH
+            done = copies[slot]
+            if done is not None:
+                done.result()
+                copies[slot] = None
+            flying.append((proto.start([(f.view(off, n), receiver)] if sending else [],
+                                       [] if sending else [(buffer(f"in{slot}", n), donor)],
+                                       "the rebuild from a partner copy"), slot, off, n))
+        while flying:
+            land()
+        for done in copies:
+            if done is not None:
+                done.result()
 
 
 def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: str | None,

@@ -40,6 +40,7 @@ class LocalLevel:
     keep: int
     budget: int | None  # bytes per node, for the local checkpoints kept and the one written
     drain_bandwidth: float | None  # bytes per second per rank, None: as fast as it goes
+    mapped: bool = False  # shards written through memory maps (the directory is in memory)
 
     @property
     def leader(self) -> bool:

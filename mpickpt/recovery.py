@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +116,7 @@ class LocalRecovery:
         self.last = Recovered(rebuilt=lost)
         if not lost:
             return None
-        return self._rebuild(d, manifest, text, level_text, moves, xor_lost, layout)
+        return self._rebuild(d, manifest, text, level_text, moves, xor_lost, layout, verify)
 
     def _verify(self, d: str, manifest: Manifest, rank: int, full: bool = True) -> str | None:
         entry = manifest.ranks[rank]
@@ -163,7 +164,7 @@ class LocalRecovery:
 
     def _rebuild(self, d: str, manifest: Manifest, text: str, level_text: str | None,
                  moves: list[tuple[int, int]], xor_lost: dict[int, int],
-                 layout: dict[str, Any]) -> str | None:
+                 layout: dict[str, Any], verify: bool) -> str | None:
         ex = self.level.exchange
         window = ex.window if ex is not None else 32 << 20
         buffers = ex.buffer if ex is not None else _Buffers().get
@@ -179,12 +180,16 @@ class LocalRecovery:
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
         if not self.proto.all_ok(err is None, "local-rebuild-start"):
             return "; ".join(filter(None, self.proto.allgather(err, "local-rebuild-report")))
+        copier = ex._copier if ex is not None else ThreadPoolExecutor(4)
         try:
             received += copy_over(self.proto, [
                 (donor, r, os.path.join(d, shard_name(r)), manifest.ranks[r].bytes)
-                for donor, r in moves], window, buffers)
+                for donor, r in moves], window, buffers, copier)
         except OSError as e:
             err = f"rank {self.rank}: the copy failed: {e}"
+        finally:
+            if ex is None:
+                copier.shutdown()
         if xor_lost:
             teams: list[list[int]] = layout["teams"]
             team = team_of(teams, self.rank)
@@ -205,7 +210,8 @@ class LocalRecovery:
                 sub.free()
         donor = {r: dn for dn, r in moves}.get(self.rank)
         if self.rank in receivers(moves, xor_lost) and err is None:
-            err = self._verify(d, manifest, self.rank)
+            # fully verified only when asked: otherwise the load that follows verifies it
+            err = self._verify(d, manifest, self.rank, verify)
             if err is None and not os.path.lexists(os.path.join(d, MANIFEST)):
                 try:
                     if level_text:

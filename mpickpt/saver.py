@@ -235,7 +235,7 @@ class Saver:
                            "checkpoints are untouched and training goes on", req.step,
                            result.error)
 
-    def _write(self, req: SaveRequest, partial: str) -> RankEntry:
+    def _write(self, req: SaveRequest, partial: str, mapped: bool = False) -> RankEntry:
         """Stage 1: this rank's shard, written and fsynced."""
         assert req.snapshot is not None and req.tree is not None
         stats, t0 = req.stats, time.perf_counter()
@@ -249,7 +249,7 @@ class Saver:
             path, host,
             {"rank": self.rank, "step": req.step, "world_size": self.world_size,
              "tree": json.dumps(req.tree, allow_nan=False)},
-            alignment=self.options.alignment,
+            alignment=self.options.alignment, mapped=mapped,
         )
         for r in writer.records:
             if r.name in req.placements:
@@ -341,7 +341,7 @@ class Saver:
         try:
             if req.snapshot is not None and req.tree is not None:
                 lv.check_room(req.snapshot.nbytes, len(req.snapshot.tensors), self.rank)
-                entry = self._write(req, partial)
+                entry = self._write(req, partial, mapped=lv.mapped)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         finally:

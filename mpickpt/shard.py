@@ -14,6 +14,7 @@ tensor by :class:`mpickpt.blocks.BlockFile`, the reader the operator's tools sha
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -127,9 +128,11 @@ class ShardWriter:
         attrs: Mapping[str, str | int],
         *,
         alignment: int = DEFAULT_ALIGNMENT,
+        mapped: bool = False,
     ) -> None:
         self.path = path
         self.records: list[TensorRecord] = []
+        self._rw, self._map, self._dst = -1, None, None
         # created here, so its mode is rootdir.FILE_MODE less the umask (HDF5 would use 0o666)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
                          rootdir.FILE_MODE))
@@ -140,10 +143,23 @@ class ShardWriter:
         try:
             self._layout(tensors, attrs)
             self._fd = os.open(path, os.O_WRONLY)
-            self._dfd = _open_direct(path, os.O_WRONLY)
+            self._dfd = -1 if mapped else _open_direct(path, os.O_WRONLY)
+            if mapped:
+                self._map_data()
         except BaseException:
-            self._h5.close()
+            self.close()
             raise
+
+    def _map_data(self) -> None:
+        """Write through a memory map instead (tmpfs: page faults run in parallel where
+        positional writes to one file take turns), its blocks allocated first so that a full
+        filesystem is an error here rather than a SIGBUS in a copy."""
+        end = max((r.offset + r.nbytes for r in self.records), default=0)
+        if end:
+            self._rw = os.open(self.path, os.O_RDWR)
+            os.posix_fallocate(self._rw, 0, end)
+            self._map = mmap.mmap(self._rw, end)
+            self._dst = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def _layout(self, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str | int]) -> None:
         f = self._h5
@@ -189,11 +205,18 @@ class ShardWriter:
         for r in self.records:
             r.checksums = [""] * checksum.block_count(r.nbytes, block)
 
+        sources = ([tensors[r.name].reshape(-1).view(torch.uint8) for r in self.records]
+                   if self._dst is not None else [])
+
         def task(i: int, b: int) -> None:
             r, lo = self.records[i], b * block
             buf = views[i][lo : lo + block]
             r.checksums[b] = checksum.digest(buf)
-            _pwrite(self._fd, self._dfd, addrs[i] + lo, buf, r.offset + lo)
+            if self._dst is not None:
+                at = r.offset + lo
+                self._dst[at : at + len(buf)].copy_(sources[i][lo : lo + len(buf)])
+            else:
+                _pwrite(self._fd, self._dfd, addrs[i] + lo, buf, r.offset + lo)
             if on_block is not None:
                 on_block()
 
@@ -202,6 +225,7 @@ class ShardWriter:
     def seal(self) -> int:
         """Record checksums as attributes, close HDF5, fsync; return the file's size in bytes."""
         try:
+            self._unmap()
             for r in self.records:
                 self._h5[_dataset_path(r.name)].attrs["xxh3_64"] = ",".join(r.checksums)
             self._h5.close()
@@ -214,15 +238,23 @@ class ShardWriter:
         """Release the file without sealing it (after an error). Its descriptors are closed even
         when HDF5 cannot flush (a full disk), and HDF5's error does not hide the first one."""
         try:
+            self._unmap()
             if self._h5.id.valid:
                 self._h5.close()
         except Exception:
             pass  # the file is discarded: its metadata need not reach the disk
         finally:
-            for fd in (self._fd, self._dfd):
+            for fd in (getattr(self, "_fd", -1), getattr(self, "_dfd", -1), self._rw):
                 if fd >= 0:
                     os.close(fd)
-            self._fd = self._dfd = -1
+            self._fd = self._dfd = self._rw = -1
+
+    def _unmap(self) -> None:
+        self._dst = None
+        if self._map is not None:
+            self._map.flush()
+            self._map.close()
+            self._map = None
 
 
 def read_shard(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ CRASH, LAST, DRAINED = 40, 60, 30  # the step protected before the crash, the en
 def job(tmp: Path, name: str, n: int, **plan: Any) -> tuple[Any, dict[int, dict]]:
     """Run the scenario on ``n`` ranks; (the job, each rank's report)."""
     out = tmp / f"out-{name}"
-    full = {"root": str(tmp / "root"), "local": str(tmp / "local"), "steps": LAST,
+    full = {"root": str(tmp / "root"), "local": str(local_of(tmp)), "steps": LAST,
             "every": 10, "persist_every": 3, "out": str(out), **plan}
     path = tmp / f"plan-{name}.json"
     path.write_text(json.dumps(full))
@@ -38,6 +39,21 @@ def job(tmp: Path, name: str, n: int, **plan: Any) -> tuple[Any, dict[int, dict]
         if f.exists():
             reports[r] = json.loads(f.read_text())
     return done, reports
+
+
+def local_of(tmp: Path) -> Path:
+    """The local level's directory of a test: under tmp, or where tmp/LOCAL says (/dev/shm)."""
+    link = tmp / "LOCAL"
+    return Path(link.read_text()) if link.exists() else tmp / "local"
+
+
+@pytest.fixture
+def in_memory(tmp_path: Path):
+    """Put the test's local level in /dev/shm (tmpfs: shards written through memory maps)."""
+    where = Path(f"/dev/shm/mpickpt-test-{uuid.uuid4().hex[:8]}")
+    (tmp_path / "LOCAL").write_text(str(where))
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +76,7 @@ def crash_then_resume(tmp: Path, n: int, wipe: list[int], **settings: Any
     assert (tmp / "root" / f"step-{DRAINED:08d}" / "MANIFEST.json").exists()
     assert not (tmp / "root" / f"step-{CRASH:08d}").exists()  # the crash came before its drain
     for node in wipe:
-        shutil.rmtree(tmp / "local" / f"n{node}")
+        shutil.rmtree(local_of(tmp) / f"n{node}")
     return job(tmp, "resume", n, **settings)
 
 
@@ -91,8 +107,10 @@ LOSSES = [
 @pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in LOSSES])
 def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
-        tmp_path: Path, reference, guarantees, case: tuple) -> None:
+        tmp_path: Path, reference, guarantees, case: tuple, request) -> None:
     name, redundancy, n, per_node, xor_set, wipe, level, window = case
+    if window:  # these cases also put the local level in memory, as in production
+        assert request.getfixturevalue("in_memory").parent == Path("/dev/shm")
     done, reports = crash_then_resume(tmp_path, n, wipe, redundancy=redundancy,
                                       per_node=per_node, xor_set=xor_set, window=window)
     step = CRASH if level == "local" else DRAINED
