@@ -9,8 +9,6 @@ ROOT, how many stay on the nodes, and the node's budget for them.
 from __future__ import annotations
 
 import json
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +20,6 @@ from .manifest import shard_name
 from .shard import DEFAULT_ALIGNMENT
 from .topology import Topology
 
-DRAIN_CHUNK = 8 << 20
 HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
 
 
@@ -99,35 +96,5 @@ class LocalLevel:
     def drain_copy(self, src: str, dst: str, on_chunk: Callable[[], None]) -> int:
         """Copy ``src`` to ``dst`` (fsynced), at most ``drain_bandwidth`` bytes per second;
         the bytes copied."""
-        fin = rootdir.open_regular(src)
-        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                       rootdir.FILE_MODE)
-        try:
-            size, done, t0 = os.fstat(fin).st_size, 0, time.monotonic()
-            while done < size:
-                n = _copy(fin, fout, done, min(DRAIN_CHUNK, size - done))
-                done += n
-                on_chunk()
-                if self.drain_bandwidth:
-                    ahead = done / self.drain_bandwidth - (time.monotonic() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
-            os.fsync(fout)
-            return done
-        finally:
-            os.close(fin)
-            os.close(fout)
-
-
-def _copy(fin: int, fout: int, offset: int, n: int) -> int:
-    """Copy up to ``n`` bytes at ``offset`` (kernel copy where it can); the bytes copied."""
-    try:
-        got = os.copy_file_range(fin, fout, n, offset, offset)
-    except OSError:
-        got = 0
-    if got <= 0:
-        data = os.pread(fin, n, offset)
-        if not data:
-            raise OSError(f"unexpected end of file at byte {offset}")
-        got = os.pwrite(fout, data, offset)
-    return got
+        return rootdir.copy_file(src, dst, on_bytes=lambda _: on_chunk(),
+                                 bandwidth=self.drain_bandwidth)

@@ -17,7 +17,6 @@ sentences travel (the small frozen records below). :func:`look` and :func:`pool`
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Callable
@@ -36,7 +35,6 @@ from ..ranks import ranks_text
 from .render import Cell, Out, human_age, iso_utc, local_time
 
 MAX_NAMES = 8  # node names listed in a sentence before the rest is counted
-COPY_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,32 +442,7 @@ class Copied:
 def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None) -> int:
     """Copy ``src`` (a regular file, never through a link) to ``dst`` and fsync it; the bytes
     copied."""
-    fin = rootdir.open_regular(src)
-    try:
-        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       rootdir.FILE_MODE)
-        try:
-            size, done = os.fstat(fin).st_size, 0
-            while done < size:
-                n = min(COPY_CHUNK, size - done)
-                try:
-                    got = os.copy_file_range(fin, fout, n, done, done)
-                except OSError:
-                    got = 0
-                if got <= 0:
-                    data = os.pread(fin, n, done)
-                    if not data:
-                        raise OSError(errno.EIO, f"{src} ended at byte {done} of {size}")
-                    got = os.pwrite(fout, data, done)
-                done += got
-                if on_bytes is not None:
-                    on_bytes(got)
-            os.fsync(fout)
-            return done
-        finally:
-            os.close(fout)
-    finally:
-        os.close(fin)
+    return rootdir.copy_file(src, dst, on_bytes)
 
 
 def copy_share(jobs: list[CopyJob], threads: int,
