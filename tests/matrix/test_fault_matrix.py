@@ -50,7 +50,8 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """The jobs of the cells selected in this session, run on first use per rank count."""
     base = tmp_path_factory.mktemp("matrix")
     chosen = [item.callspec.params["cell"] for item in request.session.items
-              if getattr(item, "callspec", None) and "cell" in item.callspec.params]
+              if getattr(item, "callspec", None)  # this module's cells (not the level matrix's)
+              and isinstance(item.callspec.params.get("cell"), Cell)]
 
     plugins = request.config.pluginmanager
     reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")

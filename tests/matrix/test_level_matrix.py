@@ -39,7 +39,7 @@ WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))
 
 
 @dataclass(frozen=True)
-class Cell:
+class LevelCell:
     action: str
     rank: int
     phase: str
@@ -56,7 +56,7 @@ class Cell:
         return {20}
 
 
-CELLS = [Cell(a, r, p) for a in ACTIONS for r in (0, N - 1) for p in PHASES]
+CELLS = [LevelCell(a, r, p) for a in ACTIONS for r in (0, N - 1) for p in PHASES]
 
 
 @dataclass
@@ -67,7 +67,7 @@ class CellRun:
     unmanifested: list[int]  # step directories in ROOT without a manifest, after the fault
 
 
-def run_cell(cell: Cell, base: Path) -> CellRun:
+def run_cell(cell: LevelCell, base: Path) -> CellRun:
     where = base / cell.id.replace("/", "-")
     where.mkdir(parents=True)
     plan = {"root": str(where / "root"), "local": str(where / "local"), "per_node": PER_NODE,
@@ -98,14 +98,14 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     base = tmp_path_factory.mktemp("level-matrix")
     chosen = [item.callspec.params["cell"] for item in request.session.items
               if getattr(item, "callspec", None) and isinstance(
-                  item.callspec.params.get("cell"), Cell)]
+                  item.callspec.params.get("cell"), LevelCell)]
     with ThreadPoolExecutor(WORKERS) as pool:
         runs = dict(zip([c.id for c in chosen],
                         pool.map(lambda c: run_cell(c, base), chosen), strict=True))
     return runs
 
 
-def judge(cell: Cell, run: CellRun) -> str:
+def judge(cell: LevelCell, run: CellRun) -> str:
     reps = run.reports
     if run.verify.returncode != 0 or len(reps) != N:
         return "failed"
@@ -119,7 +119,7 @@ def judge(cell: Cell, run: CellRun) -> str:
     return "correct" if steps <= cell.expected() else "failed"
 
 
-def proves(cell: Cell) -> pytest.MarkDecorator:
+def proves(cell: LevelCell) -> pytest.MarkDecorator:
     ids = ["no-torn-load", "root-shows-committed-drains"]
     if cell.action == "hang":
         ids.append("no-hang")
@@ -128,7 +128,7 @@ def proves(cell: Cell) -> pytest.MarkDecorator:
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=proves(c)) for c in CELLS])
-def test_cell(matrix, guarantees, cell: Cell) -> None:
+def test_cell(matrix, guarantees, cell: LevelCell) -> None:
     run = matrix[cell.id]
     guarantees.record(SUITE, cell.id, judge(cell, run), run.verify.output[-1500:])
     fault = run.fault
