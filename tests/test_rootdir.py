@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from mpickpt import rootdir
 
 
@@ -44,3 +46,23 @@ def test_remove_goes_through_a_deleting_name(tmp_path):
     (d / "x").write_text("x")
     rootdir.remove(str(d), "run")
     assert os.listdir(tmp_path) == []
+
+
+def test_copy_file_copies_exactly_and_keeps_to_its_bandwidth(tmp_path):
+    """The drain's copy: byte for byte, chunk by chunk, never faster than asked (the throttle
+    sleeps until the bytes copied fit the rate), and never through a link."""
+    import time
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    data = os.urandom(3 * rootdir.COPY_CHUNK + 12345)
+    src.write_bytes(data)
+    seen: list[int] = []
+    t0 = time.monotonic()
+    assert rootdir.copy_file(str(src), str(dst), seen.append, bandwidth=len(data) / 0.5) == \
+        len(data)
+    assert time.monotonic() - t0 >= 0.5 * 0.99  # 0.5 s at the rate asked, at the least
+    assert dst.read_bytes() == data and sum(seen) == len(data) and len(seen) >= 4
+    (tmp_path / "link").symlink_to(src)
+    with pytest.raises(OSError):
+        rootdir.copy_file(str(tmp_path / "link"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

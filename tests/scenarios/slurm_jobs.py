@@ -18,7 +18,8 @@ passes them. It reports through files in OUT, which every run of a requeued job 
 * at the end, ``rank-R.pt`` (final parameters and optimizer state) and ``rank-R.json``, as
   ``examples/train.py --out`` writes them.
 
-Run by tests/slurm/test_slurm_jobs.py; docs/slurm.md shows its command lines.
+Run by tests/slurm/test_slurm_jobs.py and tests/slurm/test_slurm_levels.py; docs/slurm.md shows
+its command lines.
 """
 
 from __future__ import annotations
