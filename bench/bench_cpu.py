@@ -799,11 +799,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     def rate(s: dict[str, Any] | None) -> str:
         return f"{s['median_GBps']:.2f} ({s['max_GBps']:.2f})" if s else "-"
 
-    lines = [head]
+    lines = []
     for r in rows:
         save, rest = r.get("save"), r.get("restore")
         name = r["method"] + (f"  [FAILED: {r['error'][:70]}]" if r.get("error") else "")
         lines.append((name, f"{r['bytes']:,}", secs(save), rate(save), secs(rest), rate(rest)))
+    return columns(head, lines)
+
+
+def columns(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned, a rule
+    under the head."""
+    lines = [head, *rows]
     widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
     out = []
     for n, line in enumerate(lines):

@@ -631,16 +631,7 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------- report
 
 
-def table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    lines = [head, *rows]
-    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
-    out = []
-    for n, line in enumerate(lines):
-        out.append("  ".join(v.ljust(w) if c == 0 else v.rjust(w)
-                             for c, (v, w) in enumerate(zip(line, widths, strict=True))).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+table = bench_cpu.columns
 
 
 def report(doc: dict[str, Any]) -> str:

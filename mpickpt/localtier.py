@@ -101,14 +101,6 @@ class LocalTier:
             rootdir.remove(self.final(step), run_id)
         return gone
 
-    def usage(self) -> int:
-        """Bytes in this node's directory."""
-        total = 0
-        for top, _, files in os.walk(self.dir):
-            for f in files:
-                total += os.lstat(os.path.join(top, f)).st_size
-        return total
-
     def free(self) -> int:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize
@@ -129,12 +121,3 @@ def in_memory(path: str) -> bool:
     except OSError:
         return False
     return kind == "tmpfs"
-
-
-def read_level(step_dir: str) -> dict | None:
-    """The redundancy layout of a local step directory, or None."""
-    try:
-        with open(os.path.join(step_dir, LEVEL)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
