@@ -5,7 +5,8 @@ In order: the fault point ``before-snapshot``; the metadata checked (:mod:`mpick
 the state flattened into a JSON tree and named tensors with their placements
 (:mod:`mpickpt.state_tree`); the replicated pieces another rank writes dropped
 (:func:`mpickpt.sharding.keep_mine`); the optimizers and modules fenced; the tensors snapshotted
-into a host buffer (:mod:`mpickpt.snapshot`). A failure does not raise here: it travels in the
+into a host buffer (:mod:`mpickpt.snapshot`: those only an optimizer in the state changes are
+copied while forward and backward run). A failure does not raise here: it travels in the
 request, so that every rank aborts the save together; a mistake of the user's (a state or
 metadata mpickpt cannot save) is also handed back to be raised once they have.
 """
@@ -47,9 +48,9 @@ class Capture:
             request.tree, tensors, request.placements = state_tree.flatten_placed(
                 state, self.replicated, self.world_size)
             keep_mine(tensors, request.placements, self.rank)
-            self.snapshotter.guard(state)
+            lazy = self.snapshotter.guard(state)
             waits = self.pool.in_flight() >= self.pool.slots
-            request.snapshot = self.snapshotter.take(tensors)
+            request.snapshot = self.snapshotter.take(tensors, lazy)
             if self._waits is not None:
                 self._waits.saw(step, waits, self.pool.waited_s)
         except (StateTreeError, MetadataError) as e:

@@ -246,7 +246,7 @@ class Checkpointer:
         why = None
         if request.snapshot is not None:
             try:
-                self._local.check_room(request.snapshot.nbytes, len(request.snapshot.tensors),
+                self._local.check_room(request.snapshot.nbytes, request.snapshot.count,
                                        self.rank)
             except LocalTierFull as e:
                 why = str(e)

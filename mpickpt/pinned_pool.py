@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,15 @@ def available_memory() -> int | None:
     return None
 
 
+@dataclass(eq=False)
+class Lease:
+    """A slot of the pool taken for one snapshot: its buffer, or None until :meth:`HostPool.fill`
+    allocates it (off the training thread: page-locking gigabytes takes seconds)."""
+
+    nbytes: int
+    buffer: torch.Tensor | None = None
+
+
 class HostPool:
     """At most ``slots`` reusable host buffers within ``budget`` bytes for this rank."""
 
@@ -50,6 +60,7 @@ class HostPool:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._free: list[torch.Tensor] = []
         self._allocated: list[torch.Tensor] = []
+        self._reserved: list[Lease] = []  # slots taken whose buffer is not allocated yet
         self._cond = threading.Condition()
         self.waited_s = 0.0  # time the last acquire() spent waiting for a buffer
 
@@ -70,16 +81,21 @@ class HostPool:
                 f"{avail / 1e9:.3f} GB of memory this machine has available; refusing rather "
                 "than being killed for lack of memory")
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def _new(self, nbytes: int) -> torch.Tensor:
         self._check(nbytes)
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
         start = -raw.data_ptr() % ALIGN  # page-aligned, so whole pages can bypass the page cache
-        buf = raw[start : start + nbytes]
-        self._allocated.append(buf)
-        return buf
+        return raw[start : start + nbytes]
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; waits for a release when all slots are in flight."""
+        buf = self.reserve(nbytes, defer=False).buffer
+        assert buf is not None
+        return buf
+
+    def reserve(self, nbytes: int, defer: bool) -> Lease:
+        """A slot for ``nbytes``: a free buffer that fits, else a new one (with ``defer``: one
+        that :meth:`fill` allocates later); waits for a release when all slots are in flight."""
         nbytes = align(max(nbytes, 1))
         self._check(nbytes)
         t0 = time.perf_counter()
@@ -87,12 +103,19 @@ class HostPool:
             while True:
                 fits = [b for b in self._free if b.numel() >= nbytes]
                 if fits:
-                    buf = min(fits, key=lambda b: b.numel())
-                    self._free.remove(buf)
+                    lease = Lease(nbytes, min(fits, key=lambda b: b.numel()))
+                    self._free.remove(lease.buffer)
                     break
-                in_use = self.allocated_bytes - sum(b.numel() for b in self._free)
-                if len(self._allocated) < self.slots and in_use + nbytes <= self.budget:
-                    buf = self._allocate(nbytes)
+                in_use = (self.allocated_bytes - sum(b.numel() for b in self._free)
+                          + sum(r.nbytes for r in self._reserved))
+                if (len(self._allocated) + len(self._reserved) < self.slots
+                        and in_use + nbytes <= self.budget):
+                    lease = Lease(nbytes)
+                    if defer:
+                        self._reserved.append(lease)
+                    else:
+                        lease.buffer = self._new(nbytes)
+                        self._allocated.append(lease.buffer)
                     break
                 if self._free:  # a free buffer too small: replace it (the state grew)
                     old = self._free.pop()
@@ -101,13 +124,30 @@ class HostPool:
                     continue
                 self._cond.wait()
         self.waited_s = time.perf_counter() - t0
-        return buf
+        return lease
 
-    def release(self, buf: torch.Tensor) -> None:
+    def fill(self, lease: Lease) -> torch.Tensor:
+        """Allocate a deferred lease's buffer (outside the lock: it may take seconds)."""
+        if lease.buffer is None:
+            buf = self._new(lease.nbytes)
+            with self._cond:
+                self._reserved.remove(lease)
+                self._allocated.append(buf)
+                lease.buffer = buf
+        return lease.buffer
+
+    def release(self, item: torch.Tensor | Lease) -> None:
+        """Give a buffer (or a lease, allocated or not) back."""
         with self._cond:
-            self._free.append(buf)
+            if isinstance(item, Lease):
+                if item.buffer is None:
+                    self._reserved.remove(item)
+                else:
+                    self._free.append(item.buffer)
+            else:
+                self._free.append(item)
             self._cond.notify_all()
 
     def in_flight(self) -> int:
         with self._cond:
-            return len(self._allocated) - len(self._free)
+            return len(self._allocated) + len(self._reserved) - len(self._free)

@@ -340,7 +340,7 @@ class Saver:
         entry, error = None, req.error
         try:
             if req.snapshot is not None and req.tree is not None:
-                lv.check_room(req.snapshot.nbytes, len(req.snapshot.tensors), self.rank)
+                lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
                 entry = self._write(req, partial, mapped=lv.mapped)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"

@@ -15,52 +15,74 @@ pre-step hook and a module forward pre-hook) makes the current stream wait for t
 user's tensors to finish, a GPU-side wait that costs the Python thread nothing. The user's tensors
 are kept alive until then.
 
-CPU tensors are copied on the spot (``copy_`` is multi-threaded), so mutating them after ``take``
+CPU tensors that only an optimizer in the state changes (its parameters and its state) are copied
+lazily, on the snapshot thread, while forward and backward run: the optimizer's step pre-hook
+waits for that copy (DataStates' lazy snapshot). Other CPU tensors (buffers, which a forward
+pass may change, and anything else) are copied on the spot, so mutating them after ``take``
 returns is safe.
+
+The pool's buffer is allocated (and page-locked) on the snapshot thread too, when nothing has to
+go into it on the spot: the first checkpoint does not stall the loop for the allocation.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .pinned_pool import HostPool, align
+from .pinned_pool import HostPool, Lease, align
 
 # The staging->host drain goes in pieces of this size, at most D2H_DEPTH queued at a time.
 D2H_CHUNK = 4 << 20
 D2H_DEPTH = 1
+# CPU tensors copied on the spot go through a temporary copy when the pool's buffer is still to
+# be allocated, up to this many bytes; beyond it the buffer is allocated on the spot instead
+CLONE_MAX = 16 << 20
 
 
 @dataclass
 class Snapshot:
-    """One checkpoint's host copy; the tensors are valid after :meth:`wait`."""
+    """One checkpoint's host copy; :attr:`tensors` (views of the pool's buffer) are filled and
+    valid after :meth:`wait`."""
 
-    tensors: dict[str, torch.Tensor]
     nbytes: int
-    buffer: torch.Tensor
+    count: int  # how many tensors
+    lease: Lease
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     stall_s: float = 0.0  # time take() spent on the training thread
+    ready: Future[None] | None = None  # the snapshot thread's part: allocation, lazy copies
     done_events: list[torch.cuda.Event] = field(default_factory=list)
     start_events: list[torch.cuda.Event] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
-    drains: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]] = field(
-        default_factory=list)
+    # (stream, staging range, start and end in the host buffer)
+    drains: list[tuple[torch.cuda.Stream, torch.Tensor, int, int]] = field(default_factory=list)
     drained: threading.Event = field(default_factory=threading.Event)
     copy_s: float = 0.0
+    lazy_s: float = 0.0  # the snapshot thread's part, when there was one
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return self.lease.buffer
 
     def wait(self) -> None:
         """Block until every copy has landed in host memory; release the user's tensors.
         Called by the persist thread; drains the staging buffers."""
         t0 = time.perf_counter()
         try:
-            for stream, src, dst in self.drains:
-                _drain(stream, src, dst)
+            if self.ready is not None:
+                self.ready.result()
+            assert self.lease.buffer is not None
+            for stream, src, lo, hi in self.drains:
+                _drain(stream, src, self.lease.buffer[lo:hi])
         finally:
             self.drained.set()
         for ev in self.done_events:
@@ -70,6 +92,7 @@ class Snapshot:
                                                                 strict=True)) / 1e3
         if self.drains:
             self.copy_s += time.perf_counter() - t0
+        self.copy_s = max(self.copy_s, self.lazy_s)
         self.sources.clear()
 
 
@@ -98,12 +121,18 @@ class Snapshotter:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staging: dict[torch.device, torch.Tensor] = {}
         self._safe: dict[torch.device, torch.cuda.Event] = {}
+        self._reading: Future[None] | None = None  # the lazy copy out of the user's tensors
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-snapshot")
         self._last: Snapshot | None = None
         self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._hook_lock = threading.Lock()
 
-    def take(self, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
+    def take(self, tensors: Mapping[str, torch.Tensor],
+             lazy: Mapping[int, int] | None = None) -> Snapshot:
+        """Snapshot ``tensors``; those of CPU whose data pointer ``lazy`` maps to at least their
+        size (an optimizer's, see :meth:`guard`) are copied on the snapshot thread."""
         t0 = time.perf_counter()
+        lazy = lazy or {}
         by_device: dict[torch.device, list[str]] = {}
         for name, t in tensors.items():
             by_device.setdefault(t.device, []).append(name)
@@ -116,27 +145,44 @@ class Snapshotter:
             start = pos
             for name in by_device[dev]:
                 offsets[name] = pos
-                pos = align(pos + tensors[name].numel() * tensors[name].element_size())
+                pos = align(pos + _nbytes(tensors[name]))
             ranges[dev] = (start, pos)
+        cpu = by_device.get(torch.device("cpu"), [])
+        later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= _nbytes(tensors[n])]
+        later_set = set(later)
+        now = [n for n in cpu if n not in later_set]
         if self._last is not None:  # its staging buffers must be drained before reuse
             self._last.drained.wait()
-        buf = self.pool.acquire(pos)
+        staging = {dev: self._staging_buffer(dev, hi - lo) for dev, (lo, hi) in ranges.items()
+                   if dev.type == "cuda"}
+        defer = (all(b is not None for b in staging.values())
+                 and sum(_nbytes(tensors[n]) for n in now) <= CLONE_MAX)
+        lease = self.pool.reserve(pos, defer=defer)
+        snap = Snapshot(pos, len(tensors), lease)
         try:
-            views = {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
-            snap = Snapshot(views, pos, buf)
+            if lease.buffer is not None:
+                snap.tensors = _views(lease.buffer, offsets, tensors)
             for dev in order:
-                names = by_device[dev]
                 if dev.type == "cuda":
-                    self._copy_cuda(dev, [tensors[n] for n in names], [views[n] for n in names],
-                                    [offsets[n] for n in names], buf, ranges[dev], snap)
-                else:
-                    with torch.no_grad():
-                        for n in names:
-                            views[n].copy_(tensors[n])
+                    names = by_device[dev]
+                    self._copy_cuda(dev, [tensors[n] for n in names], names, offsets, snap,
+                                    ranges[dev], staging[dev])
+            held: dict[str, torch.Tensor] = {}
+            with torch.no_grad():
+                for n in now:
+                    if lease.buffer is not None:
+                        snap.tensors[n].copy_(tensors[n])
+                    else:
+                        held[n] = tensors[n].detach().clone()
+            held.update((n, tensors[n]) for n in later)
+            if held or lease.buffer is None:
+                snap.ready = self._thread.submit(self._fill, snap, offsets, tensors, held)
+                if later:
+                    self._reading = snap.ready
         except BaseException:  # (a GPU out of memory for staging, say): the buffer goes back
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # no copy queued into it may land after its next use
-            self.pool.release(buf)
+            self.pool.release(lease)
             raise
         if not snap.drains:
             snap.drained.set()
@@ -144,9 +190,21 @@ class Snapshotter:
         snap.stall_s = time.perf_counter() - t0
         return snap
 
-    def _copy_cuda(self, dev: torch.device, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
-                   offs: list[int], buf: torch.Tensor, rng: tuple[int, int],
-                   snap: Snapshot) -> None:
+    def _fill(self, snap: Snapshot, offsets: dict[str, int],
+              tensors: Mapping[str, torch.Tensor], held: dict[str, torch.Tensor]) -> None:
+        """On the snapshot thread: allocate the buffer if it is not yet, copy ``held`` into it."""
+        t0 = time.perf_counter()
+        buf = self.pool.fill(snap.lease)
+        if not snap.tensors:
+            snap.tensors = _views(buf, offsets, tensors)
+        with torch.no_grad():
+            for n, t in held.items():
+                snap.tensors[n].copy_(t)
+        snap.lazy_s = time.perf_counter() - t0
+
+    def _copy_cuda(self, dev: torch.device, srcs: list[torch.Tensor], names: list[str],
+                   offsets: dict[str, int], snap: Snapshot, rng: tuple[int, int],
+                   staging: torch.Tensor | None) -> None:
         stream = self._streams.get(dev)
         if stream is None:
             stream = self._streams[dev] = torch.cuda.Stream(device=dev)
@@ -154,21 +212,19 @@ class Snapshotter:
         start.record(torch.cuda.current_stream(dev))
         stream.wait_event(start)
         lo, hi = rng
-        staging = self._staging_buffer(dev, hi - lo)
         safe = torch.cuda.Event()
         done = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream), torch.no_grad():
             if staging is not None:
-                stage_views = [_view(staging, o - lo, s) for o, s in zip(offs, srcs, strict=True)]
+                stage_views = [_view(staging, offsets[n] - lo, s)
+                               for n, s in zip(names, srcs, strict=True)]
                 torch._foreach_copy_(stage_views, srcs, non_blocking=True)
-                safe.record(stream)
-                done.record(stream)
-                snap.drains.append((stream, staging[: hi - lo], buf[lo:hi]))
+                snap.drains.append((stream, staging[: hi - lo], lo, hi))
             else:
-                for d, s in zip(dsts, srcs, strict=True):
-                    d.copy_(s, non_blocking=True)
-                safe.record(stream)
-                done.record(stream)
+                for n, s in zip(names, srcs, strict=True):
+                    snap.tensors[n].copy_(s, non_blocking=True)
+            safe.record(stream)
+            done.record(stream)
         self._safe[dev] = safe
         snap.start_events.append(start)
         snap.done_events.append(done)
@@ -189,26 +245,33 @@ class Snapshotter:
     def release(self, snap: Snapshot) -> None:
         """The persist thread is done with ``snap``: its staging and host buffers are free
         again (also when it failed before draining them)."""
+        if snap.ready is not None:  # its outcome reached the save through wait()
+            concurrent.futures.wait([snap.ready])
         snap.drained.set()
-        self.pool.release(snap.buffer)
+        self.pool.release(snap.lease)
 
-    def guard(self, state: Any) -> None:
-        """Make the optimizers and modules in ``state`` wait for the snapshot before they change
-        the tensors it copies (a GPU-side stream wait, nothing on the CPU): an optimizer step
-        pre-hook and a forward pre-hook, registered once per object."""
-        if not torch.cuda.is_available():
-            return
+    def guard(self, state: Any) -> dict[int, int]:
+        """Make the optimizers (and, with CUDA, the modules) in ``state`` wait for the snapshot
+        before they change the tensors it copies: an optimizer step pre-hook and a forward
+        pre-hook, registered once per object. Returns the tensors only those optimizers change
+        (data pointer -> bytes): their parameters and state, which :meth:`take` copies lazily."""
         found: list[Any] = []
         _collect(state, found)
+        owned: dict[int, int] = {}
         with self._hook_lock:
             for obj in found:
+                if isinstance(obj, torch.optim.Optimizer):
+                    _owned_by(obj, owned)
                 if obj in self._hooked:
                     continue
                 if isinstance(obj, torch.optim.Optimizer):
-                    obj.register_step_pre_hook(lambda *_: self.fence())
-                else:
+                    obj.register_step_pre_hook(lambda *_: self.fence_step())
+                elif torch.cuda.is_available():
                     obj.register_forward_pre_hook(lambda *_: self.fence())
+                else:
+                    continue
                 self._hooked.add(obj)
+        return owned
 
     def fence(self) -> None:
         """Make the current stream of each device wait until the last snapshot no longer reads
@@ -219,11 +282,47 @@ class Snapshotter:
             else:
                 torch.cuda.current_stream(dev).wait_event(ev)
 
+    def fence_step(self) -> None:
+        """Before an optimizer step: :meth:`fence`, and wait for the lazy CPU copy."""
+        self.fence()
+        self._wait_reading()
+
+    def _wait_reading(self) -> None:
+        job = self._reading
+        if job is not None:
+            concurrent.futures.wait([job])  # a failure aborts the save, not the training step
+            self._reading = None
+
     def wait_snapshot(self) -> None:
         """Block the calling thread until the last snapshot no longer reads the user's tensors."""
         for ev in list(self._safe.values()):
             ev.synchronize()
         self._safe.clear()
+        self._wait_reading()
+
+
+def _owned_by(opt: torch.optim.Optimizer, out: dict[int, int]) -> None:
+    """The CPU tensors that ``opt.step()`` changes: its parameters and its state."""
+    def add(t: Any) -> None:
+        if hasattr(t, "to_local"):  # a DTensor: the shard this rank holds
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            out[t.data_ptr()] = max(out.get(t.data_ptr(), 0), _nbytes(t))
+    for group in opt.param_groups:
+        for p in group["params"]:
+            add(p)
+    for st in opt.state.values():
+        for v in st.values():
+            add(v)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _views(buf: torch.Tensor, offsets: Mapping[str, int],
+           tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
 
 
 def _collect(x: Any, out: list[Any]) -> None:

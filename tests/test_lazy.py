@@ -1,0 +1,181 @@
+"""The lazy CPU snapshot and the buffer allocated off the training thread (one process).
+
+An optimizer's parameters and state are copied on the snapshot thread while forward and backward
+run; the optimizer's step pre-hook waits for that copy. The snapshot thread is slowed down here
+(a sleep before its real work) so that the training thread surely gets to the step first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import mpickpt
+from mpickpt import snapshot
+
+
+@pytest.fixture
+def slow_copy(monkeypatch):
+    """Delay the snapshot thread's part by ``delay[0]`` seconds; ``finished`` lists when each
+    one ended."""
+    real = snapshot.Snapshotter._fill
+    delay, finished = [1.0], []
+
+    def slow(self, *a, **kw):
+        time.sleep(delay[0])
+        real(self, *a, **kw)
+        finished.append(time.perf_counter())
+
+    monkeypatch.setattr(snapshot.Snapshotter, "_fill", slow)
+    return delay, finished
+
+
+def model_and_adam(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64),
+                                torch.nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_step(model, opt)  # Adam's state exists
+    return model, opt
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def test_the_step_waits_for_the_lazy_copy_and_the_checkpoint_has_the_values_of_save(
+        tmp_path, slow_copy):
+    delay, finished = slow_copy
+    model, opt = model_and_adam()
+    saved = values(model, opt)
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        t0 = time.perf_counter()
+        handle = ck.save(1, {"model": model, "optim": opt})
+        returned = time.perf_counter()
+        assert returned - t0 < delay[0] / 2, "save() waited for the copy"
+        model(torch.randn(16, 64)).square().mean().backward()  # runs beside the copy
+        assert not finished
+        opt.step()  # its pre-hook waits for the copy
+        stepped = time.perf_counter()
+        assert finished and finished[0] <= stepped
+        assert handle.wait().committed
+        after = values(model, opt)
+        assert any(not torch.equal(after[k], saved[k]) for k in saved)  # the step changed them
+        delay[0] = 0.0
+        fresh_model, fresh_opt = model_and_adam(seed=1)
+        assert ck.restore({"model": fresh_model, "optim": fresh_opt}) == 1
+    got = values(fresh_model, fresh_opt)
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_buffers_and_tensors_no_optimizer_owns_are_copied_at_once(tmp_path, slow_copy):
+    model, opt = model_and_adam()
+    counter = torch.zeros(4)
+    bn_mean = model[1].running_mean.clone()
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(1, {"model": model, "optim": opt, "counter": counter})
+        model(torch.randn(16, 64))  # a training forward pass moves the running statistics
+        counter.add_(7)
+        assert not torch.equal(model[1].running_mean, bn_mean)
+        assert h.wait().committed
+        slow_copy[0][0] = 0.0
+        fresh_model, fresh_opt = model_and_adam(seed=1)
+        fresh = {"model": fresh_model, "optim": fresh_opt, "counter": torch.ones(4)}
+        assert ck.restore(fresh) == 1
+    assert torch.equal(fresh_model[1].running_mean, bn_mean)
+    assert torch.equal(fresh["counter"], torch.zeros(4))
+
+
+def test_wait_snapshot_waits_for_the_lazy_copy(tmp_path, slow_copy):
+    _, finished = slow_copy
+    model, opt = model_and_adam()
+    before = model[0].weight.detach().clone()
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(1, {"model": model, "optim": opt})
+        assert not finished
+        ck.wait_snapshot()
+        assert finished
+        with torch.no_grad():
+            model[0].weight.add_(1)  # not through the optimizer: allowed after wait_snapshot
+        assert h.wait().committed
+        slow_copy[0][0] = 0.0
+        fresh_model, fresh_opt = model_and_adam(seed=1)
+        ck.restore({"model": fresh_model, "optim": fresh_opt})
+    assert torch.equal(fresh_model[0].weight, before)
+
+
+def test_the_first_buffer_is_allocated_off_the_training_thread(tmp_path, monkeypatch):
+    threads: list[str] = []
+    real = snapshot.HostPool._new
+
+    def spy(self, nbytes):
+        threads.append(threading.current_thread().name)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
+    model, opt = model_and_adam()
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        assert ck.save(1, {"model": model, "optim": opt}).wait().committed
+        assert ck.pinned_bytes > 0
+        assert ck.save(2, {"model": model, "optim": opt}).wait().committed
+    assert len(threads) == 1 and threads[0].startswith("mpickpt-snapshot"), threads
+
+
+def test_a_large_state_no_optimizer_owns_gets_its_buffer_on_the_spot(tmp_path, monkeypatch):
+    """Copied at once, it needs the buffer at once (rather than a temporary copy of it all)."""
+    threads: list[str] = []
+    real = snapshot.HostPool._new
+
+    def spy(self, nbytes):
+        threads.append(threading.current_thread().name)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
+    state = {"w": torch.ones((snapshot.CLONE_MAX >> 2) + 1024)}
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        assert ck.save(1, state).wait().committed
+    assert threads == [threading.main_thread().name]
+
+
+def test_a_deferred_buffer_holds_its_slot(tmp_path, slow_copy):
+    """max_in_flight=1: a second save waits until the first one gave its buffer back, also when
+    the first one's buffer was not allocated yet."""
+    model, opt = model_and_adam()
+    state = {"model": model, "optim": opt}
+    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+        first = ck.save(1, state)
+        second = ck.save(2, state)  # waits for the first one's (slow) copy and write
+        assert second.wait().stats["waited_for_buffer_s"] > 0.5
+        assert ck.pinned_bytes == first.wait().stats["snapshot_bytes"]
+
+
+def test_a_failed_allocation_aborts_the_save_and_gives_the_slot_back(tmp_path, monkeypatch):
+    model, opt = model_and_adam()
+    real = snapshot.HostPool._new
+    calls = []
+
+    def failing(self, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise MemoryError("no pinned memory left")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(snapshot.HostPool, "_new", failing)
+    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+        result = ck.save(1, {"model": model, "optim": opt}).wait()
+        assert not result.committed and "no pinned memory left" in result.error
+        train_step(model, opt)  # the step's pre-hook does not raise for the failed copy
+        assert ck.save(2, {"model": model, "optim": opt}).wait(timeout=60).committed
