@@ -6,7 +6,8 @@ the state flattened into a JSON tree and named tensors with their placements
 (:mod:`mpickpt.state_tree`); the replicated pieces another rank writes dropped
 (:func:`mpickpt.sharding.keep_mine`); the optimizers and modules fenced; the tensors snapshotted
 into a host buffer (:mod:`mpickpt.snapshot`: those only an optimizer in the state changes are
-copied while forward and backward run). A failure does not raise here: it travels in the
+copied while forward and backward run), unless every buffer is in flight and the Checkpointer
+skips such saves (``if_busy="skip"``). A failure does not raise here: it travels in the
 request, so that every rank aborts the save together; a mistake of the user's (a state or
 metadata mpickpt cannot save) is also handed back to be raised once they have.
 """
@@ -30,8 +31,9 @@ class Capture:
     """Takes a rank's state into a :class:`SaveRequest`, through ``pool``'s host buffers."""
 
     def __init__(self, pool: HostPool, device_staging: bool, replicated: tuple[str, ...],
-                 rank: int, world_size: int, logger: logging.Logger) -> None:
+                 rank: int, world_size: int, logger: logging.Logger, skip: bool = False) -> None:
         self.pool = pool
+        self.skip = skip  # if_busy="skip": no snapshot while every buffer is in flight
         self.snapshotter = Snapshotter(pool, device_staging)
         self.replicated, self.rank, self.world_size = replicated, rank, world_size
         self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
@@ -50,6 +52,10 @@ class Capture:
             keep_mine(tensors, request.placements, self.rank)
             lazy = self.snapshotter.guard(state)
             waits = self.pool.in_flight() >= self.pool.slots
+            if waits and self.skip:  # every rank skips it: see Saver._skipped
+                request.busy = True
+                request.stats["stall_s"] = time.perf_counter() - t0
+                return request, None
             request.snapshot = self.snapshotter.take(tensors, lazy)
             if self._waits is not None:
                 self._waits.saw(step, waits, self.pool.waited_s)

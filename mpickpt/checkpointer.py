@@ -62,11 +62,15 @@ class Checkpointer:
 
     ``save`` returns once the state is snapshotted; writing, voting and committing run on a
     background thread. ``max_in_flight`` snapshots may be held at once: a save requested while
-    that many are still persisting waits for the oldest. Snapshots live in host buffers allocated
-    once and reused, page-locked when CUDA is present, within ``pinned_budget`` bytes per node
-    (shared by the node's ranks; half the node's memory by default). ``device_staging`` lets a
-    CUDA snapshot go through a GPU staging buffer when GPU memory allows, so the next optimizer
-    step waits only for a device-to-device copy.
+    that many are still persisting waits for the oldest (``if_busy="wait"``), or is skipped on
+    every rank (``if_busy="skip"``, for saves more frequent than the storage can take: its
+    result says ``skipped``, and the log says once that saves are being skipped). Snapshots
+    live in host buffers allocated once (off the training thread) and reused, page-locked when
+    CUDA is present, within ``pinned_budget`` bytes per node (shared by the node's ranks; half
+    the node's memory by default). The CPU tensors only an optimizer in the state changes are
+    copied while forward and backward run; its ``step()`` waits for that copy.
+    ``device_staging`` lets a CUDA snapshot go through a GPU staging buffer when GPU memory
+    allows, so the next optimizer step waits only for a device-to-device copy.
 
     ``preemption`` installs handlers for SIGUSR2 (``MPICKPT_SIGNAL`` names another) and SIGTERM
     that only raise a flag, which :meth:`should_exit` agrees on. ``deadline`` (Unix time; default
@@ -111,6 +115,7 @@ class Checkpointer:
         checksum_block: int = DEFAULT_BLOCK,
         on_error: str = "warn",
         max_in_flight: int = 1,
+        if_busy: str = "wait",
         pinned_budget: int | None = None,
         device_staging: bool = True,
         preemption: bool = True,
@@ -132,6 +137,8 @@ class Checkpointer:
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         if world_change not in ("reshard", "fail"):
             raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -146,7 +153,7 @@ class Checkpointer:
         self.pinned_budget = pinned_budget
         self._pool = HostPool(pinned_budget // self._proto.local_size(), max_in_flight)
         self._capture = Capture(self._pool, device_staging, self.replicated, self.rank,
-                                self.world_size, self.log)
+                                self.world_size, self.log, skip=if_busy == "skip")
         self._exit_vote = self._proto.exit_vote()
         self.preemption = preemption
         if preemption and not preempt.install():
@@ -171,7 +178,7 @@ class Checkpointer:
         self._local_checked = False
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
                             ShardOptions(alignment, checksum_block, io_threads), self.retention,
-                            self.log, on_error == "raise", self._local)
+                            self.log, on_error == "raise", self._local, skip=if_busy == "skip")
         _OPEN.add(self._saver)
         _hook_exit()
 

@@ -50,6 +50,7 @@ class SaveResult:
     stats: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)  # as committed in the manifest
     level: str = "root"  # where it committed: "root", or "local" (protected on the nodes)
+    skipped: bool = False  # if_busy="skip": not taken, an earlier save was still persisting
 
 
 class SaveHandle:
@@ -72,7 +73,7 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveResult:
         result = self._future.result(timeout)
         self.reported = True
-        if self._raise and not result.committed:
+        if self._raise and not result.committed and not result.skipped:
             raise SaveAborted(f"checkpoint of step {result.step} aborted: {result.error}")
         return result
 
@@ -90,6 +91,7 @@ class SaveRequest:
     stats: dict[str, float]
     error: str | None = None
     drain: bool = False  # with a local level: drain this one to ROOT whatever persist_every says
+    busy: bool = False  # if_busy="skip" and every buffer was in flight: no snapshot taken
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -107,12 +109,15 @@ class Saver:
 
     def __init__(self, proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
                  options: ShardOptions, policy: retention.Policy, logger: logging.Logger,
-                 raise_on_error: bool, local: LocalLevel | None = None) -> None:
+                 raise_on_error: bool, local: LocalLevel | None = None,
+                 skip: bool = False) -> None:
         self.proto, self.root, self.run_id = proto, root, run_id
         self.rank, self.world_size = proto.rank, proto.size
         self.snapshotter, self.options, self.log = snapshotter, options, logger
         self.upkeep = Upkeep(root, run_id, policy, logger)
         self.raise_on_error = raise_on_error
+        self.skip = skip  # if_busy="skip"
+        self.skips = SkipLog(logger) if skip and self.rank == 0 else None
         self.last: SaveResult | None = None  # the last committed save
         self.local = local
         self.drained: int | None = None  # the last step the local level drained to ROOT
@@ -147,7 +152,7 @@ class Saver:
         for h in self._pending:
             if not h.done():
                 still.append(h)
-            elif not h.reported and not h.outcome().committed:
+            elif not h.reported and not h.outcome().committed and not h.outcome().skipped:
                 failed = failed or h
         self._pending = still
         if failed is not None and self.raise_on_error:
@@ -171,7 +176,7 @@ class Saver:
         for job in self._jobs:
             job.result()
         results, self._pending = [h.outcome() for h in self._pending], []
-        failed = [r for r in results if not r.committed]
+        failed = [r for r in results if not r.committed and not r.skipped]
         for r in failed:
             self.log.error("%s, and the save of step %d could not commit (%s): it is lost",
                            why, r.step, r.error)
@@ -185,7 +190,9 @@ class Saver:
     def _job(self, req: SaveRequest, first: Future[SaveResult]) -> None:
         """One save on the background thread: the save, then (local level) the drain if due."""
         try:
-            result = self._run(req) if self.local is None else self._run_local(req)
+            result = self._skipped(req)
+            if result is None:
+                result = self._run(req) if self.local is None else self._run_local(req)
         except BaseException as e:  # the handle must not wait forever
             first.set_exception(e)
             raise
@@ -195,6 +202,22 @@ class Saver:
             every = self.local.persist_every
             if req.drain or (every and self._since_drain >= every):
                 self._drain(result.step)
+
+    def _skipped(self, req: SaveRequest) -> SaveResult | None:
+        """if_busy="skip": a save some rank took no snapshot of (its buffers were all in flight)
+        is skipped on every rank, decided by one allreduce before anything is written."""
+        if not self.skip:
+            return None
+        with self.proto.fatal_timeouts(self.log):
+            taken = self.proto.all_ok(not req.busy, "busy")
+        if self.skips is not None:
+            self.skips.saw(req.step, not taken)
+        if taken:
+            return None
+        if req.snapshot is not None:
+            self.snapshotter.release(req.snapshot)
+        return SaveResult(req.step, False, error="skipped: an earlier save was still persisting",
+                          stats=req.stats, skipped=True)
 
     def _run(self, req: SaveRequest) -> SaveResult:
         partial = os.path.join(self.root, rootdir.partial_name(req.step, self.run_id))
@@ -529,6 +552,27 @@ class WaitLog:
             self.log.info("saves no longer wait: %d in a row waited for an earlier one, %.2f s "
                           "in all", len(self._waits), sum(self._waits))
             self._waits = []
+
+
+class SkipLog:
+    """if_busy="skip": rank 0 says once when saves start being skipped, and once when a save is
+    taken again (how many were skipped)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log, self.skipped, self.total = logger, 0, 0
+
+    def saw(self, step: int, skipped: bool) -> None:
+        if skipped:
+            if not self.skipped and self.total == 0:
+                self.log.info("save of step %d skipped: an earlier save was still persisting "
+                              "(if_busy='skip'); skips are counted and logged when they stop",
+                              step)
+            self.skipped += 1
+            self.total += 1
+        elif self.skipped:
+            self.log.info("save of step %d taken after %d skipped (%d skipped in all)", step,
+                          self.skipped, self.total)
+            self.skipped = 0
 
 
 def _check_pieces(ranks: list[RankEntry]) -> None:

@@ -1,7 +1,7 @@
 """What a new user hits first, each with real MPI jobs (tests/scenarios/first_day.py): a ROOT not
 shared by every rank, a forgotten close(), metadata that is not JSON, a typo in ``replicated``,
-a step saved twice, saves that come faster than they persist, retention beyond keep-last-N,
-``mpickpt.Values``, and a preemption signal before the Checkpointer exists."""
+a step saved twice, saves that come faster than they persist (waiting or skipped), retention
+beyond keep-last-N, ``mpickpt.Values``, and a preemption signal before the Checkpointer exists."""
 
 from __future__ import annotations
 
@@ -118,6 +118,29 @@ def test_saves_that_wait_for_earlier_ones_are_logged_once(tmp_path):
              if "waits for an earlier" in x or "no longer wait" in x]
     assert len(lines) == 2 and all(x.startswith("[mpickpt rank 0]") for x in lines), lines
     assert "save of step 2 waits" in lines[0] and "saves no longer wait: 5 in a row" in lines[1]
+
+
+def test_saves_skipped_when_busy_are_skipped_on_every_rank_and_never_wait(tmp_path):
+    """if_busy="skip": rank 1 still writes step 1 (slowed down) when steps 2 and 3 come, rank 0
+    does not: both skip them (one allreduce decides), save() returns at once, nothing raises
+    with on_error="raise", and the log says it once when skips start and once when they stop."""
+    p = job(2, "skip", tmp_path, env={"MPICKPT_FAULT": "after-fsync-before-vote:1:delay"})
+    assert p.returncode == 0, p.output
+    ranks = seen(tmp_path, "skip", 2)
+    assert ranks[0]["outcomes"] == ranks[1]["outcomes"], ranks
+    outcomes = {step: (committed, skipped) for step, committed, skipped in ranks[0]["outcomes"]}
+    assert outcomes[1] == (True, False)
+    assert outcomes[2] == outcomes[3] == (False, True)
+    assert any(outcomes[s] == (True, False) for s in (5, 6)), outcomes
+    assert all(not (c and s) for c, s in outcomes.values())
+    assert all(r["last"] for r in ranks)
+    assert max(c for r in ranks for c in r["calls"]) < 0.25, ranks
+    taken = [s for s, (c, _) in outcomes.items() if c] + [7]
+    assert committed(tmp_path / "ckpt") == taken
+    lines = [x for x in p.stderr.splitlines() if " skipped" in x and "committed" not in x]
+    assert len(lines) >= 2 and all(x.startswith("[mpickpt rank 0]") for x in lines), lines
+    assert "save of step 2 skipped: an earlier save was still persisting" in lines[0]
+    assert "taken after" in lines[1]
 
 
 def test_retention_keeps_the_newest_every_kth_and_the_best(tmp_path):

@@ -13,6 +13,8 @@ Modes:
 * ``replicated-typo``: ``replicated=("modle",)`` is refused at the first save.
 * ``again``: step 2 saved twice; the second replaces the first, with a warning.
 * ``busy``: saves of every step, each slowed down: the log says once that saves wait.
+* ``skip``: ``if_busy="skip"``, saves 0.3 s apart while rank 1's writes are slowed down (1 s):
+  the saves it has no buffer for are skipped on every rank, and save() never waits.
 * ``retention``: ``keep=2, keep_every=4, best=("val", "min"), keep_best=1`` over steps 1..10.
 * ``values``: ``mpickpt.Values`` restored in place; ``--restore`` restores, else saves.
 * ``early-signal``: rank 1 gets SIGUSR2 before the Checkpointer exists (after ``import
@@ -125,6 +127,20 @@ def main() -> None:
         ckpt.save(7, st).wait()
         ckpt.close()
         record(a.base, a.mode)
+
+    elif a.mode == "skip":
+        ckpt = mpickpt.Checkpointer(root, keep=10, if_busy="skip", on_error="raise")
+        handles, calls = [], []
+        for step in range(1, 7):
+            t = time.perf_counter()
+            handles.append(ckpt.save(step, st))
+            calls.append(time.perf_counter() - t)
+            time.sleep(0.3)
+        outcomes = [(h.step, h.wait().committed, h.wait().skipped) for h in handles]
+        ckpt.wait()
+        last = ckpt.save(7, st).wait()
+        ckpt.close()
+        record(a.base, a.mode, outcomes=outcomes, calls=calls, last=last.committed)
 
     elif a.mode == "retention":
         ckpt = mpickpt.Checkpointer(root, keep=2, keep_every=4, best=("val", "min"), keep_best=1)
