@@ -1,27 +1,45 @@
-"""GPU checkpoint benchmark: training stall, persist throughput and restore time, side by side.
+"""Checkpoint benchmark on a GPU or the CPU: training stall, persist throughput, restore time.
 
-One run, one state (the reference job: a 29-layer 4096x4096 MLP with Adam, about 5.8 GB, batch
-256), four ways to checkpoint it: ``torch.save``, ``torch.distributed.checkpoint.save``,
-``torch.distributed.checkpoint.async_save`` (default stager, and the pinned-memory stager where it
-works) and mpickpt. Plus the limits, measured in the same run: device->pinned copy GB/s and
-``dd oflag=direct`` write (and ``iflag=direct`` read) GB/s on the target directory.
+One run, one state per rank (the reference job: a 29-layer 4096x4096 MLP with Adam, about 5.8 GB,
+batch 256, on a GPU; on CPU a 16-layer 2048x2048 MLP with Adam, 0.81 GB = 768 MiB, batch 64, with
+the node's cores shared out among its ranks as torch threads), four ways to checkpoint it:
+``torch.save``, ``torch.distributed.checkpoint.save``, ``torch.distributed.checkpoint.async_save``
+(default stager, and on CUDA the pinned-memory stager) and mpickpt. Plus the limits, measured in
+the same run: device->pinned copy GB/s on CUDA (a host memcpy GB/s on CPU) and ``dd oflag=direct``
+write (and ``iflag=direct`` read) GB/s on the target directory.
 
 Stall per checkpoint = the extra wall time the training loop sees over a window of steps around
 the checkpoint, compared with the median step time without checkpointing. Persist = bytes over
 the time from the checkpoint call until it is durable (fsynced/committed). Restore = time to load
-into the existing GPU tensors, page cache dropped first where the machine allows it.
+into the existing tensors, page cache dropped first where the machine allows it (root).
+
+Under ``mpirun -n N`` every rank runs its own job (a different model, seeded by its rank) and all
+of them checkpoint into the one directory ``--dir``: mpickpt with one shared ROOT
+(``<dir>/mpickpt``, one collective Checkpointer), ``torch.save`` one file per rank, DCP one
+checkpoint directory for all ranks (a gloo, or gloo+NCCL, process group; each rank's keys under
+``rank<r>``, since DCP writes tensors that several ranks hold under one key only once), ``dd`` one
+file per rank written at the same time. Rank 0 gathers every rank's figures: the table shows the
+stall (max and median over ranks), persist GB/s per rank and in aggregate (all ranks' bytes over
+the slowest rank's time, and as a fraction of the aggregate dd write) and the slowest restore;
+the JSON keeps the per-rank figures.
 
     python bench/bench_gpu.py --dir /tmp/bench          # table on stdout, JSON and PNG written
+    python bench/bench_gpu.py --device cpu --dir /tmp/bench      # the CPU reference (0.8 GB)
     python bench/bench_gpu.py --soak 100                # mpickpt only: pinned memory and RSS flat?
     mpirun -n 4 python bench/bench_gpu.py --methods mpickpt,dd   # 4 ranks, one GPU each
+    mpiexec -n 2 python bench/bench_gpu.py --device cpu --layers 4 --width 512 --batch 32 \\
+        --reps 2 --min-steps 5 --dir /tmp/bench          # 2 ranks on CPU, a small smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -33,10 +51,17 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu import columns
+
 import mpickpt
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
+METHODS = ("dd", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+pinned", "mpickpt")
+DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the reference job, 5.84 GB
+            "cpu": {"layers": 16, "width": 2048, "batch": 64}}   # the CPU reference, 0.81 GB
+NAN = float("nan")
 
 
 def log(*a: Any) -> None:
@@ -59,15 +84,17 @@ def drop_caches() -> bool:
         return False
 
 
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
 def fsync_tree(path: str) -> None:
     for dirpath, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+            fsync_file(os.path.join(dirpath, name))
+        fsync_file(dirpath)
 
 
 def tree_bytes(path: str) -> int:
@@ -76,17 +103,42 @@ def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-class Job:
-    """The reference training job on one GPU."""
+def remove_shared(path: str) -> None:
+    """Remove a directory all ranks share: rank 0 removes it while the others wait (collective)."""
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    COMM.Barrier()
 
-    def __init__(self, layers: int, width: int, batch: int) -> None:
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+
+
+def median(xs: list[float]) -> float:
+    """Median of the numbers that are not NaN (NaN when none is)."""
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else NAN
+
+
+class Job:
+    """The reference training job on one device (a GPU, or the CPU)."""
+
+    def __init__(self, layers: int, width: int, batch: int, device: torch.device) -> None:
         torch.manual_seed(RANK)
+        self.device = device
         mods: list[torch.nn.Module] = []
         for _ in range(layers):
             mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-        self.model = torch.nn.Sequential(*mods).cuda()
+        self.model = torch.nn.Sequential(*mods).to(device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5)
-        self.x = torch.randn(batch, width, device="cuda")
+        self.x = torch.randn(batch, width, device=device)
         self.step()  # Adam state exists from here on
 
     def step(self) -> float:
@@ -96,8 +148,17 @@ class Job:
         self.opt.zero_grad(set_to_none=True)
         return loss.item()  # the loop syncs once per step, as real loops do when they log
 
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def dcp_state(self) -> dict[str, Any]:
+        """The state for DCP, under a key of its own per rank: the ranks hold different tensors,
+        and plain tensors under one key on several ranks would be taken for replicas."""
+        return {f"rank{RANK}": self.state_dict()}
 
     def tensors(self) -> list[torch.Tensor]:
         out = [p.data for p in self.model.parameters()]
@@ -107,6 +168,24 @@ class Job:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def load(self, ref: list[torch.Tensor]) -> None:
+        """Copy ``ref`` into the state (so that every method saves the same values)."""
+        with torch.no_grad():
+            for t, r in zip(self.tensors(), ref, strict=True):
+                t.copy_(r)
+
+    def perturb(self) -> None:
+        with torch.no_grad():
+            for t in self.tensors():
+                t.add_(1)
+
+    def verify(self, ref: list[torch.Tensor], name: str) -> None:
+        self.sync()
+        bad = sum(not torch.equal(a.to(b.device), b)
+                  for a, b in zip(self.tensors(), ref, strict=True))
+        if bad:
+            raise RuntimeError(f"{name}: rank {RANK}: {bad} tensors differ after restore")
 
 
 def baseline_step(job: Job, n: int) -> float:
@@ -119,7 +198,7 @@ def baseline_step(job: Job, n: int) -> float:
 
 
 def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_steps: int
-           ) -> dict[str, float]:
+           ) -> dict[str, Any]:
     """Run steps around one checkpoint. ``call`` starts it and returns ``done()``."""
     COMM.Barrier()
     t0 = time.perf_counter()
@@ -147,12 +226,13 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
         "stall_s": wall - steps * base,
         "persist_s": persisted_at - c0,
         "steps_during_persist": len(during),
-        "step_during_persist_s": statistics.median(during) if during else float("nan"),
+        "step_during_persist_s": statistics.median(during) if during else NAN,
         "slowest_steps": sorted(trace, key=lambda x: -x[1])[:8],  # (start after call, extra s)
     }
 
 
 def run_dd(directory: str, mb: int) -> dict[str, float]:
+    """One ``dd`` writer (then reader) per rank, all at once, a file each in ``directory``."""
     path = os.path.join(directory, f"dd-{RANK}.bin")
     out: dict[str, float] = {}
     COMM.Barrier()
@@ -164,7 +244,7 @@ def run_dd(directory: str, mb: int) -> dict[str, float]:
     agg_w = COMM.allreduce(w, op=MPI.MAX)
     out["dd_write_GBps"] = mb * 2**20 / w / 1e9
     out["dd_write_aggregate_GBps"] = SIZE * mb * 2**20 / agg_w / 1e9
-    drop_caches()
+    out["dd_cache_dropped"] = drop_caches()
     COMM.Barrier()
     t = time.perf_counter()
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct"],
@@ -177,194 +257,284 @@ def run_dd(directory: str, mb: int) -> dict[str, float]:
     return out
 
 
-def d2h_copy(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
+def copy_limit(device: torch.device, nbytes: int) -> float:
+    """GB/s of one copy of ``nbytes``: device -> pinned host memory on CUDA, host -> host on CPU
+    (the first copy a snapshot makes). Every rank copies at the same time."""
+    cuda = device.type == "cuda"
+    src = torch.full((nbytes,), 1, dtype=torch.uint8, device=device)  # touched: no zero page
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst.copy_(src, non_blocking=cuda)  # warm-up: faults the destination's pages in
+    if cuda:
+        torch.cuda.synchronize()
+    COMM.Barrier()
     t = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
+    dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
     return nbytes / (time.perf_counter() - t) / 1e9
+
+
+def init_process_group(device: torch.device) -> None:
+    """The process group DCP needs, from MPI's ranks (collective; once)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    one_node = COMM.Split_type(MPI.COMM_TYPE_SHARED).size == SIZE
+    port = None
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    addr, port = COMM.bcast(("127.0.0.1" if one_node else socket.gethostname(), port))
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=RANK, world_size=SIZE)
+
+
+def restore_timed(job: Job, ref: list[torch.Tensor], name: str, fn: Callable[[], None]
+                  ) -> dict[str, Any]:
+    """Scramble the state, drop the page cache, time ``fn`` (all ranks together), check."""
+    job.perturb()
+    dropped = drop_caches()
+    COMM.Barrier()
+    t = time.perf_counter()
+    fn()
+    job.sync()
+    s = time.perf_counter() - t
+    job.verify(ref, name)
+    return {"restore_s": s, "restore_GBps": job.nbytes() / s / 1e9, "cache_dropped": dropped}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", default="/tmp/mpickpt-bench")
-    ap.add_argument("--layers", type=int, default=29)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--device", choices=["cpu", "cuda"],
+                    help="where the job lives (default: cuda when available, else cpu)")
+    ap.add_argument("--dir", default="/tmp/mpickpt-bench",
+                    help="the checkpoint directory, shared by all ranks (emptied first)")
+    ap.add_argument("--layers", type=int, help="default 29 on cuda, 16 on cpu")
+    ap.add_argument("--width", type=int, help="default 4096 on cuda, 2048 on cpu")
+    ap.add_argument("--batch", type=int, help="default 256 on cuda, 64 on cpu")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--min-steps", type=int, default=20)
-    ap.add_argument("--methods", default="dd,torch.save,dcp.save,dcp.async_save,"
-                    "dcp.async_save+pinned,mpickpt")
+    ap.add_argument("--methods", help=f"default {','.join(METHODS)} (on cpu without the "
+                    "+pinned one: pinned memory needs CUDA)")
+    ap.add_argument("--dd-mb", type=int, help="MiB each rank's dd writes (default: the state per "
+                    "rank rounded up to 64 MiB, within 256..4096)")
     ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads")
     ap.add_argument("--soak", type=int, default=0, help="N consecutive mpickpt checkpoints")
     ap.add_argument("--json", default="bench/results/gpu.json")
     ap.add_argument("--png", default="bench/results/gpu.png")
     args = ap.parse_args()
-    methods = args.methods.split(",")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
+    for k, v in DEFAULTS[args.device].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    methods = (args.methods.split(",") if args.methods else
+               [m for m in METHODS if args.device == "cuda" or not m.endswith("+pinned")])
 
-    torch.cuda.set_device(RANK % torch.cuda.device_count())
-    base_dir = os.path.join(args.dir, f"rank{RANK}") if SIZE > 1 else args.dir
-    shutil.rmtree(base_dir, ignore_errors=True)
-    os.makedirs(base_dir)
-    job = Job(args.layers, args.width, args.batch)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(RANK % torch.cuda.device_count())
+        name = torch.cuda.get_device_name()
+    else:  # the node's cores shared out among its ranks
+        local = COMM.Split_type(MPI.COMM_TYPE_SHARED).size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        name = cpu_name()
+    if RANK == 0:
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+    COMM.Barrier()
+    job = Job(args.layers, args.width, args.batch, device)
     nbytes = job.nbytes()
     for _ in range(3):
         job.step()
     base = baseline_step(job, 30)
+    steps = COMM.allgather(base)
     res: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ranks": SIZE,
-        "state_bytes_per_rank": nbytes, "step_s": base, "layers": args.layers,
+        "device": args.device, "device_name": name, "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "ranks": SIZE, "state_bytes_per_rank": nbytes,
+        "step_s": median(steps), "step_s_per_rank": steps, "layers": args.layers,
         "width": args.width, "batch": args.batch, "dir": args.dir, "methods": {},
     }
-    log(f"state {nbytes / 1e9:.2f} GB per rank x {SIZE} ranks, step {base * 1e3:.1f} ms")
-    res["d2h_pinned_GBps"] = d2h_copy(min(nbytes, 4 << 30))
+    log(f"state {nbytes / 1e9:.3f} GB per rank x {SIZE} rank(s), "
+        f"step {res['step_s'] * 1e3:.1f} ms")
+    copies = COMM.allgather(copy_limit(device, min(nbytes, 4 << 30)))
+    res["copy_kind"] = "d2h pinned" if device.type == "cuda" else "host copy"
+    res["copy_GBps"], res["copy_GBps_per_rank"] = median(copies), copies
     if "dd" in methods:
-        res.update(run_dd(base_dir, 4096))
-        log({k: round(v, 3) for k, v in res.items() if k.startswith("dd")})
+        mb = args.dd_mb or max(256, min(4096, -(-nbytes // (64 << 20)) * 64))
+        dd = COMM.allgather(run_dd(args.dir, mb))
+        res["dd_mb_per_rank"] = mb
+        for k in dd[0]:
+            if k.endswith("aggregate_GBps") or k == "dd_cache_dropped":
+                res[k] = dd[0][k]  # the same on every rank (dropped: rank 0's)
+            else:
+                res[k], res[k + "_per_rank"] = median([d[k] for d in dd]), [d[k] for d in dd]
+        log({k: round(v, 3) for k, v in res.items() if k.startswith("dd") and
+             isinstance(v, float)})
     if args.soak:
-        res["soak"] = soak(job, base_dir, args.soak)
+        mine = soak(job, args.dir, args.soak)
+        every = COMM.gather(mine)
+        res["soak"] = mine
+        if SIZE > 1:
+            res["soak_per_rank"] = every
         write(res, args)
         return
     ref = [t.clone() for t in job.tensors()]  # the values every restore must bring back
-
-    def verify(name: str) -> None:
-        torch.cuda.synchronize()
-        bad = sum(not torch.equal(a.to(b.device), b)
-                  for a, b in zip(job.tensors(), ref, strict=True))
-        if bad:
-            raise SystemExit(f"{name}: {bad} tensors differ after restore")
-
-    def perturb() -> None:
-        with torch.no_grad():
-            for t in job.tensors():
-                t.add_(1)
-
-    def restore_timed(name: str, fn: Callable[[], None]) -> dict[str, Any]:
-        perturb()
-        dropped = drop_caches()
-        COMM.Barrier()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        s = time.perf_counter() - t
-        verify(name)
-        return {"restore_s": s, "restore_GBps": nbytes / s / 1e9, "cache_dropped": dropped}
 
     for m in methods:
         if m == "dd":
             continue
         try:
-            res["methods"][m] = bench_method(m, job, base, base_dir, args, ref, restore_timed,
-                                             nbytes)
+            mine = bench_method(m, job, args.dir, args, ref)
         except Exception as e:  # a method that breaks is reported, the others still run
-            res["methods"][m] = {"error": f"{type(e).__name__}: {e}"}
-        log(m, json.dumps(res["methods"][m]))
-        # reset the state to the reference so every method saves the same values
-        with torch.no_grad():
-            for t, r in zip(job.tensors(), ref, strict=True):
-                t.copy_(r)
+            mine = {"error": f"{type(e).__name__}: {e}"}
+        every = COMM.gather(mine)
+        if RANK == 0:
+            res["methods"][m] = summarize(every, nbytes, res.get("dd_write_aggregate_GBps"))
+            log(m, json.dumps({k: v for k, v in res["methods"][m].items() if k != "per_rank"}))
+        job.load(ref)  # back to the reference so every method saves the same values
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
     write(res, args)
 
 
-def bench_method(m: str, job: Job, base: float, d: str, args: argparse.Namespace,
-                 ref: list[torch.Tensor], restore_timed: Callable[..., dict[str, Any]],
-                 nbytes: int) -> dict[str, Any]:
-    import torch.distributed as dist
+def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[torch.Tensor]
+                 ) -> dict[str, Any]:
+    """Checkpoint ``args.reps`` times in a training window, then save and restore once: this
+    rank's figures. Every rank calls it together."""
     import torch.distributed.checkpoint as dcp
 
-    if m.startswith("dcp") and not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=RANK, world_size=SIZE)
-    path = os.path.join(d, m.replace("+", "-"))
+    if m not in METHODS:
+        raise ValueError(f"unknown method {m}")
+    if m.endswith("+pinned") and job.device.type != "cuda":
+        raise ValueError("the pinned-memory stager needs CUDA")
+    if m.startswith("dcp"):
+        init_process_group(job.device)
+    path = os.path.join(d, m.replace("+", "-"))  # DCP's checkpoint and mpickpt's ROOT: shared
+    pt = os.path.join(d, f"torch-save-rank{RANK}.pt")  # torch.save: a file per rank
     base = baseline_step(job, 20)  # again: a process group's threads may have changed it
-    reps: list[dict[str, float]] = []
-    restore: dict[str, Any] = {}
-    ck = None
-    for rep in range(args.reps):
-        shutil.rmtree(path, ignore_errors=True)
+    ck: mpickpt.Checkpointer | None = None
+    stagers: list[Any] = []
+
+    def start(step: int) -> Callable[[], bool]:
+        """Start checkpoint ``step``; return its done()."""
         if m == "torch.save":
-            def call() -> Callable[[], bool]:
-                f = path + ".pt"
-                torch.save(job.state_dict(), f)
-                fd = os.open(f, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-                return lambda: True
-        elif m == "dcp.save":
-            def call() -> Callable[[], bool]:
-                dcp.save(job.state_dict(), checkpoint_id=path)
-                fsync_tree(path)
-                return lambda: True
-        elif m.startswith("dcp.async_save"):
-            def call() -> Callable[[], bool]:
-                kw = {}
-                if m.endswith("+pinned"):
-                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-                    kw["async_stager"] = DefaultStager(StagingOptions(True, True, True, True))
-                fut = dcp.async_save(job.state_dict(), checkpoint_id=path, **kw)
-                fut = getattr(fut, "upload_completion", fut)
-                return fut.done
-        elif m == "mpickpt":
-            if ck is None:
-                ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
-                ck.save(0, {"model": job.model, "optim": job.opt}).wait()  # allocates the pool
-
-            def call(ck: mpickpt.Checkpointer = ck, step: int = rep + 1) -> Callable[[], bool]:
-                h = ck.save(step, {"model": job.model, "optim": job.opt})
-                return h.done
-        else:
-            raise ValueError(f"unknown method {m}")
-        w = window(job, base, call, args.min_steps)
-        if m.startswith("dcp.async_save"):
+            torch.save(job.state_dict(), pt)
+            fsync_file(pt)
+            return lambda: True
+        if m == "dcp.save":
+            dcp.save(job.dcp_state(), checkpoint_id=path)
             fsync_tree(path)
-        reps.append(w)
-        # restore the reference values so the state saved is the one restored
-        with torch.no_grad():
-            for t, r in zip(job.tensors(), ref, strict=True):
-                t.copy_(r)
-    # one more save of exactly the reference values, then restore it
-    if m == "torch.save":
-        torch.save(job.state_dict(), path + ".pt")
-
-        def load() -> None:
-            sd = torch.load(path + ".pt", map_location="cuda", weights_only=True)
-            job.model.load_state_dict(sd["model"])
-            job.opt.load_state_dict(sd["optim"])
-        restore = restore_timed(m, load)
-        size = tree_bytes(path + ".pt")
-    elif m.startswith("dcp"):
-        shutil.rmtree(path, ignore_errors=True)
-        dcp.save(job.state_dict(), checkpoint_id=path)
-
-        def load() -> None:
-            sd = job.state_dict()
-            dcp.load(sd, checkpoint_id=path)
-            job.opt.load_state_dict(sd["optim"])
-        restore = restore_timed(m, load)
-        size = tree_bytes(path)
-    else:
+            return lambda: True
+        if m.startswith("dcp.async_save"):
+            kw = {}
+            if m.endswith("+pinned"):
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                stagers.append(DefaultStager(StagingOptions(True, True, True, True)))
+                kw["async_stager"] = stagers[-1]
+            fut = dcp.async_save(job.dcp_state(), checkpoint_id=path, **kw)
+            return getattr(fut, "upload_completion", fut).done
         assert ck is not None
-        last = ck.save(args.reps + 1, {"model": job.model, "optim": job.opt}).wait()
-        restore = restore_timed(m, lambda: ck.restore({"model": job.model, "optim": job.opt}))
-        restore["pinned_pool_bytes"] = ck.pinned_bytes
-        restore["stats"] = last.stats
-        size = tree_bytes(last.path) // SIZE
-        ck.close()
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.exists(path + ".pt"):
-        os.unlink(path + ".pt")
+        return ck.save(step, {"model": job.model, "optim": job.opt}).done
+
+    if m == "mpickpt":
+        remove_shared(path)
+        ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
+        ck.save(0, {"model": job.model, "optim": job.opt}).wait()  # allocates the pool
+    reps: list[dict[str, Any]] = []
+    try:
+        for rep in range(args.reps):
+            if m == "torch.save" and os.path.exists(pt):
+                os.unlink(pt)
+            elif m.startswith("dcp"):
+                remove_shared(path)
+            reps.append(window(job, base, functools.partial(start, rep + 1), args.min_steps))
+            if m.startswith("dcp.async_save"):
+                fsync_tree(path)
+            job.load(ref)  # the reference values again, so the state saved is the one restored
+        # one more save of exactly the reference values, then restore it
+        if m == "torch.save":
+            torch.save(job.state_dict(), pt)
+
+            def load() -> None:
+                sd = torch.load(pt, map_location=job.device, weights_only=True)
+                job.model.load_state_dict(sd["model"])
+                job.opt.load_state_dict(sd["optim"])
+            restore = restore_timed(job, ref, m, load)
+            size = tree_bytes(pt)
+            os.unlink(pt)
+        elif m.startswith("dcp"):
+            remove_shared(path)
+            dcp.save(job.dcp_state(), checkpoint_id=path)
+
+            def load() -> None:
+                sd = job.dcp_state()
+                dcp.load(sd, checkpoint_id=path)  # in place into the model's tensors
+                job.opt.load_state_dict(sd[f"rank{RANK}"]["optim"])
+            restore = restore_timed(job, ref, m, load)
+            size = tree_bytes(path) if RANK == 0 else 0  # all ranks' files (one directory)
+            remove_shared(path)
+        else:
+            assert ck is not None
+            last = ck.save(args.reps + 1, {"model": job.model, "optim": job.opt}).wait()
+            restore = restore_timed(
+                job, ref, m, lambda: ck.restore({"model": job.model, "optim": job.opt}))
+            restore["pinned_pool_bytes"] = ck.pinned_bytes
+            restore["stats"] = last.stats
+            size = tree_bytes(last.path) if RANK == 0 else 0  # all ranks' shards
+            ck.close()
+            ck = None
+            remove_shared(path)
+    finally:
+        for s in stagers:
+            s.close()
+        if ck is not None:
+            ck.close()
     out: dict[str, Any] = {k: statistics.median(r[k] for r in reps) for k in reps[0]
                            if isinstance(reps[0][k], (int, float))}
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
     out["slowest_steps"] = [r["slowest_steps"] for r in reps]
-    out["persist_GBps"] = nbytes / out["persist_s"] / 1e9
-    out["bytes_on_disk"] = size
+    out["persist_GBps"] = job.nbytes() / out["persist_s"] / 1e9
+    out["bytes_on_disk"] = size  # counted by this rank (a shared directory: by rank 0)
     out.update(restore)
+    return out
+
+
+def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | None
+              ) -> dict[str, Any]:
+    """One method's figures over the ranks (each rank's own: the median over its reps)."""
+    errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
+    if errors:
+        return {"error": "; ".join(errors), "per_rank": per_rank}
+    total = len(per_rank) * nbytes
+    persist = max(r["persist_s"] for r in per_rank)
+    restore = max(r["restore_s"] for r in per_rank)
+    out: dict[str, Any] = {
+        "stall_s_max": max(r["stall_s"] for r in per_rank),
+        "stall_s_median": median([r["stall_s"] for r in per_rank]),
+        "call_s_max": max(r["call_s"] for r in per_rank),
+        "persist_s_max": persist,
+        "persist_GBps_median": median([r["persist_GBps"] for r in per_rank]),
+        "persist_aggregate_GBps": total / persist / 1e9,
+        "step_slowdown_pct": median([(r["step_during_persist_s"] / r["step_s"] - 1) * 100
+                                     for r in per_rank]),
+        "restore_s_max": restore,
+        "restore_aggregate_GBps": total / restore / 1e9,
+        "cache_dropped": all(r["cache_dropped"] for r in per_rank),
+        "bytes_on_disk": sum(r["bytes_on_disk"] for r in per_rank),
+    }
+    if dd_write:
+        out["persist_of_dd"] = out["persist_aggregate_GBps"] / dd_write
+    out["per_rank"] = per_rank
     return out
 
 
@@ -383,11 +553,15 @@ def soak(job: Job, d: str, n: int) -> dict[str, Any]:
         pinned.append(ck.pinned_bytes)
         rss.append(rss_bytes())
     ck.close()
-    shard = tree_bytes(os.path.join(d, "soak", f"step-{n - 1:08d}"))
+    shard = tree_bytes(os.path.join(d, "soak", f"step-{n - 1:08d}")) // SIZE  # mean per rank
     return {"checkpoints": n, "pinned_min": min(pinned), "pinned_max": max(pinned),
             "shard_bytes": shard, "pinned_over_shard": max(pinned) / shard,
             "rss_first": rss[0], "rss_max": max(rss), "rss_last": rss[-1],
             "call_s_median": statistics.median(stalls), "call_s_max": max(stalls)}
+
+
+def fmt(x: float | None, digits: int) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
 def write(res: dict[str, Any], args: argparse.Namespace) -> None:
@@ -396,24 +570,50 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1, default=str)
-    rows = [(m, r) for m, r in res["methods"].items()]
-    print(f"\n{res['gpu']}, torch {res['torch']}, {res['ranks']} rank(s), "
-          f"{res['state_bytes_per_rank'] / 1e9:.2f} GB per rank, step {res['step_s'] * 1e3:.1f} ms")
-    print(f"limits: d2h pinned {res['d2h_pinned_GBps']:.1f} GB/s, "
-          f"dd direct write {res.get('dd_write_GBps', float('nan')):.2f} GB/s "
-          f"(aggregate {res.get('dd_write_aggregate_GBps', float('nan')):.2f}), "
-          f"read {res.get('dd_read_GBps', float('nan')):.2f} GB/s")
-    hdr = f"{'method':24} {'stall s':>9} {'call s':>8} {'persist GB/s':>13} " \
-          f"{'step +%':>8} {'restore s':>10} {'restore GB/s':>13}"
-    print(hdr)
-    print("-" * len(hdr))
-    for m, r in rows:
+    many = res["ranks"] > 1
+    threads = f", {res['torch_threads']} torch threads per rank" if res["device"] == "cpu" else ""
+    print(f"\n{res['device_name']}, torch {res['torch']}, {res['ranks']} rank(s){threads}, "
+          f"{res['state_bytes_per_rank'] / 1e9:.3f} GB per rank, "
+          f"step {res['step_s'] * 1e3:.1f} ms{' (median over ranks)' if many else ''}")
+    per = " per rank" if many else ""
+    limits = f"limits: {res['copy_kind']} {res['copy_GBps']:.1f} GB/s{per}"
+    if "dd_write_GBps" in res:
+        limits += (f", dd direct write {res['dd_write_GBps']:.2f} GB/s{per}"
+                   f" (aggregate {res['dd_write_aggregate_GBps']:.2f}),"
+                   f" read {res['dd_read_GBps']:.2f} GB/s{per}"
+                   f" (aggregate {res['dd_read_aggregate_GBps']:.2f}),"
+                   f" {res['dd_mb_per_rank']} MiB{per}")
+    print(limits)
+    dd = "dd_write_aggregate_GBps" in res
+    if many:
+        head = ("method", "stall s max", "stall s med", "call s max", "persist GB/s/rank",
+                "persist GB/s agg", *(("of dd",) if dd else ()), "step +%", "restore s max",
+                "restore GB/s agg")
+    else:
+        head = ("method", "stall s", "call s", "persist GB/s", *(("of dd",) if dd else ()),
+                "step +%", "restore s", "restore GB/s")
+    rows, errors = [], []
+    for m, r in res["methods"].items():
         if "error" in r:
-            print(f"{m:24} error: {r['error'][:90]}")
+            errors.append(f"{m}: error: {r['error'][:200]}")
             continue
-        slow = (r["step_during_persist_s"] / r["step_s"] - 1) * 100
-        print(f"{m:24} {r['stall_s']:9.3f} {r['call_s']:8.3f} {r['persist_GBps']:13.2f} "
-              f"{slow:8.1f} {r['restore_s']:10.2f} {r['restore_GBps']:13.2f}")
+        row = [m, fmt(r["stall_s_max"], 3)]
+        if many:
+            row.append(fmt(r["stall_s_median"], 3))
+        row += [fmt(r["call_s_max"], 3), fmt(r["persist_GBps_median"], 2)]
+        if many:
+            row.append(fmt(r["persist_aggregate_GBps"], 2))
+        if dd:
+            row.append(fmt(r.get("persist_of_dd"), 2))
+        row += [fmt(r["step_slowdown_pct"], 1), fmt(r["restore_s_max"], 2),
+                fmt(r["restore_aggregate_GBps"], 2)]
+        rows.append(tuple(row))
+    if rows:
+        print(columns(head, rows))
+    for line in errors:
+        print(line)
+    if res["methods"] and not all(r.get("cache_dropped", True) for r in res["methods"].values()):
+        print("note: the page cache could not be dropped (not root?): restores read from memory")
     if "soak" in res:
         print("soak:", json.dumps(res["soak"]))
     if rows:
@@ -427,19 +627,25 @@ def plot(res: dict[str, Any], png: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [(m, r) for m, r in res["methods"].items() if "error" not in r]
+    many = res["ranks"] > 1
+    where = "GPU" if res["device"] == "cuda" else "CPU"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     names = [m for m, _ in ok]
-    for ax, key, title in zip(axes, ["stall_s", "persist_GBps", "restore_s"],
-                              ["training stall per checkpoint (s)", "persist (GB/s)",
-                               "restore into GPU (s)"], strict=True):
+    titles = ["training stall per checkpoint (s)" + (", slowest rank" if many else ""),
+              "persist (GB/s)" + (f", all {res['ranks']} ranks" if many else ""),
+              f"restore into {where} memory (s)" + (", slowest rank" if many else "")]
+    for ax, key, title in zip(axes, ["stall_s_max", "persist_aggregate_GBps", "restore_s_max"],
+                              titles, strict=True):
         ax.bar(names, [r[key] for _, r in ok], color="tab:blue")
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
-        if key == "persist_GBps" and "dd_write_GBps" in res:
-            ax.axhline(res["dd_write_GBps"], color="tab:red", ls="--", label="dd oflag=direct")
+        if key == "persist_aggregate_GBps" and "dd_write_aggregate_GBps" in res:
+            ax.axhline(res["dd_write_aggregate_GBps"], color="tab:red", ls="--",
+                       label="dd oflag=direct")
             ax.legend()
-    fig.suptitle(f"{res['gpu']}: {res['state_bytes_per_rank'] / 1e9:.1f} GB state "
-                 f"({res['layers']}x{res['width']}^2 MLP + Adam)")
+    ranks = f", {res['ranks']} ranks" if many else ""
+    fig.suptitle(f"{res['device_name']}{ranks}: {res['state_bytes_per_rank'] / 1e9:.2f} GB state "
+                 f"per rank ({res['layers']}x{res['width']}^2 MLP + Adam)")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
 
