@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import checksum, rootdir
@@ -50,6 +50,11 @@ class RankEntry:
     tree: dict[str, Any]
     tensors: list[TensorRecord]
 
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON values (the tree is shared, not copied: it is not changed once built)."""
+        return {"rank": self.rank, "file": self.file, "bytes": self.bytes, "tree": self.tree,
+                "tensors": [r.to_dict() for r in self.tensors]}
+
 
 @dataclass
 class Manifest:
@@ -69,7 +74,11 @@ class Manifest:
         return sum(r.bytes for r in self.ranks)
 
     def to_json(self) -> str:
-        d = asdict(self)
+        d = {"step": self.step, "world_size": self.world_size, "run_id": self.run_id,
+             "ranks": [r.to_dict() for r in self.ranks], "metadata": self.metadata,
+             "created": self.created, "checksum_algorithm": self.checksum_algorithm,
+             "checksum_block": self.checksum_block, "format": self.format,
+             "version": self.version}
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         d[CHECKSUM_FIELD] = _digest(d)
         return json.dumps(d, indent=1, allow_nan=False)

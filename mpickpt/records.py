@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import checksum, rootdir
 from .errors import ShardError
@@ -50,6 +51,13 @@ class TensorRecord:
     # (of shape ``shape``) begins in it; None for a rank's own tensor
     global_shape: list[int] | None = None
     offsets: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON values (what ``dataclasses.asdict`` gives, without its deep copies)."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "offset": self.offset, "nbytes": self.nbytes, "checksums": list(self.checksums),
+                "global_shape": None if self.global_shape is None else list(self.global_shape),
+                "offsets": None if self.offsets is None else list(self.offsets)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import faults, log, retention, rootdir, sharding
@@ -314,7 +314,7 @@ class Saver:
         try:
             if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
                 faults.hit("after-vote-before-manifest", self.rank, step)
-            payload = asdict(entry) if entry else None
+            payload = entry.to_dict() if entry else None
         except Exception as e:  # rank 0 aborts the commit, naming this rank
             payload = {"error": f"rank {self.rank}: {type(e).__name__}: {e}"}
         entries = self.proto.gather(payload, "gather")

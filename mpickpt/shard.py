@@ -39,6 +39,9 @@ from .records import (  # the torch-free half, re-exported: mpickpt.shard.Tensor
 )
 
 DEFAULT_ALIGNMENT = 1 << 20
+# a shard of at most this many bytes is written by the calling thread alone: handing its few
+# blocks to the I/O threads costs more than it saves
+INLINE_BYTES = 4 << 20
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -132,6 +135,7 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.records: list[TensorRecord] = []
+        self._datasets: list[h5py.Dataset] = []  # of the records, for their checksums
         self._rw, self._map, self._dst = -1, None, None
         # created here, so its mode is rootdir.FILE_MODE less the umask (HDF5 would use 0o666)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
@@ -185,7 +189,8 @@ class ShardWriter:
             offset = ds.get_offset() if nbytes else 0
             if offset is None:
                 raise OSError(f"{self.path}: HDF5 gave no offset for dataset {name!r}")
-            dset = f[_dataset_path(name)]
+            dset = h5py.Dataset(ds)
+            self._datasets.append(dset)
             dset.attrs["torch_dtype"] = dname
             dset.attrs["shape"] = np.asarray(shape, dtype=np.int64)
             self.records.append(TensorRecord(name, dname, list(shape), int(offset), nbytes))
@@ -220,14 +225,15 @@ class ShardWriter:
             if on_block is not None:
                 on_block()
 
-        _run(_io_tasks(self.records, block), task, threads, background=True)
+        small = sum(r.nbytes for r in self.records) <= INLINE_BYTES
+        _run(_io_tasks(self.records, block), task, 1 if small else threads, background=True)
 
     def seal(self) -> int:
         """Record checksums as attributes, close HDF5, fsync; return the file's size in bytes."""
         try:
             self._unmap()
-            for r in self.records:
-                self._h5[_dataset_path(r.name)].attrs["xxh3_64"] = ",".join(r.checksums)
+            for r, dset in zip(self.records, self._datasets, strict=True):
+                dset.attrs["xxh3_64"] = ",".join(r.checksums)
             self._h5.close()
             os.fsync(self._fd)
             return os.fstat(self._fd).st_size
@@ -237,6 +243,7 @@ class ShardWriter:
     def close(self) -> None:
         """Release the file without sealing it (after an error). Its descriptors are closed even
         when HDF5 cannot flush (a full disk), and HDF5's error does not hide the first one."""
+        self._datasets = []
         try:
             self._unmap()
             if self._h5.id.valid:

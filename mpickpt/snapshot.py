@@ -47,6 +47,9 @@ D2H_DEPTH = 1
 # CPU tensors copied on the spot go through a temporary copy when the pool's buffer is still to
 # be allocated, up to this many bytes; beyond it the buffer is allocated on the spot instead
 CLONE_MAX = 16 << 20
+# below this many bytes (lazy copies and a buffer to allocate together) the snapshot thread is
+# not worth waking: everything is done on the spot
+LAZY_MIN = 8 << 20
 
 
 @dataclass
@@ -149,13 +152,15 @@ class Snapshotter:
             ranges[dev] = (start, pos)
         cpu = by_device.get(torch.device("cpu"), [])
         later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= _nbytes(tensors[n])]
+        if pos < LAZY_MIN:
+            later = []
         later_set = set(later)
         now = [n for n in cpu if n not in later_set]
         if self._last is not None:  # its staging buffers must be drained before reuse
             self._last.drained.wait()
         staging = {dev: self._staging_buffer(dev, hi - lo) for dev, (lo, hi) in ranges.items()
                    if dev.type == "cuda"}
-        defer = (all(b is not None for b in staging.values())
+        defer = (pos >= LAZY_MIN and all(b is not None for b in staging.values())
                  and sum(_nbytes(tensors[n]) for n in now) <= CLONE_MAX)
         lease = self.pool.reserve(pos, defer=defer)
         snap = Snapshot(pos, len(tensors), lease)

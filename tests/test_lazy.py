@@ -17,6 +17,14 @@ import mpickpt
 from mpickpt import snapshot
 
 
+@pytest.fixture(autouse=True)
+def lazy_at_any_size(monkeypatch, request):
+    """The states here are small: take the lazy path all the same (below LAZY_MIN bytes the
+    snapshot is taken on the spot; ``test_a_small_state_is_taken_on_the_spot`` checks that)."""
+    if "on_the_spot" not in request.node.name:
+        monkeypatch.setattr(snapshot, "LAZY_MIN", 0)
+
+
 @pytest.fixture
 def slow_copy(monkeypatch):
     """Delay the snapshot thread's part by ``delay[0]`` seconds; ``finished`` lists when each
@@ -132,6 +140,25 @@ def test_the_first_buffer_is_allocated_off_the_training_thread(tmp_path, monkeyp
         assert ck.pinned_bytes > 0
         assert ck.save(2, {"model": model, "optim": opt}).wait().committed
     assert len(threads) == 1 and threads[0].startswith("mpickpt-snapshot"), threads
+
+
+def test_a_small_state_is_taken_on_the_spot(tmp_path, monkeypatch):
+    """Below LAZY_MIN bytes, waking the snapshot thread costs more than the copy: a tiny state
+    saved every step is copied and its buffer allocated by save() itself."""
+    threads: list[str] = []
+    real = snapshot.HostPool._new
+
+    def spy(self, nbytes):
+        threads.append(threading.current_thread().name)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
+    model, opt = model_and_adam()
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(1, {"model": model, "optim": opt})
+        assert ck._capture.snapshotter._reading is None
+        assert h.wait().committed
+    assert threads == [threading.main_thread().name]
 
 
 def test_a_large_state_no_optimizer_owns_gets_its_buffer_on_the_spot(tmp_path, monkeypatch):
