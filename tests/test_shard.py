@@ -204,3 +204,33 @@ def test_the_writer_never_makes_a_world_writable_shard(tmp_path, tensors):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "s.h5").stat().st_mode) == 0o664
+
+
+def test_attributes_are_what_h5py_writes(tmp_path):
+    """The shard's attributes, written through HDF5's low-level API, read back through h5py
+    exactly as ``attrs[name] = value`` would have made them: same values, types and shapes."""
+    import h5py
+    import numpy as np
+
+    from mpickpt.shard import ShardWriter, _dataset_path
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "s": torch.tensor(7)}
+    path = str(tmp_path / "x.h5")
+    w = ShardWriter(path, tensors, {"rank": 3, "tree": '{"é": 1}'})
+    w.write(tensors)
+    w.seal()
+    with h5py.File(path) as f, h5py.File(tmp_path / "ref.h5", "w") as ref:
+        ref.attrs["rank"], ref.attrs["tree"] = 3, '{"é": 1}'
+        d = ref.create_dataset("d", (1,), "f4")
+        d.attrs["torch_dtype"], d.attrs["shape"] = "float32", np.asarray((2, 3), dtype=np.int64)
+        d.attrs["scalar_shape"] = np.asarray((), dtype=np.int64)
+        for name in ("rank", "tree"):
+            assert f.attrs.get_id(name).get_type() == ref.attrs.get_id(name).get_type()
+            assert f.attrs[name] == ref.attrs[name]
+        ds = f[_dataset_path("a")]
+        assert ds.attrs["torch_dtype"] == "float32"
+        assert ds.attrs.get_id("torch_dtype").get_type() == d.attrs.get_id("torch_dtype").get_type()
+        assert list(ds.attrs["shape"]) == [2, 3]
+        assert ds.attrs.get_id("shape").get_type() == d.attrs.get_id("shape").get_type()
+        assert len(ds.attrs["xxh3_64"].split(",")) == 1
+        assert f.attrs["mpickpt_version"] >= 1
