@@ -65,7 +65,7 @@ class LocalLevel:
     def level_record(self) -> bytes:
         """LEVEL.json: the redundancy layout, the same on every node."""
         return json.dumps({"scheme": self.scheme, "nodes": list(self.topology.nodes),
-                           "teams": self.teams}, indent=1).encode()
+                           "teams": self.teams}).encode()
 
     def need(self, nbytes: int, tensors: int) -> int:
         """The node-local bytes one checkpoint of this rank takes at most (shard, its metadata
