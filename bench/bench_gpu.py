@@ -197,33 +197,40 @@ def baseline_step(job: Job, n: int) -> float:
     return statistics.median(times)
 
 
-def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_steps: int
-           ) -> dict[str, Any]:
-    """Run steps around one checkpoint. ``call`` starts it and returns ``done()``."""
+def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_steps: int,
+           tail_steps: int = 4) -> dict[str, Any]:
+    """Run steps around one checkpoint. ``call`` starts it and returns ``done()``.
+
+    The stall is measured against the median of the ``tail_steps`` (or more) steps that ran
+    after the checkpoint was durable, in the same window: step times drift over a run on a
+    shared machine (by 20% on the 2-core VM), and a baseline taken minutes earlier turned a
+    1 s ``torch.save`` into a negative stall. The stall against ``base`` is kept too."""
     COMM.Barrier()
     t0 = time.perf_counter()
     job.step()
     c0 = time.perf_counter()
     done = call()
     call_s = time.perf_counter() - c0
-    steps, during, trace = 1, [], []
+    steps, during, after, trace = 1, [], [], []
     persisted_at = None
     while True:
         if persisted_at is None and done():
             persisted_at = time.perf_counter()
-        if persisted_at is not None and steps >= min_steps:
+        if persisted_at is not None and steps >= min_steps and len(after) >= tail_steps:
             break
         t = time.perf_counter()
         job.step()
         dt = time.perf_counter() - t
         trace.append((round(t - c0, 4), round(dt - base, 4)))
-        if persisted_at is None:
-            during.append(dt)
+        (during if persisted_at is None else after).append(dt)
         steps += 1
     wall = time.perf_counter() - t0
+    local = statistics.median(after)
     return {
         "call_s": call_s,
-        "stall_s": wall - steps * base,
+        "stall_s": wall - steps * local,
+        "stall_vs_run_base_s": wall - steps * base,
+        "local_step_s": local,
         "persist_s": persisted_at - c0,
         "steps_during_persist": len(during),
         "step_during_persist_s": statistics.median(during) if during else NAN,
@@ -525,7 +532,7 @@ def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | Non
         "persist_s_max": persist,
         "persist_GBps_median": median([r["persist_GBps"] for r in per_rank]),
         "persist_aggregate_GBps": total / persist / 1e9,
-        "step_slowdown_pct": median([(r["step_during_persist_s"] / r["step_s"] - 1) * 100
+        "step_slowdown_pct": median([(r["step_during_persist_s"] / r["local_step_s"] - 1) * 100
                                      for r in per_rank]),
         "restore_s_max": restore,
         "restore_aggregate_GBps": total / restore / 1e9,
