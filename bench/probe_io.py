@@ -1,5 +1,10 @@
 """How much a plain O_DIRECT dd slows CPU training steps on this machine (the I/O path itself)."""
-import subprocess, time, statistics, torch
+import statistics
+import subprocess
+import time
+
+import torch
+
 torch.manual_seed(0)
 layers = [m for _ in range(16) for m in (torch.nn.Linear(2048, 2048), torch.nn.ReLU())]
 model = torch.nn.Sequential(*layers); opt = torch.optim.Adam(model.parameters(), lr=1e-5)
