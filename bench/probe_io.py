@@ -7,10 +7,15 @@ import torch
 
 torch.manual_seed(0)
 layers = [m for _ in range(16) for m in (torch.nn.Linear(2048, 2048), torch.nn.ReLU())]
-model = torch.nn.Sequential(*layers); opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+model = torch.nn.Sequential(*layers)
+opt = torch.optim.Adam(model.parameters(), lr=1e-5)
 x = torch.randn(64, 2048)
 def step():
-    t = time.perf_counter(); model(x).square().mean().backward(); opt.step(); opt.zero_grad(); return time.perf_counter() - t
+    t = time.perf_counter()
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t
 for _ in range(3): step()
 for rnd in range(2):
     base = [step() for _ in range(6)]
