@@ -60,6 +60,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpickpt.rootdir import fsync_path
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_cpu import columns, machine_info  # noqa: E402
@@ -156,14 +158,6 @@ class Method:
     def finish(self) -> dict[str, Any]:
         """Wait for what is in flight; details for the JSON."""
         return {}
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class TorchSave(Method):

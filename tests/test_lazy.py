@@ -26,6 +26,20 @@ def lazy_at_any_size(monkeypatch, request):
 
 
 @pytest.fixture
+def allocations(monkeypatch):
+    """The names of the threads that allocated the pool's buffers, in order."""
+    threads: list[str] = []
+    real = snapshot.HostPool._new
+
+    def spy(self, nbytes):
+        threads.append(threading.current_thread().name)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
+    return threads
+
+
+@pytest.fixture
 def slow_copy(monkeypatch):
     """Delay the snapshot thread's part by ``delay[0]`` seconds; ``finished`` lists when each
     one ended."""
@@ -125,56 +139,32 @@ def test_wait_snapshot_waits_for_the_lazy_copy(tmp_path, slow_copy):
     assert torch.equal(fresh_model[0].weight, before)
 
 
-def test_the_first_buffer_is_allocated_off_the_training_thread(tmp_path, monkeypatch):
-    threads: list[str] = []
-    real = snapshot.HostPool._new
-
-    def spy(self, nbytes):
-        threads.append(threading.current_thread().name)
-        return real(self, nbytes)
-
-    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
+def test_the_first_buffer_is_allocated_off_the_training_thread(tmp_path, allocations):
     model, opt = model_and_adam()
     with mpickpt.Checkpointer(tmp_path) as ck:
         assert ck.save(1, {"model": model, "optim": opt}).wait().committed
         assert ck.pinned_bytes > 0
         assert ck.save(2, {"model": model, "optim": opt}).wait().committed
-    assert len(threads) == 1 and threads[0].startswith("mpickpt-snapshot"), threads
+    assert len(allocations) == 1 and allocations[0].startswith("mpickpt-snapshot"), allocations
 
 
-def test_a_small_state_is_taken_on_the_spot(tmp_path, monkeypatch):
+def test_a_small_state_is_taken_on_the_spot(tmp_path, allocations):
     """Below LAZY_MIN bytes, waking the snapshot thread costs more than the copy: a tiny state
     saved every step is copied and its buffer allocated by save() itself."""
-    threads: list[str] = []
-    real = snapshot.HostPool._new
-
-    def spy(self, nbytes):
-        threads.append(threading.current_thread().name)
-        return real(self, nbytes)
-
-    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
     model, opt = model_and_adam()
     with mpickpt.Checkpointer(tmp_path) as ck:
         h = ck.save(1, {"model": model, "optim": opt})
         assert ck._capture.snapshotter._reading is None
         assert h.wait().committed
-    assert threads == [threading.main_thread().name]
+    assert allocations == [threading.main_thread().name]
 
 
-def test_a_large_state_no_optimizer_owns_gets_its_buffer_on_the_spot(tmp_path, monkeypatch):
+def test_a_large_state_no_optimizer_owns_gets_its_buffer_on_the_spot(tmp_path, allocations):
     """Copied at once, it needs the buffer at once (rather than a temporary copy of it all)."""
-    threads: list[str] = []
-    real = snapshot.HostPool._new
-
-    def spy(self, nbytes):
-        threads.append(threading.current_thread().name)
-        return real(self, nbytes)
-
-    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
     state = {"w": torch.ones((snapshot.CLONE_MAX >> 2) + 1024)}
     with mpickpt.Checkpointer(tmp_path) as ck:
         assert ck.save(1, state).wait().committed
-    assert threads == [threading.main_thread().name]
+    assert allocations == [threading.main_thread().name]
 
 
 def test_a_deferred_buffer_holds_its_slot(tmp_path, slow_copy):
