@@ -58,7 +58,8 @@ import mpickpt
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
-METHODS = ("dd", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+pinned", "mpickpt")
+# mpickpt first: DCP's process group and async machinery stay up for the rest of the run
+METHODS = ("dd", "mpickpt", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+pinned")
 DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the reference job, 5.84 GB
             "cpu": {"layers": 16, "width": 2048, "batch": 64}}   # the CPU reference, 0.81 GB
 NAN = float("nan")
@@ -331,6 +332,9 @@ def main() -> None:
                     "rank rounded up to 64 MiB, within 256..4096)")
     ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads")
     ap.add_argument("--soak", type=int, default=0, help="N consecutive mpickpt checkpoints")
+    ap.add_argument("--process-group", action="store_true",
+                    help="start the torch.distributed process group (gloo, +NCCL on cuda) before "
+                         "any method, as a training job has one (DCP methods start it anyway)")
     ap.add_argument("--json", default="bench/results/gpu.json")
     ap.add_argument("--png", default="bench/results/gpu.png")
     args = ap.parse_args()
@@ -423,13 +427,21 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
         raise ValueError(f"unknown method {m}")
     if m.endswith("+pinned") and job.device.type != "cuda":
         raise ValueError("the pinned-memory stager needs CUDA")
-    if m.startswith("dcp"):
+    if m.startswith("dcp") or args.process_group:
         init_process_group(job.device)
     path = os.path.join(d, m.replace("+", "-"))  # DCP's checkpoint and mpickpt's ROOT: shared
     pt = os.path.join(d, f"torch-save-rank{RANK}.pt")  # torch.save: a file per rank
     base = baseline_step(job, 20)  # again: a process group's threads may have changed it
     ck: mpickpt.Checkpointer | None = None
     stagers: list[Any] = []
+    pending: list[Any] = []  # DCP's futures: a failed async save must not pass for a fast one
+
+    def settle() -> None:
+        for f in pending:
+            f.result()
+        pending.clear()
+        if m.startswith("dcp.async_save"):
+            fsync_tree(path)
 
     def start(step: int) -> Callable[[], bool]:
         """Start checkpoint ``step``; return its done()."""
@@ -445,27 +457,32 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
             kw = {}
             if m.endswith("+pinned"):
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                # a stager per save: in torch 2.11 a DefaultStager's second save fails
+                # (KeyError: <class 'type'>), so each one page-locks its buffers anew
                 stagers.append(DefaultStager(StagingOptions(True, True, True, True)))
                 kw["async_stager"] = stagers[-1]
             fut = dcp.async_save(job.dcp_state(), checkpoint_id=path, **kw)
-            return getattr(fut, "upload_completion", fut).done
+            pending.append(getattr(fut, "upload_completion", fut))
+            return pending[-1].done
         assert ck is not None
         return ck.save(step, {"model": job.model, "optim": job.opt}).done
 
     if m == "mpickpt":
         remove_shared(path)
         ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
-        ck.save(0, {"model": job.model, "optim": job.opt}).wait()  # allocates the pool
     reps: list[dict[str, Any]] = []
     try:
+        # the first checkpoint in a window of its own: mpickpt allocates (page-locks) its pool
+        first = window(job, base, functools.partial(start, 0), args.min_steps)
+        settle()
+        job.load(ref)
         for rep in range(args.reps):
             if m == "torch.save" and os.path.exists(pt):
                 os.unlink(pt)
             elif m.startswith("dcp"):
                 remove_shared(path)
             reps.append(window(job, base, functools.partial(start, rep + 1), args.min_steps))
-            if m.startswith("dcp.async_save"):
-                fsync_tree(path)
+            settle()
             job.load(ref)  # the reference values again, so the state saved is the one restored
         # one more save of exactly the reference values, then restore it
         if m == "torch.save":
@@ -500,6 +517,16 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
             ck.close()
             ck = None
             remove_shared(path)
+            # a first checkpoint again, its buffers allocated by prepare() before the loop
+            ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
+            t = time.perf_counter()
+            ck.prepare({"model": job.model, "optim": job.opt})
+            restore["prepare_s"] = time.perf_counter() - t
+            prepared = window(job, base, functools.partial(start, 0), args.min_steps)
+            restore["prepared_first_stall_s"] = prepared["stall_s"]
+            ck.close()
+            ck = None
+            remove_shared(path)
     finally:
         for s in stagers:
             s.close()
@@ -509,6 +536,8 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
                            if isinstance(reps[0][k], (int, float))}
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
+    out["first_stall_s"] = first["stall_s"]
+    out["first_call_s"] = first["call_s"]
     out["slowest_steps"] = [r["slowest_steps"] for r in reps]
     out["persist_GBps"] = job.nbytes() / out["persist_s"] / 1e9
     out["bytes_on_disk"] = size  # counted by this rank (a shared directory: by rank 0)
@@ -529,6 +558,11 @@ def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | Non
         "stall_s_max": max(r["stall_s"] for r in per_rank),
         "stall_s_median": median([r["stall_s"] for r in per_rank]),
         "call_s_max": max(r["call_s"] for r in per_rank),
+        "first_stall_s_max": max(r["first_stall_s"] for r in per_rank),
+        "first_call_s_max": max(r["first_call_s"] for r in per_rank),
+        "prepared_first_stall_s_max": max(r.get("prepared_first_stall_s", NAN)
+                                          for r in per_rank),
+        "prepare_s_max": max(r.get("prepare_s", NAN) for r in per_rank),
         "persist_s_max": persist,
         "persist_GBps_median": median([r["persist_GBps"] for r in per_rank]),
         "persist_aggregate_GBps": total / persist / 1e9,
@@ -593,12 +627,13 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
     print(limits)
     dd = "dd_write_aggregate_GBps" in res
     if many:
-        head = ("method", "stall s max", "stall s med", "call s max", "persist GB/s/rank",
+        head = ("method", "stall s max", "stall s med", "call s max", "first stall s max",
+                "persist GB/s/rank",
                 "persist GB/s agg", *(("of dd",) if dd else ()), "step +%", "restore s max",
                 "restore GB/s agg")
     else:
-        head = ("method", "stall s", "call s", "persist GB/s", *(("of dd",) if dd else ()),
-                "step +%", "restore s", "restore GB/s")
+        head = ("method", "stall s", "call s", "first stall s", "persist GB/s",
+                *(("of dd",) if dd else ()), "step +%", "restore s", "restore GB/s")
     rows, errors = [], []
     for m, r in res["methods"].items():
         if "error" in r:
@@ -607,7 +642,8 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
         row = [m, fmt(r["stall_s_max"], 3)]
         if many:
             row.append(fmt(r["stall_s_median"], 3))
-        row += [fmt(r["call_s_max"], 3), fmt(r["persist_GBps_median"], 2)]
+        row += [fmt(r["call_s_max"], 3), fmt(r["first_stall_s_max"], 3),
+                fmt(r["persist_GBps_median"], 2)]
         if many:
             row.append(fmt(r["persist_aggregate_GBps"], 2))
         if dd:
@@ -617,6 +653,11 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append(tuple(row))
     if rows:
         print(columns(head, rows))
+    mp = res["methods"].get("mpickpt", {})
+    if "prepare_s_max" in mp:
+        print(f"mpickpt's first checkpoint: stall {fmt(mp['first_stall_s_max'], 3)} s; after "
+              f"prepare() before the loop ({fmt(mp['prepare_s_max'], 2)} s) "
+              f"{fmt(mp['prepared_first_stall_s_max'], 3)} s")
     for line in errors:
         print(line)
     if res["methods"] and not all(r.get("cache_dropped", True) for r in res["methods"].values()):

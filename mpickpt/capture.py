@@ -38,6 +38,13 @@ class Capture:
         self.replicated, self.rank, self.world_size = replicated, rank, world_size
         self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate now the buffers a snapshot of ``state`` will need."""
+        _, tensors, placements = state_tree.flatten_placed(state, self.replicated,
+                                                           self.world_size)
+        keep_mine(tensors, placements, self.rank)
+        self.snapshotter.prepare(tensors)
+
     def take(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None
              ) -> tuple[SaveRequest, CheckpointError | None]:
         """(the request, the user's mistake to raise once every rank aborted the save)."""

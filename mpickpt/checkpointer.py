@@ -264,6 +264,16 @@ class Checkpointer:
         request.error = request.error or reasons
         return LocalTierFull(reasons)
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate now the host (page-locked with CUDA) and device buffers that saving
+        ``state`` needs, so that the first :meth:`save` stalls training no more than later ones.
+        Call it before the training loop; it blocks for about as long as page-locking takes
+        (seconds for gigabytes), which otherwise the first save's training steps would wait
+        for, from whichever thread it ran. Not collective.
+        """
+        self._check_open()
+        self._capture.prepare(state)
+
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
         return self._saver.wait()

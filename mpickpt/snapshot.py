@@ -136,20 +136,7 @@ class Snapshotter:
         size (an optimizer's, see :meth:`guard`) are copied on the snapshot thread."""
         t0 = time.perf_counter()
         lazy = lazy or {}
-        by_device: dict[torch.device, list[str]] = {}
-        for name, t in tensors.items():
-            by_device.setdefault(t.device, []).append(name)
-        # layout: each device's tensors form one contiguous range of the buffer, CPU last
-        order = sorted(by_device, key=lambda d: (d.type == "cpu", str(d)))
-        offsets: dict[str, int] = {}
-        ranges: dict[torch.device, tuple[int, int]] = {}
-        pos = 0
-        for dev in order:
-            start = pos
-            for name in by_device[dev]:
-                offsets[name] = pos
-                pos = align(pos + _nbytes(tensors[name]))
-            ranges[dev] = (start, pos)
+        by_device, order, offsets, ranges, pos = _layout(tensors)
         cpu = by_device.get(torch.device("cpu"), [])
         later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= _nbytes(tensors[n])]
         if pos < LAZY_MIN:
@@ -194,6 +181,18 @@ class Snapshotter:
         self._last = snap
         snap.stall_s = time.perf_counter() - t0
         return snap
+
+    def prepare(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Allocate (and page-lock) now what a snapshot of ``tensors`` needs: the pool's buffer
+        and the device staging buffers. Page-locking gigabytes holds the CUDA driver for
+        seconds, and the training thread waits behind it from whichever thread it runs."""
+        _, _, _, ranges, pos = _layout(tensors)
+        if self._last is not None:
+            self._last.drained.wait()
+        for dev, (lo, hi) in ranges.items():
+            if dev.type == "cuda":
+                self._staging_buffer(dev, hi - lo)
+        self.pool.release(self.pool.reserve(pos, defer=False))
 
     def _fill(self, snap: Snapshot, offsets: dict[str, int],
               tensors: Mapping[str, torch.Tensor], held: dict[str, torch.Tensor]) -> None:
@@ -319,6 +318,27 @@ def _owned_by(opt: torch.optim.Optimizer, out: dict[int, int]) -> None:
     for st in opt.state.values():
         for v in st.values():
             add(v)
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[
+        dict[torch.device, list[str]], list[torch.device], dict[str, int],
+        dict[torch.device, tuple[int, int]], int]:
+    """Where each tensor goes in a snapshot's buffer: each device's tensors form one contiguous
+    range, CPU last. (names by device, devices in order, offsets, ranges, total bytes)"""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(t.device, []).append(name)
+    order = sorted(by_device, key=lambda d: (d.type == "cpu", str(d)))
+    offsets: dict[str, int] = {}
+    ranges: dict[torch.device, tuple[int, int]] = {}
+    pos = 0
+    for dev in order:
+        start = pos
+        for name in by_device[dev]:
+            offsets[name] = pos
+            pos = align(pos + _nbytes(tensors[name]))
+        ranges[dev] = (start, pos)
+    return by_device, order, offsets, ranges, pos
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -148,6 +148,23 @@ def test_the_first_buffer_is_allocated_off_the_training_thread(tmp_path, allocat
     assert len(allocations) == 1 and allocations[0].startswith("mpickpt-snapshot"), allocations
 
 
+def test_prepare_allocates_before_the_loop_and_the_first_save_reuses_it(tmp_path, allocations):
+    model, opt = model_and_adam()
+    state = {"model": model, "optim": opt}
+    saved = values(model, opt)
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        ck.prepare(state)
+        assert allocations == [threading.current_thread().name]
+        assert ck.pinned_bytes > 0
+        assert ck.save(1, state).wait().committed
+        assert ck.save(2, state).wait().committed
+        assert len(allocations) == 1, allocations  # no save allocated
+        fresh_model, fresh_opt = model_and_adam(seed=1)
+        assert ck.restore({"model": fresh_model, "optim": fresh_opt}) == 2
+    got = values(fresh_model, fresh_opt)
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+
+
 def test_a_small_state_is_taken_on_the_spot(tmp_path, allocations):
     """Below LAZY_MIN bytes, waking the snapshot thread costs more than the copy: a tiny state
     saved every step is copied and its buffer allocated by save() itself."""

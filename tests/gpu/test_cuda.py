@@ -93,3 +93,33 @@ def test_rng_state_with_cuda_round_trips(tmp_path):
         torch.rand(100, device="cuda")
         ck.restore({"rng": mpickpt.RNGState()})
     assert torch.equal(torch.rand(10, device="cuda"), expected)
+
+
+def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, monkeypatch):
+    import threading
+
+    from mpickpt import pinned_pool
+
+    threads: list[str] = []
+    real = pinned_pool.HostPool._new
+
+    def spy(self, nbytes):
+        threads.append(threading.current_thread().name)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(pinned_pool.HostPool, "_new", spy)
+    m, opt = model_and_opt(0)
+    x = torch.randn(1024, 1024, device="cuda")
+    step(m, opt, x)
+    expected = values(m, opt)
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(0, {"model": m, "optim": opt})
+        step(m, opt, x)  # the copy must not see this step
+        assert h.wait().committed
+        assert threads and all(t.startswith("mpickpt-snapshot") for t in threads), threads
+        m2, opt2 = model_and_opt(1)
+        step(m2, opt2, x)
+        ck.restore({"model": m2, "optim": opt2}, step=0)
+    for a, b in zip(values(m2, opt2), expected, strict=True):
+        assert torch.equal(a, b)
+
