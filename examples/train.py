@@ -83,6 +83,7 @@ def main() -> None:
             redundancy=None if args.redundancy == "none" else args.redundancy)
         restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
+        ckpt.prepare(state)  # the snapshot buffers now, not in the first save's steps
     if comm.rank == 0:
         print(f"training steps {start + 1}..{args.steps} on {comm.size} ranks", flush=True)
     for step in range(start, args.steps):
