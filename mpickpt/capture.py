@@ -26,6 +26,9 @@ from .saver import SaveRequest, WaitLog
 from .sharding import keep_mine
 from .snapshot import Snapshotter
 
+# a first save that page-locks this many bytes or more logs the prepare() hint
+HINT_BYTES = 256 << 20
+
 
 class Capture:
     """Takes a rank's state into a :class:`SaveRequest`, through ``pool``'s host buffers."""
@@ -37,6 +40,8 @@ class Capture:
         self.snapshotter = Snapshotter(pool, device_staging)
         self.replicated, self.rank, self.world_size = replicated, rank, world_size
         self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
+        self.log = logger
+        self._hinted = False  # the prepare() hint is given once
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate now the buffers a snapshot of ``state`` will need."""
@@ -44,6 +49,18 @@ class Capture:
                                                            self.world_size)
         keep_mine(tensors, placements, self.rank)
         self.snapshotter.prepare(tensors)
+
+    def _hint(self, nbytes: int, allocating: bool) -> None:
+        """Rank 0, once: a save that page-locks a large buffer stalls training for seconds
+        (the CUDA driver is held, whichever thread does it); prepare() does it before the loop."""
+        if (self._hinted or self.rank != 0 or not allocating or not self.pool.pin
+                or nbytes < HINT_BYTES):
+            return
+        self._hinted = True
+        self.log.warning(
+            "this save page-locks %.1f GB of host memory for its snapshot: the CUDA driver is "
+            "held meanwhile and training steps wait for it (about 0.6 s per GB); call "
+            "Checkpointer.prepare(state) before the training loop to do it there", nbytes / 1e9)
 
     def take(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None
              ) -> tuple[SaveRequest, CheckpointError | None]:
@@ -63,7 +80,10 @@ class Capture:
                 request.busy = True
                 request.stats["stall_s"] = time.perf_counter() - t0
                 return request, None
+            held = self.pool.allocated_bytes
             request.snapshot = self.snapshotter.take(tensors, lazy)
+            self._hint(request.snapshot.nbytes, request.snapshot.lease.buffer is None
+                       or self.pool.allocated_bytes > held)
             if self._waits is not None:
                 self._waits.saw(step, waits, self.pool.waited_s)
         except (StateTreeError, MetadataError) as e:

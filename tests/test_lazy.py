@@ -7,6 +7,7 @@ run; the optimizer's step pre-hook waits for that copy. The snapshot thread is s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -213,3 +214,45 @@ def test_a_failed_allocation_aborts_the_save_and_gives_the_slot_back(tmp_path, m
         assert not result.committed and "no pinned memory left" in result.error
         train_step(model, opt)  # the step's pre-hook does not raise for the failed copy
         assert ck.save(2, {"model": model, "optim": opt}).wait(timeout=60).committed
+
+
+
+def pretend_pinned(ck: mpickpt.Checkpointer, monkeypatch) -> None:
+    """Make ``ck``'s pool claim to page-lock (as with CUDA) while allocating plain memory."""
+    from mpickpt.pinned_pool import HostPool
+
+    plain = HostPool(ck._pool.budget, pin=False)
+    monkeypatch.setattr(ck._pool, "_new", plain._new)
+    monkeypatch.setattr(ck._pool, "pin", True)
+
+
+def test_a_save_that_page_locks_a_large_buffer_says_to_call_prepare(tmp_path, monkeypatch,
+                                                                  caplog):
+    """Rank 0 says once that prepare() page-locks before the loop (the threshold is lowered)."""
+    from mpickpt import capture
+
+    monkeypatch.setattr(capture, "HINT_BYTES", 1)
+    caplog.set_level(logging.INFO, logger="mpickpt")
+    model, opt = model_and_adam()
+    state = {"model": model, "optim": opt}
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        pretend_pinned(ck, monkeypatch)
+        assert ck.save(1, state).wait().committed
+        assert ck.save(2, state).wait().committed
+    assert caplog.text.count("call Checkpointer.prepare(state) before the training loop") == 1
+
+
+def test_no_prepare_hint_after_prepare_or_without_page_locking(tmp_path, monkeypatch, caplog):
+    from mpickpt import capture
+
+    monkeypatch.setattr(capture, "HINT_BYTES", 1)
+    caplog.set_level(logging.INFO, logger="mpickpt")
+    model, opt = model_and_adam()
+    state = {"model": model, "optim": opt}
+    with mpickpt.Checkpointer(tmp_path / "a") as ck:
+        pretend_pinned(ck, monkeypatch)
+        ck.prepare(state)
+        assert ck.save(1, state).wait().committed
+    with mpickpt.Checkpointer(tmp_path / "b") as ck:  # no CUDA: nothing is page-locked
+        assert ck.save(1, state).wait().committed
+    assert "Checkpointer.prepare(state)" not in caplog.text
