@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--persist-every", type=int, default=10, metavar="K",
                     help="with --local: drain every K-th save to ROOT (0: only the emergency "
                          "save and the newest at the end; default 10)")
+    ap.add_argument("--index", choices=["auto", "inline", "per-rank"], default="auto",
+                    help="where the ranks' tensor records go: the manifest, or an index part "
+                         "per rank (auto: per rank above 64 ranks)")
     args = ap.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -80,7 +83,7 @@ def main() -> None:
     if not args.no_checkpoint:
         ckpt = mpickpt.Checkpointer(
             args.root, keep=args.keep, local=args.local, persist_every=args.persist_every or None,
-            redundancy=None if args.redundancy == "none" else args.redundancy)
+            redundancy=None if args.redundancy == "none" else args.redundancy, index=args.index)
         restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
         ckpt.prepare(state)  # the snapshot buffers now, not in the first save's steps

@@ -44,6 +44,8 @@ from .topology import SCHEMES, Topology
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
 T = TypeVar("T")
+# index="auto": above this many ranks each rank's records go into an index part of its own
+SPLIT_RANKS = 64
 
 # the pipelines of Checkpointers not yet closed: their saves in flight are finished at
 # interpreter exit (a pipeline outlives its Checkpointer while a save is in flight)
@@ -133,6 +135,7 @@ class Checkpointer:
         local_budget: int | None = None,
         xor_set: int | None = None,
         drain_bandwidth: float | None = None,
+        index: str = "auto",
     ) -> None:
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
@@ -141,6 +144,8 @@ class Checkpointer:
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         if world_change not in ("reshard", "fail"):
             raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
+        if index not in ("auto", "inline", "per-rank"):
+            raise ValueError(f"index must be 'auto', 'inline' or 'per-rank', not {index!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.keep, self.io_threads = keep, io_threads
         self.replicated = tuple(p.strip("/") for p in replicated)
@@ -176,9 +181,11 @@ class Checkpointer:
         elif redundancy is not None:
             raise ValueError("redundancy protects the node-local level: give local= too")
         self._local_checked = False
+        split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
-                            ShardOptions(alignment, checksum_block, io_threads), self.retention,
-                            self.log, on_error == "raise", self._local, skip=if_busy == "skip")
+                            ShardOptions(alignment, checksum_block, io_threads, split),
+                            self.retention, self.log, on_error == "raise", self._local,
+                            skip=if_busy == "skip")
         _OPEN.add(self._saver)
         _hook_exit()
 

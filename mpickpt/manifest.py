@@ -11,6 +11,12 @@ Rules, in one place:
   :func:`mpickpt.records.check_records`), and its ``checksums`` cover ``checksum_block``-byte
   blocks.
 * ``tree`` is the rank's state tree (see :mod:`mpickpt.state_tree`), plain JSON.
+* Version 2 (per-rank index parts, for jobs of many ranks): a rank entry holds ``file`` and
+  ``bytes`` and, instead of ``tree`` and ``tensors``, ``index``: the file
+  ``index/rank-{r:05d}.json`` beside the manifest, its exact size and xxh3-64. The rank wrote
+  that part (its entry, as in version 1) before it voted; a reader loads it only when it needs
+  that rank's records, checked against the size and checksum the manifest gives, so the
+  manifest's checksum protects the parts too. Version 1 (every entry inline) is still read.
 * ``manifest_checksum`` covers every other field (canonical JSON, xxh3-64), so damage that leaves
   the file valid JSON (a flipped digit of a shape, a letter of a key) is refused as corruption
   instead of passing for a checkpoint that does not fit the state.
@@ -30,7 +36,9 @@ from .records import TensorRecord
 
 NAME = "MANIFEST.json"
 FORMAT = "mpickpt"
-VERSION = 1
+VERSION = 1  # every rank's records inline
+SPLIT_VERSION = 2  # per-rank index parts
+INDEX_DIR = "index"
 MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 MAX_TREE_DEPTH = 256  # JSON levels of a rank's tree (3 per level of the state); deeper is refused
 CHECKSUM_FIELD = "manifest_checksum"
@@ -40,20 +48,133 @@ def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.h5"
 
 
-@dataclass
-class RankEntry:
-    """One rank's shard: file name, exact byte size, state tree and tensor records."""
+def index_name(rank: int) -> str:
+    """Rank ``rank``'s index part, relative to its checkpoint directory."""
+    return f"{INDEX_DIR}/rank-{rank:05d}.json"
 
-    rank: int
+
+@dataclass(frozen=True)
+class IndexRef:
+    """Where a rank's entry lies in a version-2 checkpoint: file, exact size, xxh3-64."""
+
     file: str
     bytes: int
-    tree: dict[str, Any]
-    tensors: list[TensorRecord]
+    xxh3: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "xxh3": self.xxh3}
+
+
+class RankEntry:
+    """One rank's shard: file name, exact byte size, state tree and tensor records.
+
+    In a version-2 manifest the tree and the records are in the rank's index part, read and
+    checked the first time either is asked for (:class:`ManifestError` naming the part if it
+    is missing, of another size or checksum, or not a valid entry of this rank)."""
+
+    def __init__(self, rank: int, file: str, bytes: int, tree: dict[str, Any] | None = None,
+                 tensors: list[TensorRecord] | None = None, *, index: IndexRef | None = None,
+                 directory: str | None = None) -> None:
+        self.rank, self.file, self.bytes = rank, file, bytes
+        self.index, self.directory = index, directory
+        self._tree, self._tensors = tree, tensors
+
+    def __repr__(self) -> str:
+        return f"RankEntry(rank={self.rank}, file={self.file!r}, bytes={self.bytes})"
+
+    def __eq__(self, other: object) -> bool:
+        """The same shard, tree and records (the records are loaded to compare)."""
+        if not isinstance(other, RankEntry):
+            return NotImplemented
+        return ((self.rank, self.file, self.bytes, self.index)
+                == (other.rank, other.file, other.bytes, other.index)
+                and self.tree == other.tree and self.tensors == other.tensors)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaced
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        if self._tree is None:
+            self._load()
+        assert self._tree is not None
+        return self._tree
+
+    @tree.setter
+    def tree(self, value: dict[str, Any]) -> None:
+        self._tree = value
+
+    @property
+    def tensors(self) -> list[TensorRecord]:
+        if self._tensors is None:
+            self._load()
+        assert self._tensors is not None
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: list[TensorRecord]) -> None:
+        self._tensors = value
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the tree and records are in memory (always, for a version-1 entry)."""
+        return self._tensors is not None
+
+    def _load(self) -> None:
+        global _PARTS_READ
+        if self.index is None or self.directory is None:
+            raise ManifestError(f"rank {self.rank}'s entry has no records and no index part")
+        path = os.path.join(self.directory, self.index.file)
+        data = read_part(path, self.index.bytes)
+        _PARTS_READ += 1
+        if checksum.digest(data) != self.index.xxh3:
+            raise ManifestError(f"{path}: checksum mismatch: the index part of rank "
+                                f"{self.rank} is corrupt")
+        try:
+            d = json.loads(data)
+            entry = _entry(self.rank, d, f"{path}: rank entry {self.rank}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError(f"{path}: nested too deeply to be an index part") from None
+        except _Bad as e:
+            raise ManifestError(str(e)) from None
+        if entry.file != self.file or entry.bytes != self.bytes:
+            raise ManifestError(f"{path}: says {entry.file} has {entry.bytes} bytes, the "
+                                f"manifest {self.file} with {self.bytes}")
+        self._tree, self._tensors = entry._tree, entry._tensors
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON values (the tree is shared, not copied: it is not changed once built)."""
         return {"rank": self.rank, "file": self.file, "bytes": self.bytes, "tree": self.tree,
                 "tensors": [r.to_dict() for r in self.tensors]}
+
+    def summary(self) -> dict[str, Any]:
+        """A version-2 manifest's entry: the shard and the index part, no records."""
+        assert self.index is not None
+        return {"rank": self.rank, "file": self.file, "bytes": self.bytes,
+                "index": self.index.to_dict()}
+
+
+_PARTS_READ = 0
+
+
+def parts_read() -> int:
+    """How many index parts this process has read (each rank reads its own at a restore)."""
+    return _PARTS_READ
+
+
+def read_part(path: str, size: int) -> bytes:
+    """The bytes of an index part: a regular file (no link) of exactly ``size`` bytes."""
+    try:
+        fd = rootdir.open_regular(path)
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot open the index part: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ManifestError(f"{path}: the index part has {actual} bytes, the manifest says "
+                                f"{size} (truncated or replaced)")
+        return f.read(size + 1)
 
 
 @dataclass
@@ -73,12 +194,26 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.ranks)
 
+    def load_all(self) -> Manifest:
+        """Read every rank's index part now (the operator's tools check whole checkpoints);
+        :class:`ManifestError` naming the first that cannot be read."""
+        for r in self.ranks:
+            _ = r.tensors
+        return self
+
+    @property
+    def split(self) -> bool:
+        """Whether the ranks' records are in index parts (version 2)."""
+        return any(r.index is not None for r in self.ranks)
+
     def to_json(self) -> str:
+        split = self.split
         d = {"step": self.step, "world_size": self.world_size, "run_id": self.run_id,
-             "ranks": [r.to_dict() for r in self.ranks], "metadata": self.metadata,
+             "ranks": [r.summary() if split else r.to_dict() for r in self.ranks],
+             "metadata": self.metadata,
              "created": self.created, "checksum_algorithm": self.checksum_algorithm,
              "checksum_block": self.checksum_block, "format": self.format,
-             "version": self.version}
+             "version": SPLIT_VERSION if split else VERSION}
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         d[CHECKSUM_FIELD] = _digest(d)
         # one line: json's C encoder runs only without indent (10x faster: 3 ms of rank 0's CPU
@@ -88,20 +223,28 @@ class Manifest:
     @classmethod
     def assemble(cls, step: int, world_size: int, run_id: str,
                  entries: list[dict[str, Any]], metadata: dict[str, Any],
-                 checksum_block: int) -> Manifest:
-        """The manifest of the ranks' entries (each a :class:`RankEntry` as a dict, as the ranks
-        send them), held to the rules a parsed manifest obeys; ManifestError otherwise."""
-        d = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
-             "run_id": run_id, "ranks": entries, "metadata": metadata, "created": time.time(),
+                 checksum_block: int, directory: str | None = None) -> Manifest:
+        """The manifest of the ranks' entries (each a :class:`RankEntry` as a dict, or its
+        :meth:`RankEntry.summary` with its index part in ``directory``, as the ranks send
+        them), held to the rules a parsed manifest obeys; ManifestError otherwise."""
+        split = bool(entries) and all(isinstance(e, dict) and "index" in e for e in entries)
+        d = {"format": FORMAT, "version": SPLIT_VERSION if split else VERSION, "step": step,
+             "world_size": world_size, "run_id": run_id, "ranks": entries,
+             "metadata": metadata, "created": time.time(),
              "checksum_algorithm": checksum.ALGORITHM, "checksum_block": checksum_block}
         try:
-            return _parse(d)
+            return _parse(d, directory)
         except _Bad as e:
             raise ManifestError(f"the manifest of step {step}: {e}") from None
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str) -> Manifest:
-        """Parse and validate; every problem is a :class:`ManifestError` naming ``where``."""
+    def from_json(cls, text: str | bytes, where: str, directory: str | None = None
+                  ) -> Manifest:
+        """Parse and validate; every problem is a :class:`ManifestError` naming ``where``.
+        A version-2 manifest's index parts are read from ``directory`` (by default, that of
+        ``where`` when it names a MANIFEST.json) when they are needed."""
+        if directory is None and os.path.basename(where) == NAME:
+            directory = os.path.dirname(where)
         try:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
@@ -109,7 +252,7 @@ class Manifest:
         except RecursionError:
             raise ManifestError(f"{where}: nested too deeply to be a manifest") from None
         try:
-            manifest = _parse(d)
+            manifest = _parse(d, directory)
             if _get(d, CHECKSUM_FIELD, str, "manifest") != _digest(d):
                 raise _Bad("checksum mismatch: the manifest is corrupt")
             return manifest
@@ -185,12 +328,64 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def _parse(d: Any) -> Manifest:
+def _entry(i: int, r: Any, w: str) -> RankEntry:
+    """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part)."""
+    if _get(r, "rank", int, w) != i:
+        raise _Bad(f"{w}: rank field is {r['rank']}")
+    name = _get(r, "file", str, w)
+    if name != shard_name(i):
+        raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r}")
+    size = _get(r, "bytes", int, w)
+    if size < 0:
+        raise _Bad(f"{w}: negative size")
+    tensors = []
+    for j, t in enumerate(_get(r, "tensors", list, w)):
+        tw = f"{w} tensor {j}"
+        shape = _get(t, "shape", list, tw)
+        sums = _get(t, "checksums", list, tw)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+            raise _Bad(f"{tw}: shape {shape!r} is not a list of integers")
+        if not all(isinstance(x, str) for x in sums):
+            raise _Bad(f"{tw}: checksums are not strings")
+        tensors.append(TensorRecord(
+            _get(t, "name", str, tw), _get(t, "dtype", str, tw), shape,
+            _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
+            *_piece(t, len(shape), tw),
+        ))
+    tree = _get(r, "tree", dict, w)
+    if _depth(tree) > MAX_TREE_DEPTH:
+        raise _Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+    return RankEntry(i, name, size, tree, tensors)
+
+
+def _summary(i: int, r: Any, w: str, directory: str | None) -> RankEntry:
+    """Rank ``i``'s version-2 entry: shard and index part, records read when needed."""
+    if _get(r, "rank", int, w) != i:
+        raise _Bad(f"{w}: rank field is {r['rank']}")
+    name = _get(r, "file", str, w)
+    if name != shard_name(i):
+        raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r}")
+    size = _get(r, "bytes", int, w)
+    if size < 0:
+        raise _Bad(f"{w}: negative size")
+    ix = _get(r, "index", dict, w)
+    part = _get(ix, "file", str, f"{w} index")
+    if part != index_name(i):
+        raise _Bad(f"{w}: index part {part!r} is not {index_name(i)!r}")
+    part_bytes = _get(ix, "bytes", int, f"{w} index")
+    if not 0 <= part_bytes <= MAX_BYTES:
+        raise _Bad(f"{w}: index part of {part_bytes} bytes")
+    digest = _get(ix, "xxh3", str, f"{w} index")
+    return RankEntry(i, name, size, index=IndexRef(part, part_bytes, digest),
+                     directory=directory)
+
+
+def _parse(d: Any, directory: str | None = None) -> Manifest:
     fmt = _get(d, "format", str, "manifest")
     version = _get(d, "version", int, "manifest")
-    if fmt != FORMAT or version != VERSION:
-        raise _Bad(f"format {fmt!r} version {version} is not {FORMAT!r} version {VERSION}; "
-                   "use the mpickpt release that wrote it")
+    if fmt != FORMAT or version not in (VERSION, SPLIT_VERSION):
+        raise _Bad(f"format {fmt!r} version {version} is not {FORMAT!r} version {VERSION} or "
+                   f"{SPLIT_VERSION}; use the mpickpt release that wrote it")
     world = _get(d, "world_size", int, "manifest")
     block = _get(d, "checksum_block", int, "manifest")
     algo = _get(d, "checksum_algorithm", str, "manifest")
@@ -199,39 +394,14 @@ def _parse(d: Any) -> Manifest:
     ranks_raw = _get(d, "ranks", list, "manifest")
     if world <= 0 or len(ranks_raw) != world:
         raise _Bad(f"world_size {world} but {len(ranks_raw)} rank entries")
-    ranks = []
-    for i, r in enumerate(ranks_raw):
-        w = f"rank entry {i}"
-        if _get(r, "rank", int, w) != i:
-            raise _Bad(f"{w}: rank field is {r['rank']}")
-        name = _get(r, "file", str, w)
-        if name != shard_name(i):
-            raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r}")
-        size = _get(r, "bytes", int, w)
-        if size < 0:
-            raise _Bad(f"{w}: negative size")
-        tensors = []
-        for j, t in enumerate(_get(r, "tensors", list, w)):
-            tw = f"{w} tensor {j}"
-            shape = _get(t, "shape", list, tw)
-            sums = _get(t, "checksums", list, tw)
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
-                raise _Bad(f"{tw}: shape {shape!r} is not a list of integers")
-            if not all(isinstance(x, str) for x in sums):
-                raise _Bad(f"{tw}: checksums are not strings")
-            tensors.append(TensorRecord(
-                _get(t, "name", str, tw), _get(t, "dtype", str, tw), shape,
-                _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
-                *_piece(t, len(shape), tw),
-            ))
-        tree = _get(r, "tree", dict, w)
-        if _depth(tree) > MAX_TREE_DEPTH:
-            raise _Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
-        ranks.append(RankEntry(i, name, size, tree, tensors))
+    if version == SPLIT_VERSION:
+        ranks = [_summary(i, r, f"rank entry {i}", directory) for i, r in enumerate(ranks_raw)]
+    else:
+        ranks = [_entry(i, r, f"rank entry {i}") for i, r in enumerate(ranks_raw)]
     created = _get(d, "created", (int, float), "manifest")
     return Manifest(
         step=_get(d, "step", int, "manifest"), world_size=world,
         run_id=_get(d, "run_id", str, "manifest"), ranks=ranks,
         metadata=_get(d, "metadata", dict, "manifest"), created=float(created),
-        checksum_algorithm=algo, checksum_block=block,
+        checksum_algorithm=algo, checksum_block=block, version=version,
     )

@@ -54,7 +54,7 @@ def _others(directory: str, step: int) -> list[tuple[str, Manifest]]:
             if os.lstat(os.path.join(path, "MANIFEST.json")).st_size > MAX_MANIFEST_BYTES:
                 continue
             text = read_bytes(path).decode("utf-8", errors="replace")
-            out.append((path, Manifest.from_json(text, path)))
+            out.append((path, Manifest.from_json(text, path, directory=path).load_all()))
         except (OSError, ManifestError):
             continue
     return out

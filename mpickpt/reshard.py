@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -152,14 +152,33 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     source = rank % manifest.world_size
     entry = manifest.ranks[source]
     own = {r.name: r for r in entry.tensors if r.global_shape is None}
+    _, live, placements = state_tree.flatten_placed(state, replicated, world)
+    names = list(dict.fromkeys(_array_names(entry.tree, [])))
+    if manifest.world_size == world:
+        # the same ranks: this rank's pieces are in its own entry, and the replicated ones
+        # in their writers' (whose records a version-2 manifest keeps in parts of their own)
+        ranks = sorted({source, *sharding.writers_of(live, placements).values()})
+        try:
+            return _plan(manifest, source, names, own, ranks, live, placements, where)
+        except ShardError:
+            pass  # not where they would be: look in every rank's records
+    return _plan(manifest, source, names, own, range(manifest.world_size), live, placements,
+                 where)
+
+
+def _plan(manifest: Manifest, source: int, names: list[str], own: dict[str, TensorRecord],
+          ranks: Iterable[int], live: dict[str, torch.Tensor],
+          placements: dict[str, sharding.Placement], where: str) -> Plan:
+    """:func:`plan` with the stored pieces of ``ranks``' records."""
+    entry = manifest.ranks[source]
     pieces: dict[str, list[Piece]] = {}
-    for e in manifest.ranks:
+    for rank in ranks:
+        e = manifest.ranks[rank]
         for r in e.tensors:
             if r.global_shape is not None:
                 pieces.setdefault(r.name, []).append(Piece(e.rank, r))
-    _, live, placements = state_tree.flatten_placed(state, replicated, world)
     targets: dict[str, Target] = {}
-    for name in dict.fromkeys(_array_names(entry.tree, [])):
+    for name in names:
         targets[name] = _target(name, own, pieces, source, live, placements, where)
     block = manifest.checksum_block
     wanted: dict[RecordKey, list[ByteRange]] = {}

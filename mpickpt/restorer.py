@@ -159,7 +159,9 @@ class Restorer:
                     "world_change='reshard'")
             if self.rank == 0:
                 # the same on N >= 2 stored ranks: in effect global state, any copy will do
-                same = manifest.world_size > 1 and not _per_rank_state_differs(manifest)
+                # (not looked at through index parts: that would read every rank's)
+                same = (manifest.world_size > 1 and not manifest.split
+                        and not _per_rank_state_differs(manifest))
                 (self.log.info if same else self.log.warning)(
                     "%s was written by %d ranks, this job has %d: sharded and replicated tensors "
                     "are resharded; rank r takes the per-rank state (other tensors and values) "

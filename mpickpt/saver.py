@@ -24,12 +24,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import faults, log, retention, rootdir, sharding
+from . import checksum, faults, log, retention, rootdir, sharding
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .errors import CheckpointError, SaveAborted
 from .manifest import NAME as MANIFEST
-from .manifest import Manifest, RankEntry, read_bytes, shard_name
+from .manifest import IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
 from .shard import DEFAULT_ALIGNMENT, ShardWriter
 from .snapshot import Snapshot, Snapshotter
@@ -102,6 +102,7 @@ class ShardOptions:
     alignment: int = DEFAULT_ALIGNMENT  # tensors of this size and more start on this boundary
     block: int = DEFAULT_BLOCK  # bytes per checksum
     io_threads: int = 8
+    split_index: bool = False  # each rank's records in an index part of its own (version 2)
 
 
 class Saver:
@@ -225,6 +226,8 @@ class Saver:
         try:
             if req.snapshot is not None and req.tree is not None:
                 entry = self._write(req, partial)
+                if self.options.split_index:
+                    self._write_index(partial, entry)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         finally:
@@ -298,6 +301,14 @@ class Saver:
         faults.hit("after-fsync-before-vote", self.rank, req.step)
         return RankEntry(self.rank, shard_name(self.rank), size, req.tree, writer.records)
 
+    def _write_index(self, partial: str, entry: RankEntry) -> None:
+        """This rank's index part (its entry as JSON), durable before it votes."""
+        data = json.dumps(entry.to_dict(), allow_nan=False).encode()
+        name = index_name(self.rank)
+        rootdir.make_dirs(os.path.join(partial, os.path.dirname(name)))
+        rootdir.atomic_write(os.path.join(partial, name), data)
+        entry.index = IndexRef(name, len(data), checksum.digest(data))
+
     def _vote_and_commit(self, req: SaveRequest, partial: str, entry: RankEntry | None,
                          error: str | None, local: bool = False) -> SaveResult:
         """Stages 2 and 3: every rank votes; rank 0 commits (``local``: assembles the manifest
@@ -314,7 +325,8 @@ class Saver:
         try:
             if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
                 faults.hit("after-vote-before-manifest", self.rank, step)
-            payload = entry.to_dict() if entry else None
+            payload = None if entry is None else (
+                entry.summary() if entry.index is not None else entry.to_dict())
         except Exception as e:  # rank 0 aborts the commit, naming this rank
             payload = {"error": f"rank {self.rank}: {type(e).__name__}: {e}"}
         entries = self.proto.gather(payload, "gather")
@@ -328,8 +340,9 @@ class Saver:
                     raise CheckpointError("; ".join(failed))
                 metadata = user_metadata.resolve(req.metadata)
                 manifest = Manifest.assemble(step, self.world_size, self.run_id, entries or [],
-                                             metadata, self.options.block)
-                _check_pieces(manifest.ranks)
+                                             metadata, self.options.block, directory=partial)
+                if not manifest.split or self.world_size <= CHECK_PIECES_RANKS:
+                    _check_pieces(manifest.ranks)  # with index parts: reads them all
                 if local:  # every node publishes it
                     outcome = (manifest.to_json(), None, metadata)
                 else:
@@ -531,6 +544,11 @@ class Saver:
         except OSError as e:
             self.log.warning("could not remove %s (%s); it is removed at the next start",
                              partial, e)
+
+
+# with index parts, rank 0 reads them all to check that sharded tensors tile at the commit up to
+# this many ranks; beyond, restore checks the pieces it reads (and names any that do not tile)
+CHECK_PIECES_RANKS = 64
 
 
 class WaitLog:

@@ -202,21 +202,30 @@ def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
     return None
 
 
-def keep_mine(tensors: dict[str, torch.Tensor], placements: dict[str, Placement],
-              rank: int) -> None:
-    """Drop from ``tensors`` the replicated pieces another holder writes (DDP: each rank writes
-    about 1/N of the model). The pieces of each replica group are spread over its ranks by
-    :func:`writers`, which every holder computes alike."""
+def writers_of(tensors: dict[str, torch.Tensor], placements: dict[str, Placement]
+               ) -> dict[str, int]:
+    """Who writes each replicated piece of ``tensors`` (what :func:`keep_mine` keeps on each
+    rank): name -> rank, for the pieces held by more than one rank."""
     groups: dict[tuple[int, ...], list[tuple[str, int, tuple[int, ...]]]] = {}
     for name, placement in placements.items():
         if placement.holders is not None and len(placement.holders) > 1:
             t = tensors[name]
             groups.setdefault(placement.holders, []).append(
                 (name, t.numel() * t.element_size(), placement.holders))
+    out: dict[str, int] = {}
     for pieces in groups.values():
-        for name, writer in writers(pieces).items():
-            if writer != rank:
-                del tensors[name]
+        out.update(writers(pieces))
+    return out
+
+
+def keep_mine(tensors: dict[str, torch.Tensor], placements: dict[str, Placement],
+              rank: int) -> None:
+    """Drop from ``tensors`` the replicated pieces another holder writes (DDP: each rank writes
+    about 1/N of the model). The pieces of each replica group are spread over its ranks by
+    :func:`writers`, which every holder computes alike."""
+    for name, writer in writers_of(tensors, placements).items():
+        if writer != rank:
+            del tensors[name]
 
 
 def check_coverage(pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...],

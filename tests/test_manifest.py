@@ -57,7 +57,7 @@ def test_the_manifest_assembles_itself_from_the_ranks_entries():
     """What the ranks send (their entries as dicts) becomes the manifest rank 0 commits, held to
     the rules a parsed manifest obeys: the same mutations are refused the same way."""
     m = sample()
-    entries = [dataclasses.asdict(e) for e in m.ranks]
+    entries = [e.to_dict() for e in m.ranks]
     built = Manifest.assemble(7, 2, "run1", entries, {"lr": 0.1}, m.checksum_block)
     assert built.ranks == m.ranks and (built.step, built.world_size, built.metadata) == (
         7, 2, {"lr": 0.1})
@@ -163,8 +163,11 @@ def test_to_dict_gives_what_asdict_gives():
     assert [r.to_dict() for r in recs] == [dataclasses.asdict(r) for r in recs]
     assert {f.name for f in dataclasses.fields(TensorRecord)} == set(recs[0].to_dict())
     entry = RankEntry(0, "rank-00000.h5", 123, {"type": "dict", "items": []}, recs)
-    assert entry.to_dict() == dataclasses.asdict(entry)
+    assert entry.to_dict() == {"rank": 0, "file": "rank-00000.h5", "bytes": 123,
+                               "tree": {"type": "dict", "items": []},
+                               "tensors": [r.to_dict() for r in recs]}
     m = Manifest(5, 1, "run", [entry], {"loss": 1.5})
     text = json.loads(m.to_json())
     expected = dataclasses.asdict(m)
+    expected["ranks"] = [entry.to_dict()]
     assert {k: text[k] for k in expected} == expected

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import rootdir
 from ..errors import ManifestError
-from ..manifest import FORMAT, VERSION, Manifest, read_bytes
+from ..manifest import FORMAT, SPLIT_VERSION, VERSION, Manifest, read_bytes
 from ..manifest import NAME as MANIFEST
 from . import diagnose
 from .render import iso_utc
@@ -204,7 +204,8 @@ def _other_version(text: bytes) -> bool:
     except (ValueError, RecursionError):
         return False
     return (isinstance(d, dict) and d.get("format") == FORMAT
-            and d.get("version") != VERSION and isinstance(d.get("version"), int))
+            and d.get("version") not in (VERSION, SPLIT_VERSION)
+            and isinstance(d.get("version"), int))
 
 
 def read_manifest(path: str) -> Manifest:
@@ -216,7 +217,7 @@ def read_manifest(path: str) -> Manifest:
     except ManifestError as e:
         raise ManifestUnreadable(str(e)) from None
     try:
-        return Manifest.from_json(text.decode("utf-8", errors="replace"), mpath)
+        return Manifest.from_json(text.decode("utf-8", errors="replace"), mpath).load_all()
     except ManifestError as e:
         raise ManifestUnreadable(str(e), unsupported=_other_version(text)) from None
 

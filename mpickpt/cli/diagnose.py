@@ -136,7 +136,7 @@ def _manifests(committed: list[str]) -> list[Manifest]:
     for path in committed[:MAX_MANIFESTS]:
         try:
             out.append(Manifest.from_json(read_bytes(path).decode("utf-8", errors="replace"),
-                                          path))
+                                          path, directory=path).load_all())
         except ManifestError:
             continue
     return out

@@ -1,6 +1,6 @@
 """Save declared-sharded, replicated and per-rank tensors on N ranks; restore on M and check.
 
-Usage: reshard.py save|restore ROOT REPORTS [--block B]
+Usage: reshard.py save|restore ROOT REPORTS [--block B] [--index auto|inline|per-rank]
 
 The global tensors are pure functions of their shape, so any rank can check its piece:
 - ``rows``: float32 (37, 1024), split over the ranks by uneven row ranges (see ``row_split``);
@@ -9,7 +9,7 @@ The global tensors are pure functions of their shape, so any rank can check its 
 - ``mine``: a per-rank tensor whose values depend on the rank that saved it;
 - ``note``: a per-rank string.
 Each rank writes REPORTS/<mode>-rank-R.json with the restored step, what matched, the bytes its
-restore read and the bytes its pieces need.
+restore read, the bytes its pieces need and the index parts it read (with --index per-rank).
 
 Run by tests/multirank/test_reshard.py and tests/cli/test_cli_export_sharded.py (which
 also imports :func:`whole`); named for the first, whose subject it is.
@@ -26,6 +26,7 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
+import mpickpt.manifest
 
 ROWS, COLS, REP = (37, 1024), (8, 30), (3, 5000)
 
@@ -71,11 +72,12 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("reports")
     ap.add_argument("--block", type=int, default=4096)
+    ap.add_argument("--index", default="auto")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
     ck = mpickpt.Checkpointer(args.root, replicated=("rep",), checksum_block=args.block,
-                              alignment=4096)
+                              alignment=4096, index=args.index)
     report: dict = {"rank": rank, "world": world}
     if args.mode == "save":
         state = make_state(rank, world, fill=True)
@@ -99,6 +101,7 @@ def main() -> None:
             mine=torch.equal(state["mine"], torch.full((4,), float(rank % saved_by))),
             note=state["note"],
             bytes_read=info.bytes_read,
+            parts_read=mpickpt.manifest.parts_read(),
             needed=sum(t.numel() * t.element_size() for t in
                        (state["rows"].tensor, state["cols"].tensor, state["rep"],
                         state["mine"])),
