@@ -12,7 +12,7 @@ Today every rank reads every rank's records, so the cost grows as P x T; sizes t
 cannot hold are extrapolated from the measured ones along that line (said so in the table).
 
     python bench/sim_metadata.py                     # P = 100, 300, 1000; T = 1000 (~5 min)
-    python bench/sim_metadata.py --ranks 100,1000 --tensors 1000 --extrapolate 10000,100000
+    python bench/sim_metadata.py --ranks 3000,10000 --formats per-rank --extrapolate 100000
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cpu import columns
 
 from mpickpt import checksum
-from mpickpt.manifest import Manifest, RankEntry, shard_name
+from mpickpt.manifest import (
+    INDEX_DIR,
+    NAME,
+    IndexRef,
+    Manifest,
+    RankEntry,
+    index_name,
+    shard_name,
+)
 from mpickpt.records import TensorRecord
 
 
@@ -52,30 +61,46 @@ def entry(rank: int, ranks: int, tensors: int) -> RankEntry:
     return RankEntry(rank, shard_name(rank), offset + (1 << 20), tree, recs)
 
 
-def measure(ranks: int, tensors: int, directory: str) -> dict[str, Any]:
-    entries = [entry(r, ranks, tensors).to_dict() for r in range(ranks)]
-    gathered = sum(len(json.dumps(e)) for e in entries)
+def measure(ranks: int, tensors: int, directory: str, split: bool) -> dict[str, Any]:
+    """One size, the inline format (version 1) or per-rank index parts (version 2)."""
+    ckpt = os.path.join(directory, f"sim-ckpt-{ranks}")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    os.makedirs(os.path.join(ckpt, INDEX_DIR))
+    payloads = []
+    for r in range(ranks):  # what each rank sends rank 0 (and, split, writes first)
+        e = entry(r, ranks, tensors)
+        if split:
+            data = json.dumps(e.to_dict()).encode()
+            with open(os.path.join(ckpt, index_name(r)), "wb") as f:
+                f.write(data)
+            e.index = IndexRef(index_name(r), len(data), checksum.digest(data))
+            payloads.append(e.summary())
+        else:
+            payloads.append(e.to_dict())
+    gathered = sum(len(json.dumps(e)) for e in payloads)
     t = time.perf_counter()
-    m = Manifest.assemble(1, ranks, "sim", entries, {}, checksum.DEFAULT_BLOCK)
+    m = Manifest.assemble(1, ranks, "sim", payloads, {}, checksum.DEFAULT_BLOCK, ckpt)
     assemble = time.perf_counter() - t
     t = time.perf_counter()
     text = m.to_json()
     to_json = time.perf_counter() - t
-    path = os.path.join(directory, f"sim-manifest-{ranks}.json")
+    path = os.path.join(ckpt, NAME)
     with open(path, "w") as f:
         f.write(text)
-    del m, entries, text
-    try:  # a rank's restore, in a process of its own: its time and its peak memory
+    del m, payloads, text
+    try:  # a rank's restore, in a process of its own: its time and its memory
         out = subprocess.run([sys.executable, __file__, "--parse", path], check=True,
                              capture_output=True, text=True).stdout
     finally:
         size = os.path.getsize(path)
-        os.unlink(path)
+        part = os.path.getsize(os.path.join(ckpt, index_name(0))) if split else 0
+        shutil.rmtree(ckpt, ignore_errors=True)
     parsed = json.loads(out)
-    return {"ranks": ranks, "tensors": tensors, "gathered_bytes": gathered,
-            "manifest_bytes": size, "commit_s": assemble + to_json,
-            "restore_read_bytes": size, "restore_parse_s": parsed["parse_s"],
-            "restore_peak_bytes": parsed["peak_bytes"], "measured": True}
+    return {"format": "per-rank index" if split else "inline", "ranks": ranks,
+            "tensors": tensors, "gathered_bytes": gathered, "manifest_bytes": size,
+            "commit_s": assemble + to_json, "restore_read_bytes": size + part,
+            "restore_parse_s": parsed["parse_s"], "restore_peak_bytes": parsed["peak_bytes"],
+            "measured": True}
 
 
 def rss() -> int:
@@ -93,6 +118,7 @@ def parse(path: str) -> None:
     before = rss()
     t = time.perf_counter()
     m = Manifest.from_json(text, path)
+    _ = m.ranks[0].tensors  # rank 0's own records (from its index part, if split)
     took = time.perf_counter() - t
     grown = rss() - before
     assert m.world_size > 0
@@ -100,11 +126,14 @@ def parse(path: str) -> None:
 
 
 def extrapolate(rows: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
-    """Along the line through the largest measured row (the cost is P x T)."""
-    last = max(rows, key=lambda r: r["ranks"])
-    f = ranks / last["ranks"]
-    out = {k: v * f if isinstance(v, (int, float)) and k not in ("ranks", "tensors") else v
-           for k, v in last.items()}
+    """Along the line (a + b x ranks) through the two largest measured rows of one format."""
+    lo, hi = sorted(rows, key=lambda r: r["ranks"])[-2:]
+    out = dict(hi)
+    for k, v in hi.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in (
+                "ranks", "tensors"):
+            slope = (v - lo[k]) / (hi["ranks"] - lo["ranks"])
+            out[k] = max(v + slope * (ranks - hi["ranks"]), 0)
     out.update(ranks=ranks, measured=False)
     return out
 
@@ -114,6 +143,7 @@ def main() -> None:
     ap.add_argument("--ranks", default="100,300,1000")
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--extrapolate", default="10000,100000")
+    ap.add_argument("--formats", default="inline,per-rank")
     ap.add_argument("--json", default="bench/results/sim-metadata.json")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--parse", help=argparse.SUPPRESS)
@@ -122,20 +152,25 @@ def main() -> None:
         parse(args.parse)
         return
     rows = []
-    for p in (int(x) for x in args.ranks.split(",")):
-        rows.append(measure(p, args.tensors, args.dir))
-        print(f"{p} ranks measured: parse {rows[-1]['restore_parse_s']:.2f} s", flush=True)
-    rows += [extrapolate(rows, int(x)) for x in args.extrapolate.split(",") if x]
+    for split in [f == "per-rank" for f in args.formats.split(",")]:
+        measured = []
+        for p in (int(x) for x in args.ranks.split(",")):
+            measured.append(measure(p, args.tensors, args.dir, split))
+            print(f"{measured[-1]['format']}, {p} ranks measured: parse "
+                  f"{measured[-1]['restore_parse_s']:.2f} s", flush=True)
+        rows += measured
+        rows += [extrapolate(measured, int(x)) for x in args.extrapolate.split(",") if x]
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
     print(columns(
-        ("ranks", "x tensors", "", "to rank 0 MB", "MANIFEST MB", "rank 0 commit s",
+        ("format", "ranks", "x tensors", "", "to rank 0 MB", "MANIFEST MB", "rank 0 commit s",
          "each rank reads MB", "parse s", "parse RSS +MB"),
-        [(str(r["ranks"]), str(r["tensors"]), "measured" if r["measured"] else "extrapolated",
-          f"{r['gathered_bytes'] / 1e6:.1f}", f"{r['manifest_bytes'] / 1e6:.1f}",
-          f"{r['commit_s']:.2f}", f"{r['restore_read_bytes'] / 1e6:.1f}",
-          f"{r['restore_parse_s']:.2f}", f"{r['restore_peak_bytes'] / 1e6:.0f}") for r in rows]))
+        [(r["format"], str(r["ranks"]), str(r["tensors"]),
+          "measured" if r["measured"] else "extrapolated",
+          f"{r['gathered_bytes'] / 1e6:.3f}", f"{r['manifest_bytes'] / 1e6:.3f}",
+          f"{r['commit_s']:.3f}", f"{r['restore_read_bytes'] / 1e6:.3f}",
+          f"{r['restore_parse_s']:.3f}", f"{r['restore_peak_bytes'] / 1e6:.0f}") for r in rows]))
 
 
 if __name__ == "__main__":
