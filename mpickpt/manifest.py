@@ -328,8 +328,8 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def _entry(i: int, r: Any, w: str) -> RankEntry:
-    """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part)."""
+def _shard(i: int, r: Any, w: str) -> tuple[str, int]:
+    """Rank ``i``'s shard file name and size from its entry, checked."""
     if _get(r, "rank", int, w) != i:
         raise _Bad(f"{w}: rank field is {r['rank']}")
     name = _get(r, "file", str, w)
@@ -338,6 +338,12 @@ def _entry(i: int, r: Any, w: str) -> RankEntry:
     size = _get(r, "bytes", int, w)
     if size < 0:
         raise _Bad(f"{w}: negative size")
+    return name, size
+
+
+def _entry(i: int, r: Any, w: str) -> RankEntry:
+    """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part)."""
+    name, size = _shard(i, r, w)
     tensors = []
     for j, t in enumerate(_get(r, "tensors", list, w)):
         tw = f"{w} tensor {j}"
@@ -360,14 +366,7 @@ def _entry(i: int, r: Any, w: str) -> RankEntry:
 
 def _summary(i: int, r: Any, w: str, directory: str | None) -> RankEntry:
     """Rank ``i``'s version-2 entry: shard and index part, records read when needed."""
-    if _get(r, "rank", int, w) != i:
-        raise _Bad(f"{w}: rank field is {r['rank']}")
-    name = _get(r, "file", str, w)
-    if name != shard_name(i):
-        raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r}")
-    size = _get(r, "bytes", int, w)
-    if size < 0:
-        raise _Bad(f"{w}: negative size")
+    name, size = _shard(i, r, w)
     ix = _get(r, "index", dict, w)
     part = _get(ix, "file", str, f"{w} index")
     if part != index_name(i):
