@@ -218,6 +218,7 @@ class Protocol:
         self.grace = resolve_grace(grace)
         self._roll = _RollCall(self.comm, self.grace)
         self._abort_delay = 0.0
+        self.collectives = 0  # collective operations this rank has completed (a statistic)
 
     def local_size(self) -> int:
         """How many ranks of this communicator share this rank's node."""
@@ -317,6 +318,7 @@ class Protocol:
         self._roll.enter(f"phase {phase!r} (collective #{self._roll.seq + 1})")
         self.complete(req, self._roll, phase)
         self._roll.complete()
+        self.collectives += 1
 
     def barrier(self, phase: str) -> None:
         self._wait(self.comm.Ibarrier(), phase)
@@ -339,14 +341,17 @@ class Protocol:
 
     def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
         self.barrier(phase)
+        self.collectives += 1
         return self.comm.bcast(obj, root=root)
 
     def gather(self, obj: Any, phase: str, root: int = 0) -> list[Any] | None:
         self.barrier(phase)
+        self.collectives += 1
         return self.comm.gather(obj, root=root)
 
     def allgather(self, obj: Any, phase: str) -> list[Any]:
         self.barrier(phase)
+        self.collectives += 1
         return self.comm.allgather(obj)
 
     def exit_vote(self) -> ExitVote:

@@ -234,7 +234,9 @@ class Saver:
             if req.snapshot is not None:  # also when it failed before draining
                 self.snapshotter.release(req.snapshot)
         with self.proto.fatal_timeouts(self.log):
+            before = self.proto.collectives
             result = self._vote_and_commit(req, partial, entry, error)
+            req.stats["collectives"] = self.proto.collectives - before
         self._after(req, result)
         return result
 
@@ -347,7 +349,7 @@ class Saver:
                     outcome = (manifest.to_json(), None, metadata)
                 else:
                     _check_shards(partial, manifest.ranks)
-                    outcome = (self._commit(partial, manifest), None, metadata)
+                    outcome = (self._commit(partial, manifest, stats), None, metadata)
                 stats["commit_s"] = time.perf_counter() - t
                 stats["bytes"] = manifest.total_bytes
             except Exception as e:
@@ -490,7 +492,7 @@ class Saver:
                                                   lv.tier.final(step))
                     _check_shards(partial, manifest.ranks)
                     stats["drain_s"] = time.perf_counter() - t
-                    outcome = (self._commit(partial, manifest), None)
+                    outcome = (self._commit(partial, manifest, stats), None)
                     self.log.info("drained step %d to ROOT in %.2f s", step, stats["drain_s"])
                 except Exception as e:
                     outcome = (None, f"rank 0: {type(e).__name__}: {e}")
@@ -520,10 +522,12 @@ class Saver:
                            "the nodes: %s", step, error)
         return SaveResult(step, error is None, path=path, error=error, stats=stats)
 
-    def _commit(self, partial: str, manifest: Manifest) -> str:
+    def _commit(self, partial: str, manifest: Manifest, stats: dict[str, Any]) -> str:
         """Publish: manifest into the partial directory, then the directory into place."""
+        text = manifest.to_json().encode()
+        stats["manifest_bytes"] = len(text)
         rootdir.atomic_write(
-            os.path.join(partial, MANIFEST), manifest.to_json().encode(),
+            os.path.join(partial, MANIFEST), text,
             on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
         )
         final = os.path.join(self.root, rootdir.step_name(manifest.step))

@@ -26,7 +26,20 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("index") / "root"
     found = job(4, "save", root, root.parent / "save")
     assert all(r["committed"] for r in found.values()), found
+    (root.parent / "save-reports.json").write_text(json.dumps(found))
     return root
+
+
+def test_a_save_is_five_collectives_and_a_summary_per_rank(saved: Path):
+    """The vote (an allreduce), the gather and the outcome's broadcast (each after a barrier):
+    5 collectives on every rank, whatever the ranks hold; rank 0 writes a manifest of a short
+    summary per rank, not every rank's records."""
+    found = json.loads((saved.parent / "save-reports.json").read_text())
+    assert {r["stats"]["collectives"] for r in found.values()} == {5}, found
+    size = found["0"]["stats"]["manifest_bytes"]
+    assert size == (saved / "step-00000007" / "MANIFEST.json").stat().st_size
+    parts = sum(p.stat().st_size for p in (saved / "step-00000007" / "index").iterdir())
+    assert size < 1200 < parts, (size, parts)  # under 300 bytes per rank
 
 
 def test_the_manifest_holds_summaries_and_each_rank_its_part(saved: Path):

@@ -84,6 +84,7 @@ def main() -> None:
         result = ck.save(7, state, metadata={"world": world}).wait()
         report["committed"] = result.committed
         report["error"] = result.error
+        report["stats"] = {k: result.stats.get(k) for k in ("collectives", "manifest_bytes")}
     else:
         state = make_state(rank, world, fill=False)
         step = ck.restore(state)
