@@ -11,8 +11,9 @@ The global tensors are pure functions of their shape, so any rank can check its 
 Each rank writes REPORTS/<mode>-rank-R.json with the restored step, what matched, the bytes its
 restore read, the bytes its pieces need and the index parts it read (with --index per-rank).
 
-Run by tests/multirank/test_reshard.py and tests/cli/test_cli_export_sharded.py (which
-also imports :func:`whole`); named for the first, whose subject it is.
+Run by tests/multirank/test_reshard.py, tests/multirank/test_index.py (with --index
+per-rank) and tests/cli/test_cli_export_sharded.py (which also imports :func:`whole`); named
+for the first, whose subject it is.
 """
 
 from __future__ import annotations
