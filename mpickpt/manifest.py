@@ -99,20 +99,12 @@ class RankEntry:
         assert self._tree is not None
         return self._tree
 
-    @tree.setter
-    def tree(self, value: dict[str, Any]) -> None:
-        self._tree = value
-
     @property
     def tensors(self) -> list[TensorRecord]:
         if self._tensors is None:
             self._load()
         assert self._tensors is not None
         return self._tensors
-
-    @tensors.setter
-    def tensors(self, value: list[TensorRecord]) -> None:
-        self._tensors = value
 
     @property
     def loaded(self) -> bool:
