@@ -45,10 +45,14 @@ class Capture:
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate now the buffers a snapshot of ``state`` will need."""
-        _, tensors, placements = state_tree.flatten_placed(state, self.replicated,
-                                                           self.world_size)
+        self.snapshotter.prepare(self._flatten(state)[1])
+
+    def _flatten(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(tree, the tensors this rank writes, placements) of ``state``."""
+        tree, tensors, placements = state_tree.flatten_placed(state, self.replicated,
+                                                              self.world_size)
         keep_mine(tensors, placements, self.rank)
-        self.snapshotter.prepare(tensors)
+        return tree, tensors, placements
 
     def _hint(self, nbytes: int, allocating: bool) -> None:
         """Rank 0, once: a save that page-locks a large buffer stalls training for seconds
@@ -71,9 +75,7 @@ class Capture:
         try:
             faults.hit("before-snapshot", self.rank, step)
             request.metadata = user_metadata.check(metadata)
-            request.tree, tensors, request.placements = state_tree.flatten_placed(
-                state, self.replicated, self.world_size)
-            keep_mine(tensors, request.placements, self.rank)
+            request.tree, tensors, request.placements = self._flatten(state)
             lazy = self.snapshotter.guard(state)
             waits = self.pool.in_flight() >= self.pool.slots
             if waits and self.skip:  # every rank skips it: see Saver._skipped
