@@ -32,6 +32,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
+    from .incremental import frozen_params
     from .restorer import RestoreInfo
     from .sharding import Piece, Shard
     from .stateful import RNGState, Values
@@ -58,13 +59,14 @@ __all__ = [
     "Values",
     "WorldSizeMismatchError",
     "__version__",
+    "frozen_params",
 ]
 
 # name -> the submodule that defines it, imported on first access
 _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
     "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "stateful",
-    "Values": "stateful",
+    "Values": "stateful", "frozen_params": "incremental",
 }
 
 preempt.hold_early()

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from . import knobs, log, preempt, retention, rootdir, shared_root, slurm
@@ -24,6 +24,7 @@ from .capture import Capture
 from .errors import CheckpointError, LocalTierFull
 from .exchange import Exchange
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
+from .incremental import frozen_matcher
 from .levels import LocalLevel
 from .localtier import LocalTier, in_memory
 from .pinned_pool import HostPool
@@ -102,6 +103,13 @@ class Checkpointer:
     takes the newest step every rank can get from the fastest level: its own local shard, else
     one rebuilt from redundancy over MPI, else ROOT. Nodes are the ranks that share memory, or
     what ``$MPICKPT_NODE`` names (tests simulate nodes with it).
+
+    ``incremental=N`` (ROOT only, not with ``local``): a tensor whose every block hashes as in
+    the last committed checkpoint is not written again; the new checkpoint's record refers to
+    the older shard its bytes lie in, and retention keeps what a kept checkpoint refers to.
+    Every ``N``-th save (and the first after a start or a restore) is full. ``frozen`` names key
+    paths (``"model/base_model"``, or :func:`mpickpt.frozen_params`) referred to without even
+    hashing them, until the next full save: name only tensors that truly never change.
     """
 
 
@@ -136,6 +144,8 @@ class Checkpointer:
         xor_set: int | None = None,
         drain_bandwidth: float | None = None,
         index: str = "auto",
+        incremental: int | None = None,
+        frozen: Sequence[str] | Callable[[str], bool] | None = None,
     ) -> None:
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
@@ -182,8 +192,16 @@ class Checkpointer:
             raise ValueError("redundancy protects the node-local level: give local= too")
         self._local_checked = False
         split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
+        if incremental is not None and local is not None:
+            raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
+                             "whole shards; give one or the other")
+        if frozen and not incremental:
+            raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
+                             "hashing: give incremental=N too")
+        options = ShardOptions(alignment, checksum_block, io_threads, split,
+                               incremental or None, frozen_matcher(frozen))
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
-                            ShardOptions(alignment, checksum_block, io_threads, split),
+                            options,
                             self.retention, self.log, on_error == "raise", self._local,
                             skip=if_busy == "skip")
         _OPEN.add(self._saver)
@@ -314,6 +332,8 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        if self._saver.tracker is not None:  # the state changes: the next save is full
+            self._saver.tracker.forget()
         t0 = time.perf_counter()
         candidates = self._collective(
             lambda: rootdir.committed(self.root, require_manifest=False), "list", root_only=True)

@@ -17,6 +17,13 @@ Rules, in one place:
   that part (its entry, as in version 1) before it voted; a reader loads it only when it needs
   that rank's records, checked against the size and checksum the manifest gives, so the
   manifest's checksum protects the parts too. Version 1 (every entry inline) is still read.
+* Version 3 (incremental checkpoints): as version 1 or 2, and a record may carry ``source``,
+  the shard of an older checkpoint its bytes lie in (``step-XXXXXXXX/rank-XXXXX.h5``, resolved
+  beside this checkpoint's directory; ``offset`` and ``checksums`` are those in that file). The
+  rank's entry lists each such file with its exact size (``sources``), and the manifest lists the
+  steps referred to (``references``; with index parts each rank's summary lists its own), so
+  that retention keeps what a kept checkpoint needs without reading any record. A source is
+  always where the bytes were written (never a record that itself refers further): no chains.
 * ``manifest_checksum`` covers every other field (canonical JSON, xxh3-64), so damage that leaves
   the file valid JSON (a flipped digit of a shape, a letter of a key) is refused as corruption
   instead of passing for a checkpoint that does not fit the state.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +46,9 @@ NAME = "MANIFEST.json"
 FORMAT = "mpickpt"
 VERSION = 1  # every rank's records inline
 SPLIT_VERSION = 2  # per-rank index parts
+REF_VERSION = 3  # records may refer to the shards of older checkpoints (incremental)
+VERSIONS = (VERSION, SPLIT_VERSION, REF_VERSION)
+SOURCE_RE = re.compile(r"^step-(\d{8,})/rank-(\d{5,})\.h5$")
 INDEX_DIR = "index"
 MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 MAX_TREE_DEPTH = 256  # JSON levels of a rank's tree (3 per level of the state); deeper is refused
@@ -46,6 +57,22 @@ CHECKSUM_FIELD = "manifest_checksum"
 
 def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.h5"
+
+
+def source_step(source: str) -> int | None:
+    """The step of an incremental record's source file, or None for a name that is not
+    ``step-XXXXXXXX/rank-XXXXX.h5`` (a path elsewhere, ``..``, an absolute path)."""
+    m = SOURCE_RE.match(source)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One file a rank's records lie in: its path, exact size, and the records in it."""
+
+    path: str
+    bytes: int
+    records: list[TensorRecord]
 
 
 def index_name(rank: int) -> str:
@@ -74,10 +101,14 @@ class RankEntry:
 
     def __init__(self, rank: int, file: str, bytes: int, tree: dict[str, Any] | None = None,
                  tensors: list[TensorRecord] | None = None, *, index: IndexRef | None = None,
-                 directory: str | None = None) -> None:
+                 directory: str | None = None, sources: dict[str, int] | None = None,
+                 references: frozenset[int] | None = None) -> None:
         self.rank, self.file, self.bytes = rank, file, bytes
         self.index, self.directory = index, directory
         self._tree, self._tensors = tree, tensors
+        self._sources = sources if sources is not None or tensors is None else {}
+        # the steps this rank's records may refer to (None: a version 1 or 2 entry, none)
+        self.references = references
 
     def __repr__(self) -> str:
         return f"RankEntry(rank={self.rank}, file={self.file!r}, bytes={self.bytes})"
@@ -107,6 +138,36 @@ class RankEntry:
         return self._tensors
 
     @property
+    def sources(self) -> dict[str, int]:
+        """The older shards this rank's records refer to, each with its exact size."""
+        if self._sources is None:
+            self._load()
+        assert self._sources is not None
+        return self._sources
+
+    def referred_steps(self) -> list[int]:
+        """The steps of the shards this rank's records refer to, in order."""
+        return sorted({s for f in self.sources if (s := source_step(f)) is not None})
+
+    def files(self, directory: str) -> list[ShardFile]:
+        """Every file this rank's records lie in, in checkpoint ``directory``: its own shard
+        (first, even without records), then each older one an incremental record refers to."""
+        own = [r for r in self.tensors if r.source is None]
+        out = [ShardFile(os.path.join(directory, self.file), self.bytes, own)]
+        parent = os.path.dirname(os.path.normpath(directory))
+        for src, size in sorted(self.sources.items()):
+            out.append(ShardFile(os.path.join(parent, src), size,
+                                 [r for r in self.tensors if r.source == src]))
+        return out
+
+    def file_of(self, directory: str, record: TensorRecord) -> tuple[str, int]:
+        """(path, exact size) of the file ``record`` lies in."""
+        if record.source is None:
+            return os.path.join(directory, self.file), self.bytes
+        parent = os.path.dirname(os.path.normpath(directory))
+        return os.path.join(parent, record.source), self.sources[record.source]
+
+    @property
     def loaded(self) -> bool:
         """Whether the tree and records are in memory (always, for a version-1 entry)."""
         return self._tensors is not None
@@ -123,7 +184,7 @@ class RankEntry:
                                 f"{self.rank} is corrupt")
         try:
             d = json.loads(data)
-            entry = _entry(self.rank, d, f"{path}: rank entry {self.rank}")
+            entry = _entry(self.rank, d, f"{path}: rank entry {self.rank}", self.references)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{path}: not valid JSON ({e})") from None
         except RecursionError:
@@ -133,18 +194,24 @@ class RankEntry:
         if entry.file != self.file or entry.bytes != self.bytes:
             raise ManifestError(f"{path}: says {entry.file} has {entry.bytes} bytes, the "
                                 f"manifest {self.file} with {self.bytes}")
-        self._tree, self._tensors = entry._tree, entry._tensors
+        self._tree, self._tensors, self._sources = entry._tree, entry._tensors, entry._sources
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON values (the tree is shared, not copied: it is not changed once built)."""
-        return {"rank": self.rank, "file": self.file, "bytes": self.bytes, "tree": self.tree,
-                "tensors": [r.to_dict() for r in self.tensors]}
+        d = {"rank": self.rank, "file": self.file, "bytes": self.bytes, "tree": self.tree,
+             "tensors": [r.to_dict() for r in self.tensors]}
+        if self.sources:
+            d["sources"] = dict(self.sources)
+        return d
 
     def summary(self) -> dict[str, Any]:
-        """A version-2 manifest's entry: the shard and the index part, no records."""
+        """A version-2 (or 3) manifest's entry: the shard and the index part, no records."""
         assert self.index is not None
-        return {"rank": self.rank, "file": self.file, "bytes": self.bytes,
-                "index": self.index.to_dict()}
+        d = {"rank": self.rank, "file": self.file, "bytes": self.bytes,
+             "index": self.index.to_dict()}
+        if self.sources:
+            d["references"] = self.referred_steps()
+        return d
 
 
 _PARTS_READ = 0
@@ -181,9 +248,11 @@ class Manifest:
     checksum_block: int = checksum.DEFAULT_BLOCK
     format: str = FORMAT
     version: int = VERSION
+    references: list[int] = field(default_factory=list)  # steps whose shards records refer to
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of this checkpoint's own shards (not those of the older ones it refers to)."""
         return sum(r.bytes for r in self.ranks)
 
     def load_all(self) -> Manifest:
@@ -205,7 +274,9 @@ class Manifest:
              "metadata": self.metadata,
              "created": self.created, "checksum_algorithm": self.checksum_algorithm,
              "checksum_block": self.checksum_block, "format": self.format,
-             "version": SPLIT_VERSION if split else VERSION}
+             "version": REF_VERSION if self.references else SPLIT_VERSION if split else VERSION}
+        if self.references:
+            d["references"] = list(self.references)
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         d[CHECKSUM_FIELD] = _digest(d)
         # one line: json's C encoder runs only without indent (10x faster: 3 ms of rank 0's CPU
@@ -220,10 +291,17 @@ class Manifest:
         :meth:`RankEntry.summary` with its index part in ``directory``, as the ranks send
         them), held to the rules a parsed manifest obeys; ManifestError otherwise."""
         split = bool(entries) and all(isinstance(e, dict) and "index" in e for e in entries)
-        d = {"format": FORMAT, "version": SPLIT_VERSION if split else VERSION, "step": step,
+        refs: set[int] = set()
+        for e in entries:
+            if isinstance(e, dict):
+                refs.update(_entry_refs(e))
+        d = {"format": FORMAT, "version": REF_VERSION if refs else
+             SPLIT_VERSION if split else VERSION, "step": step,
              "world_size": world_size, "run_id": run_id, "ranks": entries,
              "metadata": metadata, "created": time.time(),
              "checksum_algorithm": checksum.ALGORITHM, "checksum_block": checksum_block}
+        if refs:
+            d["references"] = sorted(refs)
         try:
             return _parse(d, directory)
         except _Bad as e:
@@ -333,9 +411,40 @@ def _shard(i: int, r: Any, w: str) -> tuple[str, int]:
     return name, size
 
 
-def _entry(i: int, r: Any, w: str) -> RankEntry:
-    """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part)."""
+def _entry_refs(e: dict[str, Any]) -> set[int]:
+    """The steps a rank's entry (or summary) as sent to rank 0 refers to (unchecked)."""
+    if isinstance(e.get("references"), list):
+        return {s for s in e["references"] if isinstance(s, int)}
+    if isinstance(e.get("sources"), dict):
+        return {s for f in e["sources"] if isinstance(f, str) and (s := source_step(f)) is not None}
+    return set()
+
+
+def _sources(r: Any, w: str, references: frozenset[int] | None) -> dict[str, int]:
+    """An entry's ``sources`` (older shards and their sizes), checked against the steps the
+    manifest says it refers to (none before version 3)."""
+    if "sources" not in r:
+        return {}
+    if references is None:
+        raise _Bad(f"{w}: 'sources' (an incremental checkpoint's) in a manifest of version 1 or 2")
+    raw = _get(r, "sources", dict, w)
+    for f, size in raw.items():
+        step = source_step(f)
+        if step is None:
+            raise _Bad(f"{w}: source {f!r} is not step-XXXXXXXX/rank-XXXXX.h5")
+        if step not in references:
+            raise _Bad(f"{w}: source {f!r} is of step {step}, which the manifest does not list "
+                       "among its references")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise _Bad(f"{w}: source {f!r} has size {size!r}")
+    return raw
+
+
+def _entry(i: int, r: Any, w: str, references: frozenset[int] | None = None) -> RankEntry:
+    """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part;
+    version 3: records may refer to older shards, of the steps in ``references``)."""
     name, size = _shard(i, r, w)
+    sources = _sources(r, w, references)
     tensors = []
     for j, t in enumerate(_get(r, "tensors", list, w)):
         tw = f"{w} tensor {j}"
@@ -345,19 +454,24 @@ def _entry(i: int, r: Any, w: str) -> RankEntry:
             raise _Bad(f"{tw}: shape {shape!r} is not a list of integers")
         if not all(isinstance(x, str) for x in sums):
             raise _Bad(f"{tw}: checksums are not strings")
+        src = t.get("source")
+        if src is not None and src not in sources:
+            raise _Bad(f"{tw}: source {src!r} is not among the rank's sources")
         tensors.append(TensorRecord(
             _get(t, "name", str, tw), _get(t, "dtype", str, tw), shape,
             _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
-            *_piece(t, len(shape), tw),
+            *_piece(t, len(shape), tw), source=src,
         ))
     tree = _get(r, "tree", dict, w)
     if _depth(tree) > MAX_TREE_DEPTH:
         raise _Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
-    return RankEntry(i, name, size, tree, tensors)
+    return RankEntry(i, name, size, tree, tensors, sources=sources, references=references)
 
 
-def _summary(i: int, r: Any, w: str, directory: str | None) -> RankEntry:
-    """Rank ``i``'s version-2 entry: shard and index part, records read when needed."""
+def _summary(i: int, r: Any, w: str, directory: str | None,
+             references: frozenset[int] | None = None) -> RankEntry:
+    """Rank ``i``'s version-2 (or 3) entry: shard and index part, records read when needed;
+    version 3: the steps it refers to, among ``references``."""
     name, size = _shard(i, r, w)
     ix = _get(r, "index", dict, w)
     part = _get(ix, "file", str, f"{w} index")
@@ -367,16 +481,31 @@ def _summary(i: int, r: Any, w: str, directory: str | None) -> RankEntry:
     if not 0 <= part_bytes <= MAX_BYTES:
         raise _Bad(f"{w}: index part of {part_bytes} bytes")
     digest = _get(ix, "xxh3", str, f"{w} index")
+    own = None
+    if references is not None:
+        own = frozenset(_steps(r.get("references", []), f"{w} references"))
+        if not own <= references:
+            raise _Bad(f"{w}: refers to steps the manifest does not list among its references")
+    elif "references" in r:
+        raise _Bad(f"{w}: 'references' (an incremental checkpoint's) in a manifest of version 2")
     return RankEntry(i, name, size, index=IndexRef(part, part_bytes, digest),
-                     directory=directory)
+                     directory=directory, references=own)
+
+
+def _steps(v: Any, where: str) -> list[int]:
+    """A list of distinct non-negative step numbers in increasing order, checked."""
+    if not (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                        and x >= 0 for x in v) and v == sorted(set(v))):
+        raise _Bad(f"{where}: {v!r} is not distinct step numbers in increasing order")
+    return v
 
 
 def _parse(d: Any, directory: str | None = None) -> Manifest:
     fmt = _get(d, "format", str, "manifest")
     version = _get(d, "version", int, "manifest")
-    if fmt != FORMAT or version not in (VERSION, SPLIT_VERSION):
-        raise _Bad(f"format {fmt!r} version {version} is not {FORMAT!r} version {VERSION} or "
-                   f"{SPLIT_VERSION}; use the mpickpt release that wrote it")
+    if fmt != FORMAT or version not in VERSIONS:
+        raise _Bad(f"format {fmt!r} version {version} is not {FORMAT!r} version "
+                   f"{', '.join(map(str, VERSIONS))}; use the mpickpt release that wrote it")
     world = _get(d, "world_size", int, "manifest")
     block = _get(d, "checksum_block", int, "manifest")
     algo = _get(d, "checksum_algorithm", str, "manifest")
@@ -385,14 +514,33 @@ def _parse(d: Any, directory: str | None = None) -> Manifest:
     ranks_raw = _get(d, "ranks", list, "manifest")
     if world <= 0 or len(ranks_raw) != world:
         raise _Bad(f"world_size {world} but {len(ranks_raw)} rank entries")
-    if version == SPLIT_VERSION:
-        ranks = [_summary(i, r, f"rank entry {i}", directory) for i, r in enumerate(ranks_raw)]
+    step = _get(d, "step", int, "manifest")
+    refs = None
+    if version == REF_VERSION:
+        refs = frozenset(_steps(_get(d, "references", list, "manifest"), "references"))
+        if not refs or max(refs) >= step:
+            raise _Bad(f"references {sorted(refs)} must be older steps than {step}")
+    elif "references" in d:
+        raise _Bad(f"'references' (an incremental checkpoint's) in a manifest of version "
+                   f"{version}")
+    split = version == SPLIT_VERSION or (
+        version == REF_VERSION and all(isinstance(r, dict) and "index" in r for r in ranks_raw))
+    if split:
+        ranks = [_summary(i, r, f"rank entry {i}", directory, refs)
+                 for i, r in enumerate(ranks_raw)]
     else:
-        ranks = [_entry(i, r, f"rank entry {i}") for i, r in enumerate(ranks_raw)]
+        ranks = [_entry(i, r, f"rank entry {i}", refs) for i, r in enumerate(ranks_raw)]
+    if refs is not None:
+        used = set().union(*(r.references if split else set(r.referred_steps())
+                             for r in ranks))
+        if used != refs:
+            raise _Bad(f"references {sorted(refs)} are not the steps the ranks refer to "
+                       f"({sorted(used)})")
     created = _get(d, "created", (int, float), "manifest")
     return Manifest(
-        step=_get(d, "step", int, "manifest"), world_size=world,
+        step=step, world_size=world,
         run_id=_get(d, "run_id", str, "manifest"), ranks=ranks,
         metadata=_get(d, "metadata", dict, "manifest"), created=float(created),
         checksum_algorithm=algo, checksum_block=block, version=version,
+        references=sorted(refs or ()),
     )

@@ -51,13 +51,20 @@ class TensorRecord:
     # (of shape ``shape``) begins in it; None for a rank's own tensor
     global_shape: list[int] | None = None
     offsets: list[int] | None = None
+    # an incremental checkpoint's record of a tensor that had not changed: the shard of an older
+    # checkpoint its bytes lie in (``step-XXXXXXXX/rank-XXXXX.h5``, a sibling of this
+    # checkpoint's directory), and ``offset`` is in that file; None: in this rank's own shard
+    source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON values (what ``dataclasses.asdict`` gives, without its deep copies)."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes, "checksums": list(self.checksums),
-                "global_shape": None if self.global_shape is None else list(self.global_shape),
-                "offsets": None if self.offsets is None else list(self.offsets)}
+        d = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+             "offset": self.offset, "nbytes": self.nbytes, "checksums": list(self.checksums),
+             "global_shape": None if self.global_shape is None else list(self.global_shape),
+             "offsets": None if self.offsets is None else list(self.offsets)}
+        if self.source is not None:
+            d["source"] = self.source
+        return d
 
 
 @dataclass(frozen=True, slots=True)

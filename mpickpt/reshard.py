@@ -12,7 +12,6 @@ its target (the same sharding, or rows of a coarser one) is read straight into p
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -295,8 +294,12 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
             staged[key] = spans
     for src_rank, rank_spans in by_rank.items():
         entry: RankEntry = manifest.ranks[src_rank]
-        read_spans(src_rank, os.path.join(directory, entry.file), entry.bytes, rank_spans,
-                   block=manifest.checksum_block, threads=threads, on_block=on_block)
+        by_file: dict[tuple[str, int], list[Span]] = {}  # incremental: some in older shards
+        for s in rank_spans:
+            by_file.setdefault(entry.file_of(directory, s.record), []).append(s)
+        for (path, size), spans in by_file.items():
+            read_spans(src_rank, path, size, spans, block=manifest.checksum_block,
+                       threads=threads, on_block=on_block)
     for n, t in p.targets.items():
         for src in t.sources:
             if src.key not in direct:

@@ -254,14 +254,13 @@ def _check_records(manifest: Manifest, ranks: set[int], directory: str) -> None:
     """The records of these ranks' shards fit the sizes the manifest gives
     (:class:`ShardError` otherwise); before anything is allocated for them."""
     for src in sorted(ranks):
-        entry = manifest.ranks[src]
-        check_records(src, os.path.join(directory, entry.file), entry.tensors, entry.bytes,
-                      manifest.checksum_block)
+        for f in manifest.ranks[src].files(directory):  # incremental: older shards too
+            check_records(src, f.path, f.records, f.bytes, manifest.checksum_block)
 
 
 def _check_files(manifest: Manifest, ranks: set[int], directory: str) -> None:
     """Each of these ranks' shards is a regular file of the size its manifest gives
     (:class:`ShardError` otherwise); before anything is allocated for it."""
     for src in sorted(ranks):
-        entry = manifest.ranks[src]
-        check_file(src, os.path.join(directory, entry.file), entry.bytes)
+        for f in manifest.ranks[src].files(directory):
+            check_file(src, f.path, f.bytes)

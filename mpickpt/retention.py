@@ -6,7 +6,8 @@ A checkpoint is kept if any rule keeps it, and deleted only when none does:
 * ``keep_every``: every step divisible by K, for good (Orbax's ``keep_period``);
 * ``best`` with ``keep_best``: the M best by a number in the user metadata (``mode`` "min" or
   "max"; Lightning's ``save_top_k``); a checkpoint without a finite number there is not ranked;
-* the newest committed checkpoint is always kept, whatever the rules say.
+* the newest committed checkpoint is always kept, whatever the rules say;
+* a step that a kept incremental checkpoint refers to is kept while that one is.
 
 Used by the Checkpointer after each commit and by ``mpickpt-restore --prune``; torch-free.
 """
@@ -87,10 +88,15 @@ def metric(metadata: Mapping[str, Any], key: str) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def plan(policy: Policy, checkpoints: Sequence[tuple[int, Mapping[str, Any]]]
+def plan(policy: Policy, checkpoints: Sequence[tuple[int, Mapping[str, Any]]],
+         references: Mapping[int, Sequence[int]] | None = None
          ) -> tuple[list[int], dict[int, str]]:
     """Apply ``policy`` to the committed checkpoints, given as (step, user metadata) in any
-    order: (the steps to delete, newest first; {each kept step: why it is kept})."""
+    order: (the steps to delete, newest first; {each kept step: why it is kept}).
+
+    ``references`` gives the older steps each incremental checkpoint refers to: a step a kept
+    one refers to is kept too, whatever the rules say (references never chain, so one pass
+    finds them all)."""
     steps = sorted({s for s, _ in checkpoints}, reverse=True)
     if not steps:
         return [], {}
@@ -113,5 +119,9 @@ def plan(policy: Policy, checkpoints: Sequence[tuple[int, Mapping[str, Any]]]
         ranked.sort(key=lambda ms: (ms[0] if policy.mode == "min" else -ms[0], -ms[1]))
         for _, s in ranked[:policy.keep_best]:
             why[s].append(f"best {policy.keep_best} by {policy.best} ({policy.mode})")
+    for s in [s for s in steps if why[s]]:
+        for r in (references or {}).get(s, ()):
+            if r in why:
+                why[r].append(f"referenced by step {s}")
     doomed = [s for s in steps if not why[s]]
     return doomed, {s: ", ".join(dict.fromkeys(r)) for s, r in why.items() if r}

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from . import checksum, faults, log, retention, rootdir, sharding
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .errors import CheckpointError, SaveAborted
+from .incremental import Decision, Tracker
 from .manifest import NAME as MANIFEST
 from .manifest import IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
@@ -103,6 +105,8 @@ class ShardOptions:
     block: int = DEFAULT_BLOCK  # bytes per checksum
     io_threads: int = 8
     split_index: bool = False  # each rank's records in an index part of its own (version 2)
+    incremental: int | None = None  # refer to unchanged tensors; a full checkpoint every N saves
+    frozen: Callable[[str], bool] | None = None  # tensor names referred to without hashing
 
 
 class Saver:
@@ -121,6 +125,8 @@ class Saver:
         self.skips = SkipLog(logger) if skip and self.rank == 0 else None
         self.last: SaveResult | None = None  # the last committed save
         self.local = local
+        self.tracker = (Tracker(root, options.incremental, options.frozen)
+                        if options.incremental else None)
         self.drained: int | None = None  # the last step the local level drained to ROOT
         self._since_drain = 0  # local commits since the last drain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
@@ -237,6 +243,8 @@ class Saver:
             before = self.proto.collectives
             result = self._vote_and_commit(req, partial, entry, error)
             req.stats["collectives"] = self.proto.collectives - before
+        if self.tracker is not None and result.committed and entry is not None:
+            self.tracker.committed(result.step, entry)
         self._after(req, result)
         return result
 
@@ -272,6 +280,9 @@ class Saver:
         rootdir.make_dirs(partial)
         path = os.path.join(partial, shard_name(self.rank))
         host = req.snapshot.tensors
+        decision = self._decide(req)
+        if decision.reused:
+            host = {n: t for n, t in host.items() if n not in decision.reused}
         t1 = time.perf_counter()
         writer = ShardWriter(
             path, host,
@@ -286,7 +297,8 @@ class Saver:
         try:
             t2 = time.perf_counter()
             writer.write(host, block=self.options.block, threads=self.options.io_threads,
-                         on_block=lambda: faults.hit("mid-write", self.rank, req.step))
+                         on_block=lambda: faults.hit("mid-write", self.rank, req.step),
+                         digests=decision.digests)
             t3 = time.perf_counter()
             size = writer.seal()
             stats.update(create_s=t2 - t1, data_s=t3 - t2, seal_s=time.perf_counter() - t3)
@@ -301,7 +313,28 @@ class Saver:
         stats["persist_s"] = time.perf_counter() - t0
         stats["persist_GBps"] = size / max(stats["persist_s"], 1e-9) / 1e9
         faults.hit("after-fsync-before-vote", self.rank, req.step)
-        return RankEntry(self.rank, shard_name(self.rank), size, req.tree, writer.records)
+        records = writer.records
+        if decision.reused:
+            written = {r.name: r for r in records}
+            records = [written.get(n) or decision.reused[n] for n in req.snapshot.tensors]
+        return RankEntry(self.rank, shard_name(self.rank), size, req.tree, records,
+                         sources=decision.sources)
+
+    def _decide(self, req: SaveRequest) -> Decision:
+        """An incremental save: which tensors are unchanged since the last commit (referred to,
+        not written) and the digests of the others; a full save decides nothing."""
+        if self.tracker is None:
+            return Decision()
+        assert req.snapshot is not None
+        t = time.perf_counter()
+        d = self.tracker.decide(req.step, req.snapshot.tensors, req.placements,
+                                self.options.block, self.options.io_threads)
+        req.stats.update(compare_s=time.perf_counter() - t, hashed_bytes=d.hashed_bytes,
+                         reused_bytes=sum(r.nbytes for r in d.reused.values()))
+        if d.lost:
+            self.log.warning("rank %d: step %d is written in full: the last checkpoint's file "
+                             "cannot be referred to: %s", self.rank, req.step, d.why_full)
+        return d
 
     def _write_index(self, partial: str, entry: RankEntry) -> None:
         """This rank's index part (its entry as JSON), durable before it votes."""
@@ -345,6 +378,7 @@ class Saver:
                                              metadata, self.options.block, directory=partial)
                 if not manifest.split or self.world_size <= CHECK_PIECES_RANKS:
                     _check_pieces(manifest.ranks)  # with index parts: reads them all
+                    _check_sources(partial, manifest.ranks)
                 if local:  # every node publishes it
                     outcome = (manifest.to_json(), None, metadata)
                 else:
@@ -531,6 +565,11 @@ class Saver:
             on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
         )
         final = os.path.join(self.root, rootdir.step_name(manifest.step))
+        if os.path.lexists(final) and (users := self.upkeep.referrers(manifest.step)):
+            raise CheckpointError(
+                f"step {manifest.step} is already committed and the incremental checkpoint(s) "
+                f"of step {', '.join(map(str, users))} refer to its files: saving it again would "
+                "break them. Roll back past them first (mpickpt-restore ROOT --step N)")
         if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
             self.log.warning(
                 "step %d was already committed; this save replaces it. The number saved is the "
@@ -608,6 +647,22 @@ def _check_pieces(ranks: list[RankEntry]) -> None:
                 pieces.setdefault(r.name, []).append(
                     (e.rank, tuple(r.global_shape), tuple(r.offsets), tuple(r.shape), r.dtype))
     sharding.check_coverage(pieces)
+
+
+def _check_sources(partial: str, ranks: list[RankEntry]) -> None:
+    """Before the commit of an incremental checkpoint, on rank 0: the older shards its records
+    refer to are still there, of the sizes they were written with (a prune while it was
+    written would leave it unloadable)."""
+    for e in ranks:
+        for f in e.files(partial)[1:]:
+            try:
+                size = os.lstat(f.path).st_size
+            except OSError as err:
+                raise CheckpointError(f"rank {e.rank} refers to {f.path}, which is gone: "
+                                      f"{err.strerror}") from None
+            if size != f.bytes:
+                raise CheckpointError(f"rank {e.rank} refers to {f.path} of {f.bytes} bytes, "
+                                      f"which now has {size}")
 
 
 def _check_shards(partial: str, ranks: list[RankEntry]) -> None:

@@ -213,13 +213,17 @@ class ShardWriter:
         block: int = checksum.DEFAULT_BLOCK,
         threads: int = 4,
         on_block: Callable[[], None] | None = None,
+        digests: Mapping[str, list[str]] | None = None,
     ) -> None:
         """Write every tensor's bytes at its offset and hash each block; ``tensors`` must be the
-        contiguous CPU tensors named as in the layout."""
+        contiguous CPU tensors named as in the layout. ``digests`` gives the block checksums of
+        tensors already hashed (an incremental save's comparison): those are not hashed again."""
         views = [byte_view(tensors[r.name]) for r in self.records]
         addrs = [tensors[r.name].data_ptr() for r in self.records]
-        for r in self.records:
-            r.checksums = [""] * checksum.block_count(r.nbytes, block)
+        known = [digests is not None and r.name in digests for r in self.records]
+        for r, k in zip(self.records, known, strict=True):
+            r.checksums = (list(digests[r.name]) if k and digests is not None
+                           else [""] * checksum.block_count(r.nbytes, block))
 
         sources = ([tensors[r.name].reshape(-1).view(torch.uint8) for r in self.records]
                    if self._dst is not None else [])
@@ -227,7 +231,8 @@ class ShardWriter:
         def task(i: int, b: int) -> None:
             r, lo = self.records[i], b * block
             buf = views[i][lo : lo + block]
-            r.checksums[b] = checksum.digest(buf)
+            if not known[i]:
+                r.checksums[b] = checksum.digest(buf)
             if self._dst is not None:
                 at = r.offset + lo
                 self._dst[at : at + len(buf)].copy_(sources[i][lo : lo + len(buf)])

@@ -28,7 +28,9 @@ class Upkeep:
     def __init__(self, root: str, run_id: str, policy: retention.Policy,
                  logger: logging.Logger) -> None:
         self.root, self.run_id, self.policy, self.log = root, run_id, policy, logger
-        self._metadata: dict[int, dict[str, Any]] = {}  # of committed steps, read once each
+        # of committed steps, read once each: user metadata, steps referred to (incremental)
+        self._metadata: dict[int, dict[str, Any]] = {}
+        self._references: dict[int, list[int]] = {}
 
     def after_commit(self, step: int, path: str | None, stats: dict[str, float],
                      metadata: dict[str, Any]) -> None:
@@ -39,6 +41,7 @@ class Upkeep:
         self.record(step, stats)
         faults.hit("after-commit-before-retention", 0, step)
         self._metadata[step] = metadata
+        self._references.pop(step, None)  # read again: the step may have been saved again
         self.retain(step)
 
     def record(self, step: int, stats: dict[str, float]) -> None:
@@ -60,28 +63,48 @@ class Upkeep:
         committed = dict(rootdir.committed(self.root))
         doomed, _ = retention.plan(self.policy, [
             (step, self._metadata_of(step, path) if self.policy.best else {})
-            for step, path in committed.items()])
+            for step, path in committed.items()],
+            {step: self.references_of(step, path) for step, path in committed.items()})
         for step in doomed:
             if step == newest:
                 continue
             self.log.info("retention (%s): removing step %d", self.policy.describe(), step)
             self._metadata.pop(step, None)
+            self._references.pop(step, None)
             try:
                 rootdir.remove(committed[step], self.run_id)
             except OSError as e:
                 self.log.warning("retention could not remove %s: %s; what is left of it is "
                                  "removed at a later start", committed[step], e)
 
+    def referrers(self, step: int) -> list[int]:
+        """The committed steps whose records refer to ``step``'s shards."""
+        return [s for s, path in rootdir.committed(self.root)
+                if step in self.references_of(s, path)]
+
+    def _read(self, step: int, path: str) -> None:
+        """Read a committed step's manifest once: its user metadata and references. An
+        unreadable one is unranked and refers to nothing (it cannot be loaded anyway)."""
+        try:
+            m = Manifest.from_json(read_bytes(path), os.path.join(path, "MANIFEST.json"))
+            self._metadata[step], self._references[step] = m.metadata, m.references
+        except ManifestError as e:
+            if self.policy.best:
+                self.log.warning("retention cannot rank step %d by %s: %s", step,
+                                 self.policy.best, e)
+            self._metadata[step], self._references[step] = {}, []
+
     def _metadata_of(self, step: int, path: str) -> dict[str, Any]:
         """The user metadata of a committed step (read from its manifest once)."""
         if step not in self._metadata:
-            try:
-                self._metadata[step] = Manifest.from_json(read_bytes(path), path).metadata
-            except ManifestError as e:  # unranked, so kept only by the other rules
-                self.log.warning("retention cannot rank step %d by %s: %s", step,
-                                 self.policy.best, e)
-                self._metadata[step] = {}
+            self._read(step, path)
         return self._metadata[step]
+
+    def references_of(self, step: int, path: str) -> list[int]:
+        """The older steps a committed step refers to (read from its manifest once)."""
+        if step not in self._references:
+            self._read(step, path)
+        return self._references[step]
 
 
 def _rotate(stats: str) -> None:

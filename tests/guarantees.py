@@ -84,6 +84,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("resume-bit-identical",
               "A resumed job ends bit-identical to an uninterrupted one (DDP on more than 2 "
               "ranks: with `find_unused_parameters=True`)."),
+    Guarantee("incremental",
+              "An incremental checkpoint loads exactly what its step held: retention, prune and "
+              "quarantine keep every file a kept checkpoint refers to, and damage to a "
+              "referred-to file is detected and falls back, naming the file."),
 )
 BY_ID = {g.id: g for g in GUARANTEES}
 MARKER = "guarantee"  # @pytest.mark.guarantee("ID", ...), registered in pyproject.toml

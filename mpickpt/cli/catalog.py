@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import rootdir
 from ..errors import ManifestError
-from ..manifest import FORMAT, SPLIT_VERSION, VERSION, Manifest, read_bytes
+from ..manifest import FORMAT, VERSIONS, Manifest, read_bytes
 from ..manifest import NAME as MANIFEST
 from . import diagnose
 from .render import iso_utc
@@ -204,7 +204,7 @@ def _other_version(text: bytes) -> bool:
     except (ValueError, RecursionError):
         return False
     return (isinstance(d, dict) and d.get("format") == FORMAT
-            and d.get("version") not in (VERSION, SPLIT_VERSION)
+            and d.get("version") not in VERSIONS
             and isinstance(d.get("version"), int))
 
 

@@ -28,7 +28,7 @@ from .. import checksum, provenance
 from ..blocks import BlockFile
 from ..errors import ShardError
 from ..manifest import Manifest, RankEntry
-from ..records import check_file, check_records
+from ..records import TensorRecord, check_file, check_records
 from . import EXIT_ERROR, EXIT_NO_CHECKPOINT
 from .catalog import (
     MANIFEST,
@@ -60,11 +60,12 @@ def _problem(e: ShardError, m: Manifest | None = None, checkpoint: str | None = 
     return Problem(why, e.rank, e.path)
 
 
-def _check_shard(path: str, m: Manifest, r: RankEntry) -> None:
+def _check_shard(checkpoint: str, m: Manifest, r: RankEntry) -> None:
     """Check the shard as restore does: a regular file (no link, no FIFO) of the recorded size,
-    and every record fits it."""
-    check_file(r.rank, path, r.bytes)
-    check_records(r.rank, path, r.tensors, r.bytes, m.checksum_block)
+    and every record fits it; so too the older shards an incremental checkpoint refers to."""
+    for f in r.files(checkpoint):
+        check_file(r.rank, f.path, f.bytes)
+        check_records(r.rank, f.path, f.records, f.bytes, m.checksum_block)
 
 
 def quick(entry: Entry) -> None:
@@ -79,9 +80,8 @@ def quick(entry: Entry) -> None:
     set_from_manifest(entry, m)
     problems = []
     for r in m.ranks:
-        path = shard_path(entry.path, r)
         try:
-            _check_shard(path, m, r)
+            _check_shard(entry.path, m, r)
         except ShardError as e:
             problems.append(_problem(e, m, entry.path))
     if problems:
@@ -92,49 +92,60 @@ def quick(entry: Entry) -> None:
 
 def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
                  on_bytes: Callable[[int], None] | None = None) -> Problem | None:
-    """Read every block of rank ``rank``'s shard and compare its checksum, then its HDF5
-    metadata; the first problem."""
+    """Read every block of rank ``rank``'s shard (and of the older shards its incremental
+    records refer to) and compare its checksum, then the shard's HDF5 metadata; the first
+    problem."""
     entry = m.ranks[rank]
     path = shard_path(checkpoint, entry)
-    block = m.checksum_block
     try:
-        _check_shard(path, m, entry)
-        f = BlockFile(rank, path, entry.bytes, block)
+        _check_shard(checkpoint, m, entry)
     except ShardError as e:
         return _problem(e, m, checkpoint)
-    except OSError as e:
-        return _problem(ShardError(rank, path, f"cannot open: {e.strerror}"))
-    with f:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        tasks = [(i, b) for i, r in enumerate(entry.tensors)
-                 for b in range(checksum.block_count(r.nbytes, block))]
-        local = threading.local()
+    for i, f in enumerate(entry.files(checkpoint)):
+        try:
+            bf = BlockFile(rank, f.path, f.bytes, m.checksum_block)
+        except ShardError as e:
+            return _problem(e, m, checkpoint)
+        except OSError as e:
+            return _problem(ShardError(rank, f.path, f"cannot open: {e.strerror}"))
+        with bf:
+            errors = _read_blocks(bf, f.records, threads, on_bytes)
+            if errors:
+                first = _problem(errors[0], m, checkpoint)
+                if len(errors) > 1:
+                    first.reason += f"; {len(errors) - 1} more damaged block(s) in this shard"
+                return first
+            if i == 0:  # this checkpoint's own shard: its HDF5 metadata too
+                from . import h5meta  # h5py: only full verification needs it
 
-        def check(i: int, b: int) -> ShardError | None:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = memoryview(bytearray(CHUNK))
-            try:
-                n = f.read_block(entry.tensors[i], b, buf)
-            except ShardError as e:
-                return e
-            if on_bytes is not None:
-                on_bytes(n)
-            return None
+                why = h5meta.problem(bf.fd, m, entry)
+                if why is not None:
+                    return Problem(f"rank {rank}: {path}: {why}", rank, path, restorable=True)
+    return None
 
-        with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="mpickpt-verify") as pool:
-            errors = [e for e in pool.map(lambda t: check(*t), tasks) if e is not None]
-        if not errors:
-            from . import h5meta  # h5py: only full verification needs it
 
-            why = h5meta.problem(f.fd, m, entry)
-            return None if why is None else Problem(f"rank {rank}: {path}: {why}", rank, path,
-                                                    restorable=True)
-        first = _problem(errors[0], m, checkpoint)
-        if len(errors) > 1:
-            first.reason += f"; {len(errors) - 1} more damaged block(s) in this shard"
-        return first
+def _read_blocks(f: BlockFile, records: list[TensorRecord], threads: int,
+                 on_bytes: Callable[[int], None] | None) -> list[ShardError]:
+    """Read and check every block of these records of an open shard; every problem, in order."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    tasks = [(r, b) for r in records for b in range(checksum.block_count(r.nbytes, f.block))]
+    local = threading.local()
+
+    def check(r: TensorRecord, b: int) -> ShardError | None:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(CHUNK))
+        try:
+            n = f.read_block(r, b, buf)
+        except ShardError as e:
+            return e
+        if on_bytes is not None:
+            on_bytes(n)
+        return None
+
+    with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="mpickpt-verify") as pool:
+        return [e for e in pool.map(lambda t: check(*t), tasks) if e is not None]
 
 
 class Unusable(Exception):

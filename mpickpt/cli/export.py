@@ -30,7 +30,7 @@ from ..errors import ShardError
 from ..log import human_bytes
 from ..records import TensorRecord
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
-from .checks import Unusable, pick, shard_path
+from .checks import Unusable, pick
 from .render import Out
 from .team import Team
 
@@ -145,9 +145,9 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     tensors: dict[str, torch.Tensor] = {}
     try:
         for r in m.ranks:
-            path = shard_path(e.path, r)
             for t in r.tensors:
-                got = read_shard(r.rank, path, [t], r.bytes, block=m.checksum_block,
+                path, size = r.file_of(e.path, t)  # incremental: maybe an older shard
+                got = read_shard(r.rank, path, [t], size, block=m.checksum_block,
                                  threads=args.threads)[t.name]
                 name = export_name(r.rank, t)
                 if t.global_shape is not None and t.offsets is not None:

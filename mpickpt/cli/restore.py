@@ -216,7 +216,14 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         if moved:
             changes.roll_back(s.committed[0].step, args.step, moved)
     planned = {a.path for a in changes.actions}
+    needed = referenced(s, planned)
     for e in s.committed:
+        if e.status == "corrupt" and e.path not in planned and e.step in needed:
+            assert e.problem is not None
+            left_alone.append({"path": e.path, "reason": (
+                f"{e.problem.reason}: left in place, since step {needed[e.step]} (which "
+                "verifies) refers to its files")})
+            planned.add(e.path)
         if e.status == "unsupported" and e.path not in planned:
             assert e.problem is not None
             left_alone.append({"path": e.path, "reason": (
@@ -251,6 +258,17 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
               "retention": pruning.to_json() if pruning else None})
     report(out, s, chosen, changes, left_alone, args, now, pruning)
     return code
+
+
+def referenced(s: verify.Survey, planned: set[str]) -> dict[int, int]:
+    """{older step: a loadable checkpoint staying in place that refers to its files}: moving
+    those would break incremental checkpoints that verify."""
+    out: dict[int, int] = {}
+    for e in s.committed:
+        if e.status in catalog.LOADABLE and e.path not in planned and e.manifest is not None:
+            for r in e.manifest.references:
+                out.setdefault(r, e.step if e.step is not None else -1)
+    return out
 
 
 def stranded(s: verify.Survey) -> dict[str, str]:
@@ -294,7 +312,9 @@ def prune(s: verify.Survey, chosen: catalog.Entry, changes: Changes,
             if e.status in catalog.LOADABLE and e.step is not None and e.step <= chosen.step
             and e.path not in planned}
     doomed, kept = retention.plan(pol, [(st, e.manifest.metadata if e.manifest else {})
-                                        for st, e in good.items()])
+                                        for st, e in good.items()],
+                                  {st: e.manifest.references if e.manifest else []
+                                   for st, e in good.items()})
     for st in doomed:
         changes.delete(good[st], f"pruned: no rule of {describe_policy(pol)} keeps it")
     unranked = [] if not pol.best else [

@@ -198,7 +198,7 @@ def hdf5_tree_attribute(root: Path, outside: Path) -> tuple[Path, str | None]:
 
 
 def wrong_version(root: Path, outside: Path) -> tuple[Path, str | None]:
-    return forge(root, lambda d: d.update(version=3)), None
+    return forge(root, lambda d: d.update(version=4)), None
 
 
 def swapped(root: Path, outside: Path) -> tuple[Path, str | None]:
@@ -385,7 +385,7 @@ CASES = [
          "HDF5 metadata is damaged", step=NEWEST, skipped=None, verify_status="hdf5-damaged"),
     Case("hdf5-tree-attribute-flip", "corruption", hdf5_tree_attribute,
          "'tree' attribute differs", step=NEWEST, skipped=None, verify_status="hdf5-damaged"),
-    Case("manifest-wrong-version", "corruption", wrong_version, "version 3 is not",
+    Case("manifest-wrong-version", "corruption", wrong_version, "version 4 is not",
          verify_status="unsupported"),
     Case("shards-swapped-between-ranks", "corruption", swapped,
          "it is rank 0's shard of this checkpoint"),

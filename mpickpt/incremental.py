@@ -1,0 +1,183 @@
+"""Incremental checkpoints: refer to the tensors that did not change instead of writing them again.
+
+Each rank keeps the records of its last committed checkpoint (its :class:`Base`). At the next
+save, every tensor of the snapshot is hashed block by block (the digests the writer would compute
+anyway, so a changed tensor is not hashed twice) and compared with the base's record of the same
+name, dtype, shape and placement: equal digests make a record that refers to the older shard the
+bytes lie in (``source``), the others are written. A tensor declared frozen is referred to
+without hashing. Rules that keep it safe:
+
+* **No chains.** A record refers to the file its bytes were written to, never to a record that
+  refers further; restore opens each file once and reads each block once.
+* **Bounded.** Every ``every``-th save is full (and the first, and the first after a restore or a
+  failure to find a base file), so a checkpoint refers to at most ``every - 1`` older ones.
+* **Checked before use.** A base file whose size is not what its record says (removed, replaced
+  by a save of the same step again) is not referred to: that rank writes in full.
+* **Committed or nothing.** A checkpoint that refers to older ones is committed by the same vote;
+  retention (:func:`mpickpt.retention.plan`) keeps every step a kept one refers to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checksum, rootdir, sharding
+from .manifest import RankEntry
+from .records import TensorRecord
+from .shard import _run, byte_view
+
+
+def frozen_matcher(frozen: Sequence[str] | Callable[[str], bool] | None
+                   ) -> Callable[[str], bool] | None:
+    """A predicate of tensor names from ``frozen``: key paths (a tensor's name, or a prefix of
+    it ending before ``/`` or ``.``, e.g. ``"model/base_model"``), or a callable."""
+    if frozen is None or callable(frozen):
+        return frozen
+    if isinstance(frozen, str):
+        raise TypeError("frozen must be a list of key paths, not one string")
+    prefixes = tuple(p.strip("/") for p in frozen)
+    if not prefixes:
+        return None
+
+    def match(name: str) -> bool:
+        return any(name == p or name.startswith((p + "/", p + ".")) for p in prefixes)
+
+    return match
+
+
+def frozen_params(module: torch.nn.Module, prefix: str = "model") -> list[str]:
+    """The key paths of ``module``'s parameters that do not require grad (frozen base weights
+    under LoRA), as they are named in a state ``{prefix: module.state_dict(), ...}``."""
+    return [f"{prefix}/{n}" if prefix else n
+            for n, p in module.named_parameters() if not p.requires_grad]
+
+
+@dataclass
+class Base:
+    """One rank's last committed checkpoint, as later saves refer to it: each tensor's record
+    with ``source`` set to the file its bytes lie in (relative to ROOT), and those files' sizes."""
+
+    step: int
+    records: dict[str, TensorRecord]
+    sources: dict[str, int]
+    full: bool  # whether that checkpoint wrote every tensor
+
+    @classmethod
+    def of(cls, step: int, entry: RankEntry) -> Base:
+        own = f"{rootdir.step_name(step)}/{entry.file}"
+        records, used = {}, {}
+        for r in entry.tensors:
+            src = r.source or own
+            records[r.name] = TensorRecord(r.name, r.dtype, list(r.shape), r.offset, r.nbytes,
+                                           r.checksums, r.global_shape, r.offsets, source=src)
+            used[src] = entry.bytes if src == own else entry.sources[src]
+        return cls(step, records, used, not entry.sources)
+
+
+@dataclass
+class Decision:
+    """What one save writes and what it refers to."""
+
+    reused: dict[str, TensorRecord] = field(default_factory=dict)  # name -> record in an older file
+    digests: dict[str, list[str]] = field(default_factory=dict)  # name -> block digests, computed
+    sources: dict[str, int] = field(default_factory=dict)  # the older files referred to
+    hashed_bytes: int = 0
+    why_full: str | None = None  # why nothing is referred to, when nothing is
+    lost: bool = False  # full because a file the base refers to is gone or changed
+
+
+class Tracker:
+    """One rank's incremental state across saves: the base, and how many saves since a full one."""
+
+    def __init__(self, root: str, every: int, frozen: Callable[[str], bool] | None) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 2:
+            raise ValueError(f"incremental must be an int of at least 2 (a full checkpoint "
+                             f"every that many saves), not {every!r}")
+        self.root, self.every, self.frozen = root, every, frozen
+        self.base: Base | None = None
+        self.since_full = 0  # committed saves since the last full one (that one included)
+
+    def decide(self, step: int, host: Mapping[str, torch.Tensor],
+               placements: Mapping[str, sharding.Placement], block: int, threads: int
+               ) -> Decision:
+        """Which tensors of this save are unchanged since the base (referred to) and the block
+        digests of the others (for the writer)."""
+        base = self.base
+        why = None
+        if base is None:
+            why = "no earlier checkpoint of this run to refer to"
+        elif self.since_full >= self.every:
+            why = f"every {self.every}th checkpoint is full"
+        elif base.step >= step:
+            why = f"step {step} is not newer than the base, step {base.step}"
+        elif (why := self._missing(base)) is not None:
+            return Decision(why_full=why, lost=True)
+        if why is not None:
+            return Decision(why_full=why)
+        assert base is not None
+        d = Decision()
+        candidates = []
+        for name, t in host.items():
+            old = base.records.get(name)
+            if old is None or not _same_layout(old, t, placements.get(name)):
+                continue
+            if self.frozen is not None and self.frozen(name):
+                d.reused[name] = old
+            else:
+                candidates.append((name, t, old))
+        sums = {name: [""] * checksum.block_count(old.nbytes, block) for name, _, old in candidates}
+        views = {name: byte_view(t) for name, t, _ in candidates}
+
+        def task(i: int, b: int) -> None:
+            name = candidates[i][0]
+            sums[name][b] = checksum.digest(views[name][b * block: (b + 1) * block])
+
+        tasks = [(i, b) for i, (name, _, _) in enumerate(candidates)
+                 for b in range(len(sums[name]))]
+        _run(tasks, task, threads, background=True)
+        for name, _, old in candidates:
+            d.hashed_bytes += old.nbytes
+            if sums[name] == old.checksums:
+                d.reused[name] = old
+            else:
+                d.digests[name] = sums[name]
+        for r in d.reused.values():
+            assert r.source is not None
+            d.sources[r.source] = base.sources[r.source]
+        return d
+
+    def _missing(self, base: Base) -> str | None:
+        """Why a file the base refers to cannot be referred to (gone, or of another size)."""
+        for src, size in base.sources.items():
+            path = os.path.join(self.root, src)
+            try:
+                actual = os.lstat(path).st_size
+            except OSError as e:
+                return f"{path}: {e.strerror}"
+            if actual != size:
+                return f"{path} has {actual} bytes, not the {size} its records were written in"
+        return None
+
+    def committed(self, step: int, entry: RankEntry) -> None:
+        """A save committed: it is the base of the next."""
+        self.base = Base.of(step, entry)
+        self.since_full = 1 if self.base.full else self.since_full + 1
+
+    def forget(self) -> None:
+        """After a restore: the next save is full."""
+        self.base, self.since_full = None, 0
+
+
+def _same_layout(r: TensorRecord, t: torch.Tensor, p: sharding.Placement | None) -> bool:
+    """Whether record ``r`` could hold tensor ``t`` (placed as ``p``) unchanged."""
+    from . import dtypes
+
+    if r.dtype != dtypes.name_of(t.dtype) or list(r.shape) != list(t.shape):
+        return False
+    if p is None:
+        return r.global_shape is None
+    return r.global_shape == list(p.global_shape) and r.offsets == list(p.offsets)
