@@ -156,6 +156,12 @@ class Checkpointer:
             raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
         if index not in ("auto", "inline", "per-rank"):
             raise ValueError(f"index must be 'auto', 'inline' or 'per-rank', not {index!r}")
+        if incremental is not None and local is not None:
+            raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
+                             "whole shards; give one or the other")
+        if frozen and not incremental:
+            raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
+                             "hashing: give incremental=N too")
         self.root = os.path.abspath(os.fspath(root))
         self.keep, self.io_threads = keep, io_threads
         self.replicated = tuple(p.strip("/") for p in replicated)
@@ -192,12 +198,6 @@ class Checkpointer:
             raise ValueError("redundancy protects the node-local level: give local= too")
         self._local_checked = False
         split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
-        if incremental is not None and local is not None:
-            raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
-                             "whole shards; give one or the other")
-        if frozen and not incremental:
-            raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
-                             "hashing: give incremental=N too")
         options = ShardOptions(alignment, checksum_block, io_threads, split,
                                incremental or None, frozen_matcher(frozen))
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,

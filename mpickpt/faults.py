@@ -2,7 +2,8 @@
 
 Phases: before-snapshot, mid-write, after-fsync-before-vote, after-vote-before-manifest,
 mid-manifest-write, after-commit-before-retention, mid-restore-read; with a node-local level
-also mid-exchange, after-exchange-before-vote, mid-local-commit, mid-drain, mid-drain-commit.
+also mid-exchange, after-exchange-before-vote, mid-local-commit, mid-drain, mid-drain-commit;
+mid-retention fires on rank 0 after each checkpoint retention removes.
 Rank ``*`` means every rank; step, when given, limits the fault to the save or restore of that
 step. after-vote-before-manifest, mid-manifest-write, after-commit-before-retention and
 mid-drain-commit fire on rank 0 around its manifest, commit and retention; on the other ranks
@@ -31,6 +32,9 @@ PHASES = (
 # while they wait for its outcome)
 LEVEL_PHASES = ("mid-exchange", "after-exchange-before-vote", "mid-local-commit", "mid-drain",
                 "mid-drain-commit")
+# rank 0, after each checkpoint retention removes (incremental checkpoints: a kill there must
+# leave every kept checkpoint loadable)
+RETENTION_PHASES = ("mid-retention",)
 ACTIONS = ("kill", "raise", "hang", "exit", "delay")
 EXIT_CODE = 17
 
@@ -39,11 +43,11 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
     out: dict[str, list[tuple[str, str, int | None]]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split(":")
-        known = parts[0] in PHASES + LEVEL_PHASES
+        known = parts[0] in PHASES + LEVEL_PHASES + RETENTION_PHASES
         if len(parts) not in (3, 4) or not known or parts[2] not in ACTIONS:
             raise ValueError(
                 f"MPICKPT_FAULT item {item!r} is not phase:rank:action[:step] with phase in "
-                f"{PHASES + LEVEL_PHASES} and action in {ACTIONS}"
+                f"{PHASES + LEVEL_PHASES + RETENTION_PHASES} and action in {ACTIONS}"
             )
         step = int(parts[3]) if len(parts) == 4 else None
         out.setdefault(parts[0], []).append((parts[1], parts[2], step))

@@ -76,11 +76,12 @@ class Upkeep:
             except OSError as e:
                 self.log.warning("retention could not remove %s: %s; what is left of it is "
                                  "removed at a later start", committed[step], e)
+            faults.hit("mid-retention", 0, newest)
 
     def referrers(self, step: int) -> list[int]:
         """The committed steps whose records refer to ``step``'s shards."""
-        return [s for s, path in rootdir.committed(self.root)
-                if step in self.references_of(s, path)]
+        return sorted(s for s, path in rootdir.committed(self.root)
+                      if step in self.references_of(s, path))
 
     def _read(self, step: int, path: str) -> None:
         """Read a committed step's manifest once: its user metadata and references. An

@@ -2,7 +2,7 @@
 
 Usage: incremental.py train ROOT REPORTS --steps N [--every E] [--incremental K] [--keep K]
                       [--frozen] [--index auto|inline|per-rank]
-       incremental.py check ROOT REPORTS [--step S]
+       incremental.py check ROOT REPORTS [--step S | --all]
 
 The state at step ``s`` is a pure function of ``s`` (and of the rank, for per-rank tensors), so a
 job that is killed and started again must end with exactly what an uninterrupted one has, and
@@ -15,12 +15,13 @@ job that is killed and started again must end with exactly what an uninterrupted
 - ``mine``: a per-rank int64 tensor that changes only every 3 steps.
 
 ``train`` restores (if there is a checkpoint), then steps to ``--steps``, saving every
-``--every`` steps with ``Checkpointer(incremental=K)``; each rank writes
+``--every`` steps with ``Checkpointer(incremental=K)`` (0: full saves); each rank writes
 REPORTS/train-rank-R.json with the restored step and every save's figures. ``check`` restores
-into a zeroed state (``--step``: that one) and writes REPORTS/check-rank-R.json: the step, and
-whether every tensor is what that step should hold.
+into a zeroed state (``--step``: that one; ``--all``: every committed one in turn) and writes
+REPORTS/check-rank-R.json: the step, and whether every tensor is what that step should hold.
 
-Run by tests/multirank/test_incremental.py and tests/faults/test_fault_incremental.py.
+Run by tests/multirank/test_incremental.py, tests/faults/test_fault_incremental.py and
+tests/cli/test_cli_incremental.py.
 """
 
 from __future__ import annotations
@@ -97,14 +98,28 @@ def main() -> None:
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--index", default="auto")
     ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--all", action="store_true")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
     frozen = ["model/base.weight", "model/base.bias", "embed"] if args.frozen else None
     ck = mpickpt.Checkpointer(args.root, keep=args.keep, checksum_block=4096, alignment=4096,
-                              incremental=args.incremental, frozen=frozen, index=args.index,
+                              incremental=args.incremental or None, frozen=frozen,
+                              index=args.index,
                               on_error="raise")
     report: dict = {"rank": rank, "world": world}
+    if args.all:
+        steps = comm.bcast(sorted(int(n[5:]) for n in os.listdir(args.root)
+                                  if n.startswith("step-") and n[5:].isdigit()))
+        report["all"] = {}
+        for step in steps:  # each committed step loads exactly what it should hold
+            state = make_state(rank, world, 0, fill=False)
+            got = ck.restore(state, step=step)
+            report["all"][step] = got == step and all(
+                matches(state, make_state(rank, world, step, fill=True)).values())
+        ck.close()
+        _write(args, rank, report)
+        return
     state = make_state(rank, world, 0, fill=args.mode == "train")
     restored = ck.restore(state, step=args.step)
     info = ck.restore_info
@@ -130,6 +145,10 @@ def main() -> None:
         report["matches"] = matches(state, expected)
         report["bytes_read"] = info.bytes_read
     ck.close()
+    _write(args, rank, report)
+
+
+def _write(args: argparse.Namespace, rank: int, report: dict) -> None:
     os.makedirs(args.reports, exist_ok=True)
     with open(os.path.join(args.reports, f"{args.mode}-rank-{rank}.json"), "w") as f:
         json.dump(report, f)
