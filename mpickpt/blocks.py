@@ -118,6 +118,8 @@ class BlockFile:
         contents are then the last piece). :class:`ShardError` at the end of the file or a
         checksum mismatch."""
         size = self.block_size(r, n)
+        if r.codec is not None:
+            return self._read_compressed(r, n, buf, size)
         where = r.offset + n * self.block
         addr = _address(buf) if self.dfd >= 0 and len(buf) else 0
         if len(buf) >= size:
@@ -146,6 +148,31 @@ class BlockFile:
                 "the data is corrupt",
                 tensor=r.name,
             )
+        return size
+
+
+    def _read_compressed(self, r: TensorRecord, n: int, buf: memoryview, size: int) -> int:
+        """:meth:`read_block` of a compressed record: read block ``n``'s chunk, decompress it
+        into ``buf`` (through a temporary buffer when ``buf`` is smaller), verify it."""
+        from . import codec  # numpy and zstandard: only compressed records need them
+        from .records import itemsize
+
+        where, csize = r.chunks[n] if r.chunks else (0, 0)
+        frame = bytearray(csize)
+        if _pread_all(self.fd, memoryview(frame), where) < csize:
+            raise ShardError(self.rank, self.path, "unexpected end of file", tensor=r.name)
+        item = itemsize(r.dtype)
+        out = buf[:size] if len(buf) >= size else memoryview(bytearray(size))
+        try:
+            codec.decompress(r.codec or "", bytes(frame), out,
+                             codec.chunk_elements(r.nbytes, item, self.block) * item, item)
+        except ValueError as e:
+            raise ShardError(self.rank, self.path, f"block {n} (compressed, bytes {where}.."
+                             f"{where + csize}): {e}: the data is corrupt", tensor=r.name) from None
+        if checksum.digest(out) != r.checksums[n]:
+            raise ShardError(self.rank, self.path, f"checksum mismatch in block {n} (compressed, "
+                             f"bytes {where}..{where + csize}): the data is corrupt",
+                             tensor=r.name)
         return size
 
 

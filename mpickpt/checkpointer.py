@@ -16,10 +16,10 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from . import knobs, log, preempt, retention, rootdir, shared_root, slurm
+from . import codec, knobs, log, preempt, retention, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError, LocalTierFull
 from .exchange import Exchange
@@ -110,6 +110,12 @@ class Checkpointer:
     Every ``N``-th save (and the first after a start or a restore) is full. ``frozen`` names key
     paths (``"model/base_model"``, or :func:`mpickpt.frozen_params`) referred to without even
     hashing them, until the next full save: name only tensors that truly never change.
+
+    ``compression`` (ROOT only): ``"zstd"`` or ``"zstd+shuffle"`` for every tensor of 64 KiB or
+    more, or key paths to codecs (``{"optim": "zstd+shuffle"}``, the longest prefix wins). Each
+    checksum block becomes one zstd frame, compressed on the I/O threads and written as a chunk
+    of an HDF5 dataset with the registered Zstd filter (h5py reads it after ``import
+    hdf5plugin``); restore decompresses on its threads. Needs ``pip install 'mpickpt[compress]'``.
     """
 
 
@@ -146,6 +152,7 @@ class Checkpointer:
         index: str = "auto",
         incremental: int | None = None,
         frozen: Sequence[str] | Callable[[str], bool] | None = None,
+        compression: str | Mapping[str, str | None] | None = None,
     ) -> None:
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
@@ -159,6 +166,12 @@ class Checkpointer:
         if incremental is not None and local is not None:
             raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
                              "whole shards; give one or the other")
+        if compression is not None and local is not None:
+            raise ValueError("compression is written to ROOT only: local= keeps shards raw for "
+                             "its redundancy; give one or the other")
+        pick = codec.chooser(compression)
+        if pick is not None:
+            codec.require()
         if frozen and not incremental:
             raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
                              "hashing: give incremental=N too")
@@ -199,7 +212,7 @@ class Checkpointer:
         self._local_checked = False
         split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
         options = ShardOptions(alignment, checksum_block, io_threads, split,
-                               incremental or None, frozen_matcher(frozen))
+                               incremental or None, frozen_matcher(frozen), pick)
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
                             options,
                             self.retention, self.log, on_error == "raise", self._local,

@@ -73,7 +73,8 @@ class Base:
         for r in entry.tensors:
             src = r.source or own
             records[r.name] = TensorRecord(r.name, r.dtype, list(r.shape), r.offset, r.nbytes,
-                                           r.checksums, r.global_shape, r.offsets, source=src)
+                                           r.checksums, r.global_shape, r.offsets, source=src,
+                                           codec=r.codec, chunks=r.chunks)
             used[src] = entry.bytes if src == own else entry.sources[src]
         return cls(step, records, used, not entry.sources)
 

@@ -17,9 +17,11 @@ Rules, in one place:
   that part (its entry, as in version 1) before it voted; a reader loads it only when it needs
   that rank's records, checked against the size and checksum the manifest gives, so the
   manifest's checksum protects the parts too. Version 1 (every entry inline) is still read.
-* Version 3 (incremental checkpoints): as version 1 or 2, and a record may carry ``source``,
-  the shard of an older checkpoint its bytes lie in (``step-XXXXXXXX/rank-XXXXX.h5``, resolved
-  beside this checkpoint's directory; ``offset`` and ``checksums`` are those in that file). The
+* Version 3 (written with incremental checkpoints or compression on): as version 1 or 2, and
+  a record may be compressed (``codec`` and ``chunks``: :mod:`mpickpt.records`) or carry
+  ``source``, the shard of an older checkpoint its bytes lie in
+  (``step-XXXXXXXX/rank-XXXXX.h5``, resolved beside this checkpoint's directory; ``offset`` and
+  ``checksums`` are those in that file). The
   rank's entry lists each such file with its exact size (``sources``), and the manifest lists the
   steps referred to (``references``; with index parts each rank's summary lists its own), so
   that retention keeps what a kept checkpoint needs without reading any record. A source is
@@ -46,8 +48,8 @@ NAME = "MANIFEST.json"
 FORMAT = "mpickpt"
 VERSION = 1  # every rank's records inline
 SPLIT_VERSION = 2  # per-rank index parts
-REF_VERSION = 3  # records may refer to the shards of older checkpoints (incremental)
-VERSIONS = (VERSION, SPLIT_VERSION, REF_VERSION)
+EXT_VERSION = 3  # records may refer to older shards (incremental) or be compressed
+VERSIONS = (VERSION, SPLIT_VERSION, EXT_VERSION)
 SOURCE_RE = re.compile(r"^step-(\d{8,})/rank-(\d{5,})\.h5$")
 INDEX_DIR = "index"
 MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
@@ -251,6 +253,12 @@ class Manifest:
     references: list[int] = field(default_factory=list)  # steps whose shards records refer to
 
     @property
+    def extended(self) -> bool:
+        """Whether this is a version-3 manifest (records may refer to older shards or be
+        compressed)."""
+        return self.version == EXT_VERSION or bool(self.references)
+
+    @property
     def total_bytes(self) -> int:
         """The bytes of this checkpoint's own shards (not those of the older ones it refers to)."""
         return sum(r.bytes for r in self.ranks)
@@ -274,8 +282,8 @@ class Manifest:
              "metadata": self.metadata,
              "created": self.created, "checksum_algorithm": self.checksum_algorithm,
              "checksum_block": self.checksum_block, "format": self.format,
-             "version": REF_VERSION if self.references else SPLIT_VERSION if split else VERSION}
-        if self.references:
+             "version": EXT_VERSION if self.extended else SPLIT_VERSION if split else VERSION}
+        if self.extended:
             d["references"] = list(self.references)
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         d[CHECKSUM_FIELD] = _digest(d)
@@ -286,21 +294,23 @@ class Manifest:
     @classmethod
     def assemble(cls, step: int, world_size: int, run_id: str,
                  entries: list[dict[str, Any]], metadata: dict[str, Any],
-                 checksum_block: int, directory: str | None = None) -> Manifest:
+                 checksum_block: int, directory: str | None = None,
+                 extended: bool = False) -> Manifest:
         """The manifest of the ranks' entries (each a :class:`RankEntry` as a dict, or its
         :meth:`RankEntry.summary` with its index part in ``directory``, as the ranks send
-        them), held to the rules a parsed manifest obeys; ManifestError otherwise."""
+        them), held to the rules a parsed manifest obeys; ManifestError otherwise.
+        ``extended``: version 3 (incremental or compressed records) whatever the records say."""
         split = bool(entries) and all(isinstance(e, dict) and "index" in e for e in entries)
         refs: set[int] = set()
         for e in entries:
             if isinstance(e, dict):
                 refs.update(_entry_refs(e))
-        d = {"format": FORMAT, "version": REF_VERSION if refs else
+        d = {"format": FORMAT, "version": EXT_VERSION if refs or extended else
              SPLIT_VERSION if split else VERSION, "step": step,
              "world_size": world_size, "run_id": run_id, "ranks": entries,
              "metadata": metadata, "created": time.time(),
              "checksum_algorithm": checksum.ALGORITHM, "checksum_block": checksum_block}
-        if refs:
+        if refs or extended:
             d["references"] = sorted(refs)
         try:
             return _parse(d, directory)
@@ -457,10 +467,16 @@ def _entry(i: int, r: Any, w: str, references: frozenset[int] | None = None) -> 
         src = t.get("source")
         if src is not None and src not in sources:
             raise _Bad(f"{tw}: source {src!r} is not among the rank's sources")
+        codec, chunks = t.get("codec"), t.get("chunks")
+        if codec is not None or chunks is not None:
+            if references is None:
+                raise _Bad(f"{tw}: a compressed record in a manifest of version 1 or 2")
+            if not isinstance(codec, str) or not isinstance(chunks, list):
+                raise _Bad(f"{tw}: codec {codec!r} with chunks of type {type(chunks).__name__}")
         tensors.append(TensorRecord(
             _get(t, "name", str, tw), _get(t, "dtype", str, tw), shape,
             _get(t, "offset", int, tw), _get(t, "nbytes", int, tw), sums,
-            *_piece(t, len(shape), tw), source=src,
+            *_piece(t, len(shape), tw), source=src, codec=codec, chunks=chunks,
         ))
     tree = _get(r, "tree", dict, w)
     if _depth(tree) > MAX_TREE_DEPTH:
@@ -516,15 +532,15 @@ def _parse(d: Any, directory: str | None = None) -> Manifest:
         raise _Bad(f"world_size {world} but {len(ranks_raw)} rank entries")
     step = _get(d, "step", int, "manifest")
     refs = None
-    if version == REF_VERSION:
+    if version == EXT_VERSION:
         refs = frozenset(_steps(_get(d, "references", list, "manifest"), "references"))
-        if not refs or max(refs) >= step:
+        if refs and max(refs) >= step:
             raise _Bad(f"references {sorted(refs)} must be older steps than {step}")
     elif "references" in d:
         raise _Bad(f"'references' (an incremental checkpoint's) in a manifest of version "
                    f"{version}")
     split = version == SPLIT_VERSION or (
-        version == REF_VERSION and all(isinstance(r, dict) and "index" in r for r in ranks_raw))
+        version == EXT_VERSION and all(isinstance(r, dict) and "index" in r for r in ranks_raw))
     if split:
         ranks = [_summary(i, r, f"rank entry {i}", directory, refs)
                  for i, r in enumerate(ranks_raw)]

@@ -30,7 +30,8 @@ def _matches(fd: int, size: int, entry: RankEntry, block: int) -> bool:
     if size != entry.bytes:
         return False
     probed, budget = 0, PROBE_BYTES
-    for r in sorted((r for r in entry.tensors if r.nbytes and r.checksums),
+    for r in sorted((r for r in entry.tensors if r.nbytes and r.checksums
+                     and r.codec is None and r.source is None),
                     key=lambda r: r.nbytes)[:PROBES]:
         n = min(block, r.nbytes)
         if n > budget:

@@ -1,8 +1,9 @@
 """What a manifest says of one tensor, and the checks of those records against a shard file.
 
-Torch-free (and numpy- and h5py-free), so that the operator's tools can read and check a
-checkpoint without importing either: the element types are known here by name, with their size
-and the numpy type their HDF5 dataset is declared with (:mod:`mpickpt.dtypes` maps them to torch).
+Torch-free (and numpy- and h5py-free, but for compressed records), so that the operator's tools
+can read and check a checkpoint without importing either: the element types are known here by
+name, with their size and the numpy type their HDF5 dataset is declared with
+(:mod:`mpickpt.dtypes` maps them to torch).
 :mod:`mpickpt.shard` re-exports everything here.
 """
 
@@ -55,6 +56,10 @@ class TensorRecord:
     # checkpoint its bytes lie in (``step-XXXXXXXX/rank-XXXXX.h5``, a sibling of this
     # checkpoint's directory), and ``offset`` is in that file; None: in this rank's own shard
     source: str | None = None
+    # a compressed tensor (:mod:`mpickpt.codec`): the codec, and where each checksum block's
+    # chunk lies in the file, [byte offset, bytes]; ``offset`` is then unused (0)
+    codec: str | None = None
+    chunks: list[list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON values (what ``dataclasses.asdict`` gives, without its deep copies)."""
@@ -64,7 +69,16 @@ class TensorRecord:
              "offsets": None if self.offsets is None else list(self.offsets)}
         if self.source is not None:
             d["source"] = self.source
+        if self.codec is not None:
+            d["codec"] = self.codec
+            d["chunks"] = [list(c) for c in self.chunks or ()]
         return d
+
+    def extents(self) -> list[tuple[int, int]]:
+        """The byte ranges (start, end) the record's data occupies in its file."""
+        if self.codec is None:
+            return [(self.offset, self.offset + self.nbytes)] if self.nbytes else []
+        return [(o, o + n) for o, n in self.chunks or ()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,21 +117,48 @@ def check_records(
         if r.nbytes != math.prod(r.shape) * size:
             raise bad(f"{r.nbytes} bytes recorded, but {r.dtype}{r.shape} needs "
                       f"{math.prod(r.shape) * size}")
-        if r.offset < 0 or r.offset + r.nbytes > file_bytes:
-            raise bad(f"bytes {r.offset}..{r.offset + r.nbytes} lie outside the "
-                      f"{file_bytes}-byte file")
+        if r.codec is not None:
+            _check_chunks(r, bad, block, size)
+        for lo, hi in r.extents():
+            if lo < 0 or hi > file_bytes:
+                raise bad(f"bytes {lo}..{hi} lie outside the {file_bytes}-byte file")
+            total += hi - lo
         if len(r.checksums) != checksum.block_count(r.nbytes, block):
             raise bad(f"{len(r.checksums)} checksums recorded for "
                       f"{checksum.block_count(r.nbytes, block)} blocks")
-        total += r.nbytes
     if total > file_bytes:
         raise ShardError(rank, path, f"records claim {total} bytes, the file has {file_bytes}")
     end, last = 0, None
-    for r in sorted((r for r in records if r.nbytes), key=lambda r: r.offset):
-        if r.offset < end:
-            raise ShardError(rank, path, f"bytes {r.offset}..{r.offset + r.nbytes} overlap those "
-                             f"of tensor {last!r}", tensor=r.name)
-        end, last = r.offset + r.nbytes, r.name
+    for lo, hi, name in sorted((lo, hi, r.name) for r in records for lo, hi in r.extents()
+                               if hi > lo):
+        if lo < end:
+            raise ShardError(rank, path, f"bytes {lo}..{hi} overlap those of tensor {last!r}",
+                             tensor=name)
+        end, last = hi, name
+
+
+def _check_chunks(r: TensorRecord, bad: Any, block: int, itemsize: int) -> None:
+    """A compressed record's codec and chunk list: one chunk per checksum block, each of a size
+    a frame of its block can have."""
+    from . import codec  # numpy: only compressed records need it
+
+    if r.codec not in codec.CODECS:
+        raise bad(f"unknown codec {r.codec!r}")
+    if block % itemsize:
+        raise bad(f"checksum block {block} is not a whole number of {r.dtype} elements")
+    if r.nbytes == 0:
+        raise bad("a compressed record of no bytes")
+    chunk = codec.chunk_elements(r.nbytes, itemsize, block) * itemsize
+    n = checksum.block_count(r.nbytes, block)
+    if not isinstance(r.chunks, list) or len(r.chunks) != n:
+        raise bad(f"{0 if r.chunks is None else len(r.chunks)} compressed chunks recorded for "
+                  f"{n} blocks")
+    for c in r.chunks:
+        if not (isinstance(c, list) and len(c) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in c)) \
+                or c[0] < 0 or not 0 < c[1] <= codec.max_frame(chunk):
+            raise bad(f"compressed chunk {c!r} is not [offset, bytes] of a frame of a "
+                      f"{chunk}-byte chunk")
 
 
 def check_file(rank: int, path: str, file_bytes: int) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from . import checksum, faults, log, retention, rootdir, sharding
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
+from .codec import MIN_BYTES as MIN_COMPRESS
 from .errors import CheckpointError, SaveAborted
 from .incremental import Decision, Tracker
 from .manifest import NAME as MANIFEST
@@ -107,6 +108,12 @@ class ShardOptions:
     split_index: bool = False  # each rank's records in an index part of its own (version 2)
     incremental: int | None = None  # refer to unchanged tensors; a full checkpoint every N saves
     frozen: Callable[[str], bool] | None = None  # tensor names referred to without hashing
+    compression: Callable[[str], str | None] | None = None  # tensor name -> codec, or None
+
+    @property
+    def extended(self) -> bool:
+        """Whether manifests are version 3 (incremental or compressed records)."""
+        return bool(self.incremental or self.compression)
 
 
 class Saver:
@@ -283,12 +290,18 @@ class Saver:
         decision = self._decide(req)
         if decision.reused:
             host = {n: t for n, t in host.items() if n not in decision.reused}
+        codecs = None
+        if self.options.compression is not None:
+            pick = self.options.compression
+            codecs = {n: c for n, t in host.items()
+                      if t.numel() * t.element_size() >= MIN_COMPRESS and (c := pick(n))}
         t1 = time.perf_counter()
         writer = ShardWriter(
             path, host,
             {"rank": self.rank, "step": req.step, "world_size": self.world_size,
              "tree": json.dumps(req.tree, allow_nan=False)},
-            alignment=self.options.alignment, mapped=mapped,
+            alignment=self.options.alignment, mapped=mapped, codecs=codecs,
+            block=self.options.block,
         )
         for r in writer.records:
             if r.name in req.placements:
@@ -375,7 +388,8 @@ class Saver:
                     raise CheckpointError("; ".join(failed))
                 metadata = user_metadata.resolve(req.metadata)
                 manifest = Manifest.assemble(step, self.world_size, self.run_id, entries or [],
-                                             metadata, self.options.block, directory=partial)
+                                             metadata, self.options.block, directory=partial,
+                                             extended=self.options.extended)
                 if not manifest.split or self.world_size <= CHECK_PIECES_RANKS:
                     _check_pieces(manifest.ranks)  # with index parts: reads them all
                     _check_sources(partial, manifest.ranks)

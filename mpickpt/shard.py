@@ -144,8 +144,12 @@ class ShardWriter:
         *,
         alignment: int = DEFAULT_ALIGNMENT,
         mapped: bool = False,
+        codecs: Mapping[str, str] | None = None,
+        block: int = checksum.DEFAULT_BLOCK,
     ) -> None:
         self.path = path
+        self._codecs = dict(codecs or {})  # tensor name -> codec: compressed (mpickpt.codec)
+        self._block = block
         self.records: list[TensorRecord] = []
         self._datasets: list[h5py.h5d.DatasetID] = []  # of the records, for their checksums
         self._rw, self._map, self._dst = -1, None, None
@@ -192,19 +196,43 @@ class ShardWriter:
         for name, t in tensors.items():
             dname = dtypes.name_of(t.dtype)
             shape = tuple(t.shape)
-            space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
-            tid = h5py.h5t.py_create(dtypes.storage_dtype(dname))
-            ds = h5py.h5d.create(
-                f.id, _dataset_path(name).encode(), tid, space, dcpl=dcpl, lcpl=lcpl
-            )
             nbytes = t.numel() * t.element_size()
-            offset = ds.get_offset() if nbytes else 0
-            if offset is None:
-                raise OSError(f"{self.path}: HDF5 gave no offset for dataset {name!r}")
+            tid = h5py.h5t.py_create(dtypes.storage_dtype(dname))
+            c = self._codecs.get(name) if nbytes else None
+            if c is not None:  # one-dimensional, chunked: one chunk per checksum block
+                ds = self._compressed_dataset(name, tid, t, c, lcpl)
+                offset = 0
+            else:
+                space = (h5py.h5s.create_simple(shape) if shape
+                         else h5py.h5s.create(h5py.h5s.SCALAR))
+                ds = h5py.h5d.create(
+                    f.id, _dataset_path(name).encode(), tid, space, dcpl=dcpl, lcpl=lcpl
+                )
+                offset = ds.get_offset() if nbytes else 0
+                if offset is None:
+                    raise OSError(f"{self.path}: HDF5 gave no offset for dataset {name!r}")
             self._datasets.append(ds)
             _set_attr(ds, "torch_dtype", dname)
             _set_attr(ds, "shape", np.asarray(shape, dtype=np.int64))
-            self.records.append(TensorRecord(name, dname, list(shape), int(offset), nbytes))
+            self.records.append(TensorRecord(name, dname, list(shape), int(offset), nbytes,
+                                             codec=c))
+
+    def _compressed_dataset(self, name: str, tid: h5py.h5t.TypeID, t: torch.Tensor, c: str,
+                            lcpl: h5py.h5p.PropLCID) -> h5py.h5d.DatasetID:
+        """A chunked dataset with the filters that read what :func:`mpickpt.codec.compress`
+        makes (HDF5 runs none of them here: the chunks are written directly)."""
+        from . import codec
+
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((codec.chunk_elements(t.numel() * t.element_size(), t.element_size(),
+                                             self._block),))
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        if c == "zstd+shuffle":
+            dcpl.set_shuffle()
+        dcpl.set_filter(codec.ZSTD_FILTER, h5py.h5z.FLAG_OPTIONAL, (codec.LEVEL,))
+        space = h5py.h5s.create_simple((t.numel(),))
+        return h5py.h5d.create(self._h5.id, _dataset_path(name).encode(), tid, space, dcpl=dcpl,
+                               lcpl=lcpl)
 
     def write(
         self,
@@ -242,7 +270,59 @@ class ShardWriter:
                 on_block()
 
         small = sum(r.nbytes for r in self.records) <= INLINE_BYTES
-        _run(_io_tasks(self.records, block), task, 1 if small else threads, background=True)
+        plain = [r for r in self.records if r.codec is None]
+        index = {id(r): i for i, r in enumerate(self.records)}
+        _run([(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)], task,
+             1 if small else threads, background=True)
+        if any(r.codec is not None for r in self.records):
+            self._write_compressed(views, block, threads, on_block, known)
+
+    def _write_compressed(self, views: list[memoryview], block: int, threads: int,
+                          on_block: Callable[[], None] | None, known: list[bool]) -> None:
+        """Compress every block of the compressed records on ``threads`` threads (hashing the
+        raw bytes first, unless known) and hand the chunks to HDF5 in order, a few ahead."""
+        from . import codec
+
+        if block != self._block:
+            raise ValueError(f"the layout has {self._block}-byte chunks, not {block}")
+        jobs = [(i, b) for i, r in enumerate(self.records) if r.codec is not None
+                for b in range(checksum.block_count(r.nbytes, block))]
+        sizes = {i: (dtypes.itemsize(r.dtype),
+                     codec.chunk_elements(r.nbytes, dtypes.itemsize(r.dtype), block))
+                 for i, r in enumerate(self.records) if r.codec is not None}
+
+        def compress(i: int, b: int) -> tuple[str | None, bytes]:
+            r, raw = self.records[i], views[i][b * block: (b + 1) * block]
+            item, elems = sizes[i]
+            digest = None if known[i] else checksum.digest(raw)
+            return digest, codec.compress(r.codec or "", raw, elems * item, item)
+
+        pool = _pool(threads, True) if threads > 1 else None
+        ahead = max(2 * threads, 2)
+        pending = [pool.submit(compress, *j) if pool else None for j in jobs[:ahead]]
+        try:
+            for k, (i, b) in enumerate(jobs):
+                fut = pending[k]
+                digest, frame = fut.result() if fut else compress(i, b)
+                if pool and k + ahead < len(jobs):
+                    pending.append(pool.submit(compress, *jobs[k + ahead]))
+                r = self.records[i]
+                if digest is not None:
+                    r.checksums[b] = digest
+                self._datasets[i].write_direct_chunk((b * sizes[i][1],), frame)
+                if on_block is not None:
+                    on_block()
+        except BaseException:
+            for fut in pending:
+                if fut is not None:
+                    fut.cancel()
+            raise
+        for i, r in enumerate(self.records):
+            if r.codec is not None:
+                ds, elems = self._datasets[i], sizes[i][1]
+                infos = [ds.get_chunk_info_by_coord((b * elems,))
+                         for b in range(checksum.block_count(r.nbytes, block))]
+                r.chunks = [[int(x.byte_offset), int(x.size)] for x in infos]
 
     def seal(self) -> int:
         """Record checksums as attributes, close HDF5, fsync; return the file's size in bytes."""

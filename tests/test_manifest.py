@@ -160,10 +160,11 @@ def test_to_dict_gives_what_asdict_gives():
     milliseconds per save) must stay field for field what asdict gives."""
     recs = [TensorRecord("a/b", "float32", [2, 3], 4096, 24, ["x1"], [4, 3], [2, 0]),
             TensorRecord("c", "int64", [], 0, 8)]
-    recs.append(TensorRecord("d", "int8", [3], 64, 3, ["x2"], source="step-00000002/rank-00000.h5"))
-    # asdict less a record's source when it has none (a version-1 or 2 record has no such key)
+    recs.append(TensorRecord("d", "int8", [3], 64, 3, ["x2"], source="step-00000002/rank-00000.h5",
+                             codec="zstd", chunks=[[0, 9]]))
+    # asdict less the version-3 fields a record does not use (a version-1 or 2 record has none)
     expected_recs = [{k: v for k, v in dataclasses.asdict(r).items()
-                      if k != "source" or v is not None} for r in recs]
+                      if k not in ("source", "codec", "chunks") or v is not None} for r in recs]
     assert [r.to_dict() for r in recs] == expected_recs
     assert {f.name for f in dataclasses.fields(TensorRecord)} == set(recs[2].to_dict())
     recs = recs[:2]

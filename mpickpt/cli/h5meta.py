@@ -20,7 +20,7 @@ from typing import Any
 import h5py
 
 from ..manifest import Manifest, RankEntry
-from ..records import FORMAT, TENSORS_GROUP
+from ..records import FORMAT, TENSORS_GROUP, TensorRecord, itemsize
 
 
 def _int(x: Any) -> int | None:
@@ -71,6 +71,11 @@ def _compare(f: h5py.File, m: Manifest, entry: RankEntry) -> str | None:
         ds = f.get(where)
         if not isinstance(ds, h5py.Dataset):
             return f"tensor {r.name!r}: no dataset {where}"
+        if r.codec is not None:
+            why = _compare_chunks(ds, r)
+            if why is not None:
+                return f"tensor {r.name!r}: {why}"
+            continue
         offset = ds.id.get_offset() if r.nbytes else 0
         if list(ds.shape) != list(r.shape) or offset != r.offset or \
                 _str(ds.attrs.get("torch_dtype")) != r.dtype or \
@@ -80,4 +85,18 @@ def _compare(f: h5py.File, m: Manifest, entry: RankEntry) -> str | None:
                     f"{r.offset}")
         if r.checksums and _str(ds.attrs.get("xxh3_64")) != ",".join(r.checksums):
             return f"tensor {r.name!r}: its 'xxh3_64' attribute differs from the manifest"
+    return None
+
+
+def _compare_chunks(ds: h5py.Dataset, r: TensorRecord) -> str | None:
+    """A compressed record's dataset: one-dimensional, the recorded dtype, the chunks where the
+    manifest says."""
+    numel = r.nbytes // max(itemsize(r.dtype), 1)
+    if ds.shape != (numel,) or _str(ds.attrs.get("torch_dtype")) != r.dtype:
+        return (f"the compressed dataset is {_str(ds.attrs.get('torch_dtype'))}{list(ds.shape)},"
+                f" the manifest {r.dtype}[{numel}]")
+    got = [[int(i.byte_offset), int(i.size)]
+           for i in (ds.id.get_chunk_info(k) for k in range(ds.id.get_num_chunks()))]
+    if sorted(got) != sorted(r.chunks or []):
+        return "its compressed chunks are not where the manifest says"
     return None

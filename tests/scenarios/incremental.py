@@ -1,7 +1,7 @@
 """A LoRA-like job saving incremental checkpoints; restore and check, on any number of ranks.
 
 Usage: incremental.py train ROOT REPORTS --steps N [--every E] [--incremental K] [--keep K]
-                      [--frozen] [--index auto|inline|per-rank]
+                      [--frozen] [--index auto|inline|per-rank] [--compress CODEC]
        incremental.py check ROOT REPORTS [--step S | --all]
 
 The state at step ``s`` is a pure function of ``s`` (and of the rank, for per-rank tensors), so a
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=None)
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--index", default="auto")
+    ap.add_argument("--compress", default=None, help="Checkpointer(compression=...)")
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--all", action="store_true")
     args = ap.parse_args()
@@ -105,7 +106,7 @@ def main() -> None:
     frozen = ["model/base.weight", "model/base.bias", "embed"] if args.frozen else None
     ck = mpickpt.Checkpointer(args.root, keep=args.keep, checksum_block=4096, alignment=4096,
                               incremental=args.incremental or None, frozen=frozen,
-                              index=args.index,
+                              index=args.index, compression=args.compress,
                               on_error="raise")
     report: dict = {"rank": rank, "world": world}
     if args.all:
