@@ -60,6 +60,8 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
 # mpickpt first: DCP's process group and async machinery stay up for the rest of the run
 METHODS = ("dd", "mpickpt", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+pinned")
+# run only when --methods names them: mpickpt with compression="zstd" (needs zstandard)
+OPT_IN = ("mpickpt+zstd",)
 DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the reference job, 5.84 GB
             "cpu": {"layers": 16, "width": 2048, "batch": 64}}   # the CPU reference, 0.81 GB
 NAN = float("nan")
@@ -327,7 +329,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--min-steps", type=int, default=20)
     ap.add_argument("--methods", help=f"default {','.join(METHODS)} (on cpu without the "
-                    "+pinned one: pinned memory needs CUDA)")
+                    f"+pinned one: pinned memory needs CUDA); also {','.join(OPT_IN)}")
     ap.add_argument("--dd-mb", type=int, help="MiB each rank's dd writes (default: the state per "
                     "rank rounded up to 64 MiB, within 256..4096)")
     ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads")
@@ -423,7 +425,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
     rank's figures. Every rank calls it together."""
     import torch.distributed.checkpoint as dcp
 
-    if m not in METHODS:
+    if m not in METHODS + OPT_IN:
         raise ValueError(f"unknown method {m}")
     if m.endswith("+pinned") and job.device.type != "cuda":
         raise ValueError("the pinned-memory stager needs CUDA")
@@ -467,9 +469,13 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
         assert ck is not None
         return ck.save(step, {"model": job.model, "optim": job.opt}).done
 
-    if m == "mpickpt":
+    def new_ck() -> mpickpt.Checkpointer:
+        return mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads,
+                                    compression="zstd" if m == "mpickpt+zstd" else None)
+
+    if m.startswith("mpickpt"):
         remove_shared(path)
-        ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
+        ck = new_ck()
     reps: list[dict[str, Any]] = []
     try:
         # the first checkpoint in a window of its own: mpickpt allocates (page-locks) its pool
@@ -518,7 +524,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
             ck = None
             remove_shared(path)
             # a first checkpoint again, its buffers allocated by prepare() before the loop
-            ck = mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads)
+            ck = new_ck()
             t = time.perf_counter()
             ck.prepare({"model": job.model, "optim": job.opt})
             restore["prepare_s"] = time.perf_counter() - t

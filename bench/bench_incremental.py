@@ -10,6 +10,7 @@ after the other, in an order that rotates each round:
   mpickpt full              Checkpointer(): every tensor written
   mpickpt incremental       Checkpointer(incremental=1000): unchanged tensors referred to
   mpickpt inc.+frozen       the same with frozen=mpickpt.frozen_params(model) (LoRA only)
+  mpickpt zstd[+shuffle]    Checkpointer(compression=...) (full fine-tune only: --codecs)
 
 Per method: bytes written per checkpoint (the new files), the time until the checkpoint is durable
 (``save().wait()`` for mpickpt), the training thread's stall (``save()`` returning), and, after
@@ -153,6 +154,9 @@ def run(label: str, make: Callable[[], tuple[torch.nn.Module, torch.optim.Optimi
     if lora:
         methods.append(Mpickpt(os.path.join(work, "frozen"), "mpickpt inc.+frozen",
                                incremental=1000, frozen=mpickpt.frozen_params(model)))
+    else:  # compression's effect on a trained state: persist and restore time, bytes
+        methods += [Mpickpt(os.path.join(work, c), f"mpickpt {c}", compression=c)
+                    for c in args.codecs.split(",") if c]
     rounds: dict[str, list[dict[str, float]]] = {m.name: [] for m in methods}
     for i in range(args.rounds):
         train(model, opt, draw, args.every)
@@ -201,6 +205,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="training steps between checkpoints")
     ap.add_argument("--rounds", type=int, default=5, help="checkpoints per method and run")
     ap.add_argument("--lora-r", type=int, default=32, help="LoRA rank on c_attn (~1%% trainable)")
+    ap.add_argument("--codecs", default="zstd,zstd+shuffle",
+                    help="compressed mpickpt rows of the full fine-tune (empty: none)")
     ap.add_argument("--dir", help="where to write (default: a temp dir under /tmp, removed after)")
     ap.add_argument("--json", default="bench/results-vm/incremental.json")
     args = ap.parse_args()
