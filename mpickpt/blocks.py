@@ -164,7 +164,7 @@ class BlockFile:
         item = itemsize(r.dtype)
         out = buf[:size] if len(buf) >= size else memoryview(bytearray(size))
         try:
-            codec.decompress(r.codec or "", bytes(frame), out,
+            codec.decompress(r.codec or "", frame, out,
                              codec.chunk_elements(r.nbytes, item, self.block) * item, item)
         except ValueError as e:
             raise ShardError(self.rank, self.path, f"block {n} (compressed, bytes {where}.."

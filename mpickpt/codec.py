@@ -95,23 +95,41 @@ def compress(codec: str, raw: memoryview, chunk_bytes: int, itemsize: int) -> by
     return c.compress(data)
 
 
-def decompress(codec: str, frame: bytes, out: memoryview, chunk_bytes: int, itemsize: int) -> None:
+def decompress(codec: str, frame: bytes | bytearray | memoryview, out: memoryview,
+               chunk_bytes: int, itemsize: int) -> None:
     """Decompress one chunk into ``out`` (the block's first ``len(out)`` bytes); ValueError when
-    the frame does not decompress to ``chunk_bytes`` bytes (damage)."""
+    the frame does not decompress to ``chunk_bytes`` bytes (damage). Without shuffle the frame
+    is decompressed straight into ``out``."""
     d = getattr(_local, "d", None)
     if d is None:
         d = _local.d = _zstd().ZstdDecompressor()
     try:
-        data = d.decompress(frame, max_output_size=chunk_bytes)
+        if codec == "zstd+shuffle" and itemsize > 1:
+            data = d.decompress(frame, max_output_size=chunk_bytes)
+            got = len(data)
+        else:
+            data = None
+            got = _readinto(d.stream_reader(frame), out)
+            if got == len(out) < chunk_bytes:  # the padding: zeros, counted
+                got += len(d.decompress(frame, max_output_size=chunk_bytes)) - len(out)
     except Exception as e:  # zstandard.ZstdError: a damaged frame
         raise ValueError(f"the compressed chunk does not decompress: {e}") from None
-    if len(data) != chunk_bytes:
-        raise ValueError(f"the compressed chunk holds {len(data)} bytes, not {chunk_bytes}")
-    if codec == "zstd+shuffle" and itemsize > 1:
+    if got != chunk_bytes:
+        raise ValueError(f"the compressed chunk holds {got} bytes, not {chunk_bytes}")
+    if data is not None:
         arr = np.frombuffer(data, np.uint8).reshape(itemsize, -1).T
         np.copyto(np.frombuffer(out, np.uint8), arr.reshape(-1)[: len(out)])
-    else:
-        out[:] = data[: len(out)]
+
+
+def _readinto(reader: Any, out: memoryview) -> int:
+    """Fill ``out`` from a zstd stream reader; the bytes read (fewer at the frame's end)."""
+    got = 0
+    while got < len(out):
+        n = reader.readinto(out[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def max_frame(chunk_bytes: int) -> int:
