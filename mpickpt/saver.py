@@ -293,8 +293,9 @@ class Saver:
         codecs = None
         if self.options.compression is not None:
             pick = self.options.compression
-            codecs = {n: c for n, t in host.items()
-                      if t.numel() * t.element_size() >= MIN_COMPRESS and (c := pick(n))}
+            codecs = {n: c for n, t in host.items()  # a chunk must be one checksum block
+                      if t.numel() * t.element_size() >= MIN_COMPRESS
+                      and self.options.block % t.element_size() == 0 and (c := pick(n))}
         t1 = time.perf_counter()
         writer = ShardWriter(
             path, host,
