@@ -107,7 +107,8 @@ class Checkpointer:
     ``incremental=N`` (ROOT only, not with ``local``): a tensor whose every block hashes as in
     the last committed checkpoint is not written again; the new checkpoint's record refers to
     the older shard its bytes lie in, and retention keeps what a kept checkpoint refers to.
-    Every ``N``-th save (and the first after a start or a restore) is full. ``frozen`` names key
+    Every ``N``-th save is full, and the first of a job that restored nothing or resharded (after
+    a restore on as many ranks, the restored checkpoint is referred to). ``frozen`` names key
     paths (``"model/base_model"``, or :func:`mpickpt.frozen_params`) referred to without even
     hashing them, until the next full save: name only tensors that truly never change.
 
@@ -369,6 +370,12 @@ class Checkpointer:
             info.root_bytes = info.total_bytes_read if info.level == "root" else 0
         info.seconds = time.perf_counter() - t0
         self.restore_info = info
+        tracker = self._saver.tracker
+        if tracker is not None and info.step is not None and info.path and \
+                info.level == "root" and info.world_size == self.world_size:
+            why = tracker.resume(info.step, info.path, self.rank)
+            if why is not None:
+                self.log.warning("rank %d: the next save is written in full: %s", self.rank, why)
         if self.rank == 0:
             if info.step is None:
                 self.log.info("no loadable checkpoint under %s: fresh start%s", self.root,

@@ -9,8 +9,10 @@ without hashing. Rules that keep it safe:
 
 * **No chains.** A record refers to the file its bytes were written to, never to a record that
   refers further; restore opens each file once and reads each block once.
-* **Bounded.** Every ``every``-th save is full (and the first, and the first after a restore or a
-  failure to find a base file), so a checkpoint refers to at most ``every - 1`` older ones.
+* **Bounded.** Every ``every``-th save is full (and the first of a job that restored nothing,
+  or restored on another number of ranks, and the first after a base file went missing), so a
+  checkpoint refers to at most ``every - 1`` older ones. After a restore on as many ranks, the
+  restored checkpoint is the base, and the files it refers to count towards the next full save.
 * **Checked before use.** A base file whose size is not what its record says (removed, replaced
   by a save of the same step again) is not referred to: that rank writes in full.
 * **Committed or nothing.** A checkpoint that refers to older ones is committed by the same vote;
@@ -169,8 +171,25 @@ class Tracker:
         self.since_full = 1 if self.base.full else self.since_full + 1
 
     def forget(self) -> None:
-        """After a restore: the next save is full."""
+        """Before a restore: until one succeeds, the next save is full."""
         self.base, self.since_full = None, 0
+
+    def resume(self, step: int, path: str, rank: int) -> str | None:
+        """After a restore of ``path`` on as many ranks as wrote it: its records (this rank's)
+        are the base of the next save, which the shards it refers to count towards the next
+        full one; why not, if its manifest cannot be read again (the next save is then full)."""
+        from .errors import ManifestError
+        from .manifest import NAME, Manifest, read_bytes
+
+        try:
+            m = Manifest.from_json(read_bytes(path), os.path.join(path, NAME))
+            entry = m.ranks[rank]
+            base = Base.of(step, entry)
+        except (ManifestError, IndexError, KeyError) as e:
+            self.forget()
+            return f"{type(e).__name__}: {e}"
+        self.base, self.since_full = base, len(base.sources)
+        return None
 
 
 def _same_layout(r: TensorRecord, t: torch.Tensor, p: sharding.Placement | None) -> bool:

@@ -147,3 +147,21 @@ def test_version_1_manifests_still_load(tmp_path: Path):
     assert raw(tmp_path, 1)["version"] == 1 and "references" not in raw(tmp_path, 1)
     m = Manifest.from_json(read_bytes(str(tmp_path / "step-00000001")), "M")
     assert m.references == [] and m.ranks[0].sources == {}
+
+
+def test_a_restarted_job_refers_to_the_checkpoint_it_restored(tmp_path: Path):
+    """incremental=3: steps 1 (full) and 2; a new job restores 2, whose two files (its own and
+    step 1's) count towards the next full save; its save of step 3 refers to step 1's frozen
+    tensor, and the one after that is full."""
+    train(tmp_path, [1, 2])
+    with mpickpt.Checkpointer(tmp_path, incremental=3, alignment=4096,
+                              checksum_block=4096) as ck:
+        fresh = {"frozen": torch.zeros(128, 64), "lora": torch.zeros(8, 8), "step": -1}
+        assert ck.restore(fresh) == 2
+        r3 = ck.save(3, state(3)).wait()
+        r4 = ck.save(4, state(4)).wait()
+    assert r3.stats["reused_bytes"] == 128 * 64 * 4 and raw(tmp_path, 3)["references"] == [1]
+    assert r4.stats["reused_bytes"] == 0  # files 1, 2 and 3 reached incremental=3
+    got, fresh, _ = load(tmp_path, 3)
+    assert got == 3 and torch.equal(fresh["frozen"], state(3)["frozen"])
+    assert torch.equal(fresh["lora"], state(3)["lora"]) and fresh["step"] == 3
