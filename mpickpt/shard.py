@@ -14,6 +14,7 @@ tensor by :class:`mpickpt.blocks.BlockFile`, the reader the operator's tools sha
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import threading
@@ -156,8 +157,11 @@ class ShardWriter:
         # created here, so its mode is rootdir.FILE_MODE less the umask (HDF5 would use 0o666)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
                          rootdir.FILE_MODE))
+        # HDF5 writes through a Python file object when chunks are compressed: its writes
+        # (the frames) then release the GIL, which HDF5's own driver holds while it writes
+        self._raw = io.FileIO(path, "r+") if self._codecs else None
         self._h5 = h5py.File(
-            path, "w", libver=("v108", "v110"),
+            self._raw or path, "w", libver=("v108", "v110"),
             alignment_threshold=alignment, alignment_interval=alignment,
         )
         try:
@@ -351,6 +355,8 @@ class ShardWriter:
                 if fd >= 0:
                     os.close(fd)
             self._fd = self._dfd = self._rw = -1
+            if getattr(self, "_raw", None) is not None:
+                self._raw.close()
 
     def _unmap(self) -> None:
         self._dst = None
