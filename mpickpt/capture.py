@@ -21,6 +21,7 @@ from typing import Any
 from . import faults, state_tree
 from . import metadata as user_metadata
 from .errors import CheckpointError, MetadataError, StateTreeError
+from .incremental import Tracker
 from .pinned_pool import HostPool
 from .saver import SaveRequest, WaitLog
 from .sharding import keep_mine
@@ -42,6 +43,7 @@ class Capture:
         self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
         self.log = logger
         self._hinted = False  # the prepare() hint is given once
+        self.tracker: Tracker | None = None  # incremental: frozen tensors are not snapshotted
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate now the buffers a snapshot of ``state`` will need."""
@@ -76,6 +78,10 @@ class Capture:
             faults.hit("before-snapshot", self.rank, step)
             request.metadata = user_metadata.check(metadata)
             request.tree, tensors, request.placements = self._flatten(state)
+            if self.tracker is not None:
+                request.elided = self.tracker.elide(tensors, request.placements)
+                for name in request.elided:
+                    del tensors[name]
             lazy = self.snapshotter.guard(state)
             waits = self.pool.in_flight() >= self.pool.slots
             if waits and self.skip:  # every rank skips it: see Saver._skipped

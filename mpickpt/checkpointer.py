@@ -218,6 +218,7 @@ class Checkpointer:
                             options,
                             self.retention, self.log, on_error == "raise", self._local,
                             skip=if_busy == "skip")
+        self._capture.tracker = self._saver.tracker
         _OPEN.add(self._saver)
         _hook_exit()
 

@@ -103,12 +103,66 @@ class Tracker:
         self.root, self.every, self.frozen = root, every, frozen
         self.base: Base | None = None
         self.since_full = 0  # committed saves since the last full one (that one included)
+        self.planned = 0  # what since_full will be once the last decided save commits
+
+    def elide(self, tensors: Mapping[str, torch.Tensor],
+              placements: Mapping[str, sharding.Placement]) -> dict[str, TensorRecord]:
+        """On the training thread, before the snapshot: the declared-frozen tensors the next
+        save will refer to (the base has them, and that save is not due to be full), with
+        their records; they are then neither copied nor hashed."""
+        base = self.base
+        if self.frozen is None or base is None or self.planned >= self.every:
+            return {}
+        return {n: r for n, t in tensors.items()
+                if self.frozen(n) and (r := base.records.get(n)) is not None
+                and _same_layout(r, t, placements.get(n))}
 
     def decide(self, step: int, host: Mapping[str, torch.Tensor],
-               placements: Mapping[str, sharding.Placement], block: int, threads: int
-               ) -> Decision:
+               placements: Mapping[str, sharding.Placement], block: int, threads: int,
+               elided: Mapping[str, TensorRecord] | None = None) -> Decision:
         """Which tensors of this save are unchanged since the base (referred to) and the block
-        digests of the others (for the writer)."""
+        digests of the others (for the writer); ``elided`` (not snapshotted, see
+        :meth:`elide`) are referred to whatever else is decided."""
+        d = self._decide(step, host, placements, block, threads)
+        self.planned = 1 if d.why_full is not None and not elided else self.since_full + 1
+        if elided:
+            for name, r in self._elided(elided).items():
+                assert r.source is not None
+                d.reused[name] = r
+                d.sources[r.source] = self._size_of(r.source)
+        return d
+
+    def _elided(self, elided: Mapping[str, TensorRecord]) -> dict[str, TensorRecord]:
+        """The records of the elided tensors, from the current base where it has them (a save
+        committed since they were elided)."""
+        base = self.base
+        out = {}
+        for name, r in elided.items():
+            now = base.records.get(name) if base is not None else None
+            same = now is not None and (now.dtype, now.shape, now.global_shape, now.offsets) == \
+                (r.dtype, r.shape, r.global_shape, r.offsets)
+            out[name] = now if same and now is not None else r
+        return out
+
+    def _size_of(self, source: str) -> int:
+        """The size of an older shard an elided tensor refers to; CheckpointError if it is gone
+        (the save aborts: the tensor was not snapshotted)."""
+        from .errors import CheckpointError
+
+        base = self.base
+        try:
+            size = os.lstat(os.path.join(self.root, source)).st_size
+        except OSError as e:
+            raise CheckpointError(f"{source}, which a frozen tensor of this save refers to, "
+                                  f"is gone: {e.strerror}") from None
+        if base is not None and base.sources.get(source, size) != size:
+            raise CheckpointError(f"{source}, which a frozen tensor of this save refers to, "
+                                  f"has {size} bytes, not {base.sources[source]}")
+        return size
+
+    def _decide(self, step: int, host: Mapping[str, torch.Tensor],
+                placements: Mapping[str, sharding.Placement], block: int, threads: int
+                ) -> Decision:
         base = self.base
         why = None
         if base is None:
@@ -169,10 +223,11 @@ class Tracker:
         """A save committed: it is the base of the next."""
         self.base = Base.of(step, entry)
         self.since_full = 1 if self.base.full else self.since_full + 1
+        self.planned = max(self.planned, self.since_full)
 
     def forget(self) -> None:
         """Before a restore: until one succeeds, the next save is full."""
-        self.base, self.since_full = None, 0
+        self.base, self.since_full, self.planned = None, 0, 0
 
     def resume(self, step: int, path: str, rank: int) -> str | None:
         """After a restore of ``path`` on as many ranks as wrote it: its records (this rank's)
@@ -189,6 +244,7 @@ class Tracker:
             self.forget()
             return f"{type(e).__name__}: {e}"
         self.base, self.since_full = base, len(base.sources)
+        self.planned = self.since_full
         return None
 
 

@@ -34,6 +34,7 @@ from .incremental import Decision, Tracker
 from .manifest import NAME as MANIFEST
 from .manifest import IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
+from .records import TensorRecord
 from .shard import DEFAULT_ALIGNMENT, ShardWriter
 from .snapshot import Snapshot, Snapshotter
 from .upkeep import Upkeep
@@ -95,6 +96,8 @@ class SaveRequest:
     error: str | None = None
     drain: bool = False  # with a local level: drain this one to ROOT whatever persist_every says
     busy: bool = False  # if_busy="skip" and every buffer was in flight: no snapshot taken
+    # incremental, frozen=: tensors not snapshotted, referred to (see Tracker.elide)
+    elided: dict[str, TensorRecord] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -330,7 +333,8 @@ class Saver:
         records = writer.records
         if decision.reused:
             written = {r.name: r for r in records}
-            records = [written.get(n) or decision.reused[n] for n in req.snapshot.tensors]
+            records = [written.get(n) or decision.reused[n]
+                       for n in [*req.snapshot.tensors, *req.elided]]
         return RankEntry(self.rank, shard_name(self.rank), size, req.tree, records,
                          sources=decision.sources)
 
@@ -342,7 +346,7 @@ class Saver:
         assert req.snapshot is not None
         t = time.perf_counter()
         d = self.tracker.decide(req.step, req.snapshot.tensors, req.placements,
-                                self.options.block, self.options.io_threads)
+                                self.options.block, self.options.io_threads, req.elided)
         req.stats.update(compare_s=time.perf_counter() - t, hashed_bytes=d.hashed_bytes,
                          reused_bytes=sum(r.nbytes for r in d.reused.values()))
         if d.lost:

@@ -165,3 +165,19 @@ def test_a_restarted_job_refers_to_the_checkpoint_it_restored(tmp_path: Path):
     got, fresh, _ = load(tmp_path, 3)
     assert got == 3 and torch.equal(fresh["frozen"], state(3)["frozen"])
     assert torch.equal(fresh["lora"], state(3)["lora"]) and fresh["step"] == 3
+
+
+def test_declared_frozen_tensors_are_not_even_snapshotted(tmp_path: Path):
+    """frozen=["frozen"], incremental=3: saves 2, 3, 5 and 6 neither copy nor hash it (it is
+    referred to), saves 1 and 4 are full and write it; every step loads exactly."""
+    results = train(tmp_path, [1, 2, 3, 4, 5, 6], frozen=["frozen"])
+    nbytes = 128 * 64 * 4
+    snap = [r.stats["snapshot_bytes"] for r in results]
+    assert snap[0] == snap[3] > nbytes and all(snap[i] < nbytes for i in (1, 2, 4, 5)), snap
+    assert [r.stats["reused_bytes"] for r in results] == [0, nbytes, nbytes, 0, nbytes, nbytes]
+    assert all(r.stats["hashed_bytes"] < nbytes for r in results)
+    assert raw(tmp_path, 6)["references"] == [4]
+    for s in (3, 6):
+        got, fresh, _ = load(tmp_path, s)
+        assert got == s and torch.equal(fresh["frozen"], state(s)["frozen"])
+        assert torch.equal(fresh["lora"], state(s)["lora"])
