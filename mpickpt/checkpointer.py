@@ -109,8 +109,9 @@ class Checkpointer:
     the older shard its bytes lie in, and retention keeps what a kept checkpoint refers to.
     Every ``N``-th save is full, and the first of a job that restored nothing or resharded (after
     a restore on as many ranks, the restored checkpoint is referred to). ``frozen`` names key
-    paths (``"model/base_model"``, or :func:`mpickpt.frozen_params`) referred to without even
-    hashing them, until the next full save: name only tensors that truly never change.
+    paths (``"model/base_model"``, or :func:`mpickpt.frozen_params`) referred to without copying
+    them into the snapshot or hashing them, until the next full save: name only tensors that
+    truly never change.
 
     ``compression`` (ROOT only): ``"zstd"`` or ``"zstd+shuffle"`` for every tensor of 64 KiB or
     more, or key paths to codecs (``{"optim": "zstd+shuffle"}``, the longest prefix wins). Each
