@@ -5,7 +5,8 @@ save, every tensor of the snapshot is hashed block by block (the digests the wri
 anyway, so a changed tensor is not hashed twice) and compared with the base's record of the same
 name, dtype, shape and placement: equal digests make a record that refers to the older shard the
 bytes lie in (``source``), the others are written. A tensor declared frozen is referred to
-without hashing. Rules that keep it safe:
+without being snapshotted or hashed (:meth:`Tracker.elide`, on the training thread). Rules
+that keep it safe:
 
 * **No chains.** A record refers to the file its bytes were written to, never to a record that
   refers further; restore opens each file once and reads each block once.
