@@ -42,21 +42,24 @@ def frozen_matcher(frozen: Sequence[str] | Callable[[str], bool] | None
         return frozen
     if isinstance(frozen, str):
         raise TypeError("frozen must be a list of key paths, not one string")
-    prefixes = tuple(p.strip("/") for p in frozen)
-    if not prefixes:
+    exact = frozenset(p.strip("/") for p in frozen)
+    if not exact:
         return None
+    starts = tuple(p + sep for p in exact for sep in "/.")
 
     def match(name: str) -> bool:
-        return any(name == p or name.startswith((p + "/", p + ".")) for p in prefixes)
+        return name in exact or name.startswith(starts)
 
     return match
 
 
 def frozen_params(module: torch.nn.Module, prefix: str = "model") -> list[str]:
     """The key paths of ``module``'s parameters that do not require grad (frozen base weights
-    under LoRA), as they are named in a state ``{prefix: module.state_dict(), ...}``."""
+    under LoRA), as they are named in a state ``{prefix: module, ...}``: every name of its
+    state dict that holds one, tied weights (an output layer sharing the embedding) included."""
     return [f"{prefix}/{n}" if prefix else n
-            for n, p in module.named_parameters() if not p.requires_grad]
+            for n, p in module.state_dict(keep_vars=True).items()
+            if isinstance(p, torch.nn.Parameter) and not p.requires_grad]
 
 
 @dataclass
