@@ -14,6 +14,9 @@ that keep it safe:
   or restored on another number of ranks, and the first after a base file went missing), so a
   checkpoint refers to at most ``every - 1`` older ones. After a restore on as many ranks, the
   restored checkpoint is the base, and the files it refers to count towards the next full save.
+* **Cheap when everything changes.** A tensor found changed at two saves in a row is written
+  without being compared (a full fine-tune then hashes each block once, as the writer does
+  anyway), until every ``every``-th save, after which every tensor is compared again.
 * **Checked before use.** A base file whose size is not what its record says (removed, replaced
   by a save of the same step again) is not referred to: that rank writes in full.
 * **Committed or nothing.** A checkpoint that refers to older ones is committed by the same vote;
@@ -32,6 +35,8 @@ from . import checksum, rootdir, sharding
 from .manifest import RankEntry
 from .records import TensorRecord
 from .shard import _run, byte_view
+
+CHANGED_STREAK = 2
 
 
 def frozen_matcher(frozen: Sequence[str] | Callable[[str], bool] | None
@@ -108,6 +113,11 @@ class Tracker:
         self.base: Base | None = None
         self.since_full = 0  # committed saves since the last full one (that one included)
         self.planned = 0  # what since_full will be once the last decided save commits
+        # per tensor, how many saves in a row found it changed: from CHANGED_STREAK on it is
+        # written without being compared (a full fine-tune then pays no comparison); every
+        # `every`-th decision forgets them all, so that a tensor that stops changing is found
+        self.streak: dict[str, int] = {}
+        self.decisions = 0
 
     def elide(self, tensors: Mapping[str, torch.Tensor],
               placements: Mapping[str, sharding.Placement]) -> dict[str, TensorRecord]:
@@ -177,6 +187,9 @@ class Tracker:
             why = f"step {step} is not newer than the base, step {base.step}"
         elif (why := self._missing(base)) is not None:
             return Decision(why_full=why, lost=True)
+        self.decisions += 1
+        if why is not None or self.decisions % self.every == 0:
+            self.streak.clear()  # every tensor is compared again after this save
         if why is not None:
             return Decision(why_full=why)
         assert base is not None
@@ -188,8 +201,10 @@ class Tracker:
                 continue
             if self.frozen is not None and self.frozen(name):
                 d.reused[name] = old
-            else:
+            elif self.streak.get(name, 0) < CHANGED_STREAK:
                 candidates.append((name, t, old))
+            else:  # changed at each of the last saves: written without comparing
+                self.streak[name] += 1
         sums = {name: [""] * checksum.block_count(old.nbytes, block) for name, _, old in candidates}
         views = {name: byte_view(t) for name, t, _ in candidates}
 
@@ -204,8 +219,10 @@ class Tracker:
             d.hashed_bytes += old.nbytes
             if sums[name] == old.checksums:
                 d.reused[name] = old
+                self.streak[name] = 0
             else:
                 d.digests[name] = sums[name]
+                self.streak[name] = self.streak.get(name, 0) + 1
         for r in d.reused.values():
             assert r.source is not None
             d.sources[r.source] = base.sources[r.source]

@@ -181,3 +181,23 @@ def test_declared_frozen_tensors_are_not_even_snapshotted(tmp_path: Path):
         got, fresh, _ = load(tmp_path, s)
         assert got == s and torch.equal(fresh["frozen"], state(s)["frozen"])
         assert torch.equal(fresh["lora"], state(s)["lora"])
+
+
+def test_tensors_that_keep_changing_stop_being_compared_for_a_while(tmp_path: Path):
+    """A full fine-tune: every tensor changes at every save (so each save is in effect full).
+    Saves 2 and 3 compare and find nothing to refer to, 4 writes without comparing; the 5th
+    save (incremental=5) forgets that, so 5 and 6 compare again, and 7 and 8 do not."""
+    with mpickpt.Checkpointer(tmp_path, incremental=5, alignment=4096) as ck:
+        hashed = [ck.save(s, {"w": torch.full((64, 64), float(s))}).wait().stats["hashed_bytes"]
+                  for s in range(1, 9)]
+    n = 64 * 64 * 4
+    assert hashed == [0, n, n, 0, n, n, 0, 0], hashed
+    assert load_w(tmp_path) == 8
+
+
+def load_w(root: Path) -> int | None:
+    fresh = {"w": torch.zeros(64, 64)}
+    with mpickpt.Checkpointer(root) as ck:
+        got = ck.restore(fresh)
+    assert torch.equal(fresh["w"], torch.full((64, 64), float(got)))
+    return got
