@@ -118,3 +118,16 @@ def test_export_equals_that_of_a_full_checkpoint(root: Path, tmp_path: Path):
     assert sorted(x) == sorted(y) and len(x) >= 8
     for k in x:
         assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+
+
+def test_a_rollback_moves_only_newer_checkpoints_and_the_target_still_loads(root: Path):
+    """--step 6: 7 and 8 (which refer to 5 and 6) are quarantined; 6, which refers to 5, is
+    chosen and verifies in full, and --prune --keep 1 on top keeps 5 for it."""
+    code, doc = cli_json(root, "--step", "6", "--prune", "--keep", "1", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 6, doc
+    moved = sorted(a["step"] for a in doc["actions"] if a["reason"].startswith("rolled back"))
+    assert moved == [7, 8], doc["actions"]
+    assert present(root) == [5, 6]
+    code, doc = cli_json("verify", root, "--verify", "full")
+    assert code == EXIT_OK and {c["step"] for c in doc["checkpoints"]
+                                if c["status"] == "committed"} == {5, 6}, doc
