@@ -150,7 +150,6 @@ class BlockFile:
             )
         return size
 
-
     def _read_compressed(self, r: TensorRecord, n: int, buf: memoryview, size: int) -> int:
         """:meth:`read_block` of a compressed record: read block ``n``'s chunk, decompress it
         into ``buf`` (through a temporary buffer when ``buf`` is smaller), verify it."""

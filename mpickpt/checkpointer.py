@@ -363,21 +363,19 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint of step {step} under {self.root}"
                                   + (" or in the local level" if self._local else ""))
         with self._proto.fatal_timeouts(self.log):
-            info = Restorer(self._proto, self._pool, self.io_threads, self.log,
-                            self.replicated, self.world_change).run(
-                state, candidates, explicit=step is not None, local=self._recovery,
-                local_steps=local_steps)
+            restorer = Restorer(self._proto, self._pool, self.io_threads, self.log,
+                                self.replicated, self.world_change)
+            info = restorer.run(state, candidates, explicit=step is not None,
+                                local=self._recovery, local_steps=local_steps)
             info.total_bytes_read = self._proto.sum(info.bytes_read, "restored")
             info.total_network_bytes = self._proto.sum(info.network_bytes, "restored")
             info.root_bytes = info.total_bytes_read if info.level == "root" else 0
         info.seconds = time.perf_counter() - t0
         self.restore_info = info
         tracker = self._saver.tracker
-        if tracker is not None and info.step is not None and info.path and \
-                info.level == "root" and info.world_size == self.world_size:
-            why = tracker.resume(info.step, info.path, self.rank)
-            if why is not None:
-                self.log.warning("rank %d: the next save is written in full: %s", self.rank, why)
+        if tracker is not None and info.step is not None and restorer.manifest is not None \
+                and info.level == "root" and info.world_size == self.world_size:
+            tracker.resume(info.step, restorer.manifest.ranks[self.rank])
         if self.rank == 0:
             if info.step is None:
                 self.log.info("no loadable checkpoint under %s: fresh start%s", self.root,

@@ -109,9 +109,11 @@ def decompress(codec: str, frame: bytes | bytearray | memoryview, out: memoryvie
             got = len(data)
         else:
             data = None
-            got = _readinto(d.stream_reader(frame), out)
-            if got == len(out) < chunk_bytes:  # the padding: zeros, counted
-                got += len(d.decompress(frame, max_output_size=chunk_bytes)) - len(out)
+            reader = d.stream_reader(frame)
+            got = _readinto(reader, out)
+            if got == len(out):  # read on: the last block's padding, and nothing beyond
+                while got <= chunk_bytes and (more := reader.read(chunk_bytes + 1 - got)):
+                    got += len(more)
     except Exception as e:  # zstandard.ZstdError: a damaged frame
         raise ValueError(f"the compressed chunk does not decompress: {e}") from None
     if got != chunk_bytes:

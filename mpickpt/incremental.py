@@ -163,16 +163,18 @@ class Tracker:
         (the save aborts: the tensor was not snapshotted)."""
         from .errors import CheckpointError
 
-        base = self.base
-        try:
-            size = os.lstat(os.path.join(self.root, source)).st_size
-        except OSError as e:
-            raise CheckpointError(f"{source}, which a frozen tensor of this save refers to, "
-                                  f"is gone: {e.strerror}") from None
-        if base is not None and base.sources.get(source, size) != size:
-            raise CheckpointError(f"{source}, which a frozen tensor of this save refers to, "
-                                  f"has {size} bytes, not {base.sources[source]}")
-        return size
+        path = os.path.join(self.root, source)
+        expected = self.base.sources.get(source) if self.base is not None else None
+        if expected is None:  # referred to by an earlier base only: as big as it is now
+            try:
+                return os.lstat(path).st_size
+            except OSError as e:
+                raise CheckpointError(f"{path}, which a frozen tensor of this save refers to: "
+                                      f"{e.strerror}") from None
+        why = size_problem(path, expected)
+        if why is not None:
+            raise CheckpointError(f"{why}; a frozen tensor of this save refers to it")
+        return expected
 
     def _decide(self, step: int, host: Mapping[str, torch.Tensor],
                 placements: Mapping[str, sharding.Placement], block: int, threads: int
@@ -231,13 +233,9 @@ class Tracker:
     def _missing(self, base: Base) -> str | None:
         """Why a file the base refers to cannot be referred to (gone, or of another size)."""
         for src, size in base.sources.items():
-            path = os.path.join(self.root, src)
-            try:
-                actual = os.lstat(path).st_size
-            except OSError as e:
-                return f"{path}: {e.strerror}"
-            if actual != size:
-                return f"{path} has {actual} bytes, not the {size} its records were written in"
+            why = size_problem(os.path.join(self.root, src), size)
+            if why is not None:
+                return why
         return None
 
     def committed(self, step: int, entry: RankEntry) -> None:
@@ -250,23 +248,24 @@ class Tracker:
         """Before a restore: until one succeeds, the next save is full."""
         self.base, self.since_full, self.planned = None, 0, 0
 
-    def resume(self, step: int, path: str, rank: int) -> str | None:
-        """After a restore of ``path`` on as many ranks as wrote it: its records (this rank's)
-        are the base of the next save, which the shards it refers to count towards the next
-        full one; why not, if its manifest cannot be read again (the next save is then full)."""
-        from .errors import ManifestError
-        from .manifest import NAME, Manifest, read_bytes
+    def resume(self, step: int, entry: RankEntry) -> None:
+        """After a restore on as many ranks as wrote it: this rank's entry of the checkpoint
+        restored (as the restore parsed it) is the base of the next save, and the shards it
+        refers to count towards the next full one."""
+        self.base = Base.of(step, entry)
+        self.since_full = self.planned = len(self.base.sources)
 
-        try:
-            m = Manifest.from_json(read_bytes(path), os.path.join(path, NAME))
-            entry = m.ranks[rank]
-            base = Base.of(step, entry)
-        except (ManifestError, IndexError, KeyError) as e:
-            self.forget()
-            return f"{type(e).__name__}: {e}"
-        self.base, self.since_full = base, len(base.sources)
-        self.planned = self.since_full
-        return None
+
+def size_problem(path: str, size: int) -> str | None:
+    """Why an older shard cannot be referred to as ``size`` bytes (gone, or of another size),
+    or None."""
+    try:
+        actual = os.lstat(path).st_size
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if actual != size:
+        return f"{path} has {actual} bytes, not the {size} its records were written in"
+    return None
 
 
 def _same_layout(r: TensorRecord, t: torch.Tensor, p: sharding.Placement | None) -> bool:

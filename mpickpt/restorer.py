@@ -73,6 +73,7 @@ class Restorer:
         self.rank, self.world_size = proto.rank, proto.size
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
+        self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
             explicit: bool = False, local: LocalRecovery | None = None,
@@ -168,6 +169,7 @@ class Restorer:
                     "of stored rank r mod %d%s", path, manifest.world_size, self.world_size,
                     manifest.world_size, " (it is the same on every stored rank)" if same else "")
         self._written_by = manifest.world_size
+        self.manifest = manifest
         verdict, err, arrays, held = _OK, None, {}, []
         plan = None
 

@@ -30,7 +30,7 @@ from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .codec import MIN_BYTES as MIN_COMPRESS
 from .errors import CheckpointError, SaveAborted
-from .incremental import Decision, Tracker
+from .incremental import Decision, Tracker, size_problem
 from .manifest import NAME as MANIFEST
 from .manifest import IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
@@ -584,12 +584,14 @@ class Saver:
             on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
         )
         final = os.path.join(self.root, rootdir.step_name(manifest.step))
-        if os.path.lexists(final) and (users := self.upkeep.referrers(manifest.step)):
-            raise CheckpointError(
-                f"step {manifest.step} is already committed and the incremental checkpoint(s) "
-                f"of step {', '.join(map(str, users))} refer to its files: saving it again would "
-                "break them. Roll back past them first (mpickpt-restore ROOT --step N)")
         if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
+            users = self.upkeep.referrers(manifest.step)
+            if users:
+                raise CheckpointError(
+                    f"step {manifest.step} is already committed and the incremental "
+                    f"checkpoint(s) of step {', '.join(map(str, users))} refer to its files: "
+                    "saving it again would break them. Roll back past them first "
+                    "(mpickpt-restore ROOT --step N)")
             self.log.warning(
                 "step %d was already committed; this save replaces it. The number saved is the "
                 "count of training steps done: a loop that resumes at the restored number and "
@@ -674,14 +676,9 @@ def _check_sources(partial: str, ranks: list[RankEntry]) -> None:
     written would leave it unloadable)."""
     for e in ranks:
         for f in e.files(partial)[1:]:
-            try:
-                size = os.lstat(f.path).st_size
-            except OSError as err:
-                raise CheckpointError(f"rank {e.rank} refers to {f.path}, which is gone: "
-                                      f"{err.strerror}") from None
-            if size != f.bytes:
-                raise CheckpointError(f"rank {e.rank} refers to {f.path} of {f.bytes} bytes, "
-                                      f"which now has {size}")
+            why = size_problem(f.path, f.bytes)
+            if why is not None:
+                raise CheckpointError(f"rank {e.rank} refers to an older shard: {why}")
 
 
 def _check_shards(partial: str, ranks: list[RankEntry]) -> None:
