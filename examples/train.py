@@ -74,6 +74,10 @@ def main() -> None:
     ap.add_argument("--index", choices=["auto", "inline", "per-rank"], default="auto",
                     help="where the ranks' tensor records go: the manifest, or an index part "
                          "per rank (auto: per rank above 64 ranks)")
+    ap.add_argument("--files", choices=["per-rank", "per-node"], default="per-rank",
+                    help="one shard per rank, or one per node (parallel file systems)")
+    ap.add_argument("--fanout", type=int, default=1024, metavar="N",
+                    help="at most N shards per directory; more go into sub-directories")
     args = ap.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -83,7 +87,8 @@ def main() -> None:
     if not args.no_checkpoint:
         ckpt = mpickpt.Checkpointer(
             args.root, keep=args.keep, local=args.local, persist_every=args.persist_every or None,
-            redundancy=None if args.redundancy == "none" else args.redundancy, index=args.index)
+            redundancy=None if args.redundancy == "none" else args.redundancy, index=args.index,
+            files=args.files, fanout=args.fanout)
         restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
         ckpt.prepare(state)  # the snapshot buffers now, not in the first save's steps

@@ -27,6 +27,8 @@ from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .incremental import frozen_matcher
 from .levels import LocalLevel
 from .localtier import LocalTier, in_memory
+from .manifest import FANOUT
+from .nodefile import NodeFiles
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .recovery import LocalRecovery
@@ -118,6 +120,12 @@ class Checkpointer:
     checksum block becomes one zstd frame, compressed on the I/O threads and written as a chunk
     of an HDF5 dataset with the registered Zstd filter (h5py reads it after ``import
     hdf5plugin``); restore decompresses on its threads. Needs ``pip install 'mpickpt[compress]'``.
+
+    ``files="per-node"`` (ROOT only, not with ``local`` or ``compression``): the ranks of a node
+    write disjoint aligned regions of one shard, ``node-NNNNN.h5``, laid out by the node's lowest
+    rank and fsynced once (:mod:`mpickpt.nodefile`): a checkpoint is one data file per node, for
+    parallel file systems whose metadata servers are the limit. ``fanout``: no directory of a
+    checkpoint holds more than this many shards or index parts; more go into sub-directories.
     """
 
 
@@ -155,6 +163,8 @@ class Checkpointer:
         incremental: int | None = None,
         frozen: Sequence[str] | Callable[[str], bool] | None = None,
         compression: str | Mapping[str, str | None] | None = None,
+        files: str = "per-rank",
+        fanout: int = FANOUT,
     ) -> None:
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
@@ -171,6 +181,16 @@ class Checkpointer:
         if compression is not None and local is not None:
             raise ValueError("compression is written to ROOT only: local= keeps shards raw for "
                              "its redundancy; give one or the other")
+        if files not in ("per-rank", "per-node"):
+            raise ValueError(f"files must be 'per-rank' or 'per-node', not {files!r}")
+        if files == "per-node" and local is not None:
+            raise ValueError("files='per-node' is for ROOT: the node-local level keeps a shard "
+                             "per rank for its redundancy; give one or the other")
+        if files == "per-node" and compression is not None:
+            raise ValueError("files='per-node' writes raw regions: compressed chunks are "
+                             "written by each shard's own HDF5 file; give one or the other")
+        if not isinstance(fanout, int) or isinstance(fanout, bool) or fanout < 1:
+            raise ValueError(f"fanout must be a positive int, not {fanout!r}")
         pick = codec.chooser(compression)
         if pick is not None:
             codec.require()
@@ -214,14 +234,24 @@ class Checkpointer:
         self._local_checked = False
         split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
         options = ShardOptions(alignment, checksum_block, io_threads, split,
-                               incremental or None, frozen_matcher(frozen), pick)
+                               incremental or None, frozen_matcher(frozen), pick,
+                               files == "per-node", fanout)
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
                             options,
                             self.retention, self.log, on_error == "raise", self._local,
-                            skip=if_busy == "skip")
+                            skip=if_busy == "skip",
+                            node=self._node_files(fanout) if files == "per-node" else None)
         self._capture.tracker = self._saver.tracker
         _OPEN.add(self._saver)
         _hook_exit()
+
+    def _node_files(self, fanout: int) -> NodeFiles:
+        """This rank's node and its ranks, for files="per-node" (collective)."""
+        with self._proto.fatal_timeouts(self.log):
+            topo = Topology(tuple(self._proto.nodes(knobs.NODE.get())))
+            node = topo.node_index(self.rank)
+            team = self._proto.sub(node, topo.local_index(self.rank))
+        return NodeFiles(team, node, len(topo.names), fanout)
 
     def _local_level(self, local: str | os.PathLike[str], redundancy: str | None,
                      persist_every: int | None, keep_local: int, budget: int | None,
@@ -466,6 +496,8 @@ class Checkpointer:
             self._saver.shutdown()
             if self._local is not None and self._local.exchange is not None:
                 self._local.exchange.free()
+            if self._saver.node is not None:
+                self._saver.node.proto.free()
             self._closed = True
             _OPEN.discard(self._saver)
             with self._proto.fatal_timeouts(self.log):

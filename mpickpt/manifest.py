@@ -7,6 +7,10 @@ Rules, in one place:
 * ``version`` is checked exactly: a manifest of another format or version is refused.
 * Rank ``r``'s shard is the file ``rank-{r:05d}.h5`` beside the manifest; any other name (a path,
   ``..``, an absolute path) is refused, so a manifest cannot point outside its directory.
+  Version 3 also allows a node's file ``node-NNNNN.h5`` (``files="per-node"``: the node's ranks
+  wrote disjoint regions of it, each rank's datasets in HDF5 group ``rank-RRRRR``), and either
+  kind in a sub-directory ``shards-NNNN/`` (more files than :data:`FANOUT`; index parts then
+  lie in ``index/part-NNNN/``).
 * ``bytes`` is the exact size of the shard; every tensor record must fit in it (see
   :func:`mpickpt.records.check_records`), and its ``checksums`` cover ``checksum_block``-byte
   blocks.
@@ -17,15 +21,15 @@ Rules, in one place:
   that part (its entry, as in version 1) before it voted; a reader loads it only when it needs
   that rank's records, checked against the size and checksum the manifest gives, so the
   manifest's checksum protects the parts too. Version 1 (every entry inline) is still read.
-* Version 3 (written with incremental checkpoints or compression on): as version 1 or 2, and
-  a record may be compressed (``codec`` and ``chunks``: :mod:`mpickpt.records`) or carry
-  ``source``, the shard of an older checkpoint its bytes lie in
-  (``step-XXXXXXXX/rank-XXXXX.h5``, resolved beside this checkpoint's directory; ``offset`` and
-  ``checksums`` are those in that file). The
-  rank's entry lists each such file with its exact size (``sources``), and the manifest lists the
-  steps referred to (``references``; with index parts each rank's summary lists its own), so
-  that retention keeps what a kept checkpoint needs without reading any record. A source is
-  always where the bytes were written (never a record that itself refers further): no chains.
+* Version 3 (written with incremental checkpoints, compression, node files or sub-directories):
+  as version 1 or 2, and a record may be compressed (``codec`` and ``chunks``:
+  :mod:`mpickpt.records`) or carry ``source``, the shard of an older checkpoint its bytes lie in
+  (``step-XXXXXXXX/`` and a shard file name, resolved beside this checkpoint's directory;
+  ``offset`` and ``checksums`` are those in that file). The rank's entry lists each such file
+  with its exact size (``sources``), and the manifest lists the steps referred to
+  (``references``; with index parts each rank's summary lists its own), so that retention
+  keeps what a kept checkpoint needs without reading any record. A source is always where the
+  bytes were written (never a record that itself refers further): no chains.
 * ``manifest_checksum`` covers every other field (canonical JSON, xxh3-64), so damage that leaves
   the file valid JSON (a flipped digit of a shape, a letter of a key) is refused as corruption
   instead of passing for a checkpoint that does not fit the state.
@@ -50,15 +54,32 @@ VERSION = 1  # every rank's records inline
 SPLIT_VERSION = 2  # per-rank index parts
 EXT_VERSION = 3  # records may refer to older shards (incremental) or be compressed
 VERSIONS = (VERSION, SPLIT_VERSION, EXT_VERSION)
-SOURCE_RE = re.compile(r"^step-(\d{8,})/rank-(\d{5,})\.h5$")
+# a shard file relative to its checkpoint directory: a rank's own, or a node's (its ranks' regions),
+# in a sub-directory when the checkpoint has more files than FANOUT
+SHARD_RE = re.compile(r"^(?:shards-\d{4,}/)?(rank|node)-(\d{5,})\.h5$")
+SOURCE_RE = re.compile(r"^step-(\d{8,})/((?:shards-\d{4,}/)?(?:rank|node)-\d{5,}\.h5)$")
 INDEX_DIR = "index"
+INDEX_RE = re.compile(r"^index/(?:part-\d{4,}/)?(rank|node)-(\d{5,})\.json$")
+FANOUT = 1024  # files per directory, at most: more go into sub-directories of this many
 MAX_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 MAX_TREE_DEPTH = 256  # JSON levels of a rank's tree (3 per level of the state); deeper is refused
 CHECKSUM_FIELD = "manifest_checksum"
 
 
-def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.h5"
+def _fanned(name: str, n: int, count: int, fanout: int, group: str) -> str:
+    """``name``, in sub-directory ``{group}-NNNN/`` (the ``n // fanout``-th) when there are more
+    than ``fanout`` files of its kind."""
+    return name if count <= fanout else f"{group}-{n // fanout:04d}/{name}"
+
+
+def shard_name(rank: int, world: int = 1, fanout: int = FANOUT) -> str:
+    """Rank ``rank``'s own shard of a checkpoint of ``world`` ranks, relative to its directory."""
+    return _fanned(f"rank-{rank:05d}.h5", rank, world, fanout, "shards")
+
+
+def node_name(node: int, nodes: int, fanout: int = FANOUT) -> str:
+    """Node ``node``'s shard (``files="per-node"``: the regions of the node's ranks)."""
+    return _fanned(f"node-{node:05d}.h5", node, nodes, fanout, "shards")
 
 
 def source_step(source: str) -> int | None:
@@ -77,9 +98,14 @@ class ShardFile:
     records: list[TensorRecord]
 
 
-def index_name(rank: int) -> str:
+def index_name(rank: int, world: int = 1, fanout: int = FANOUT) -> str:
     """Rank ``rank``'s index part, relative to its checkpoint directory."""
-    return f"{INDEX_DIR}/rank-{rank:05d}.json"
+    return f"{INDEX_DIR}/{_fanned(f'rank-{rank:05d}.json', rank, world, fanout, 'part')}"
+
+
+def node_index_name(node: int, nodes: int, fanout: int = FANOUT) -> str:
+    """Node ``node``'s index part (``files="per-node"``): its ranks' entries."""
+    return f"{INDEX_DIR}/{_fanned(f'node-{node:05d}.json', node, nodes, fanout, 'part')}"
 
 
 @dataclass(frozen=True)
@@ -104,8 +130,10 @@ class RankEntry:
     def __init__(self, rank: int, file: str, bytes: int, tree: dict[str, Any] | None = None,
                  tensors: list[TensorRecord] | None = None, *, index: IndexRef | None = None,
                  directory: str | None = None, sources: dict[str, int] | None = None,
-                 references: frozenset[int] | None = None) -> None:
+                 references: frozenset[int] | None = None,
+                 parts: dict[str, Any] | None = None) -> None:
         self.rank, self.file, self.bytes = rank, file, bytes
+        self._parts = parts  # node index parts already read, shared by a manifest's entries
         self.index, self.directory = index, directory
         self._tree, self._tensors = tree, tensors
         self._sources = sources if sources is not None or tensors is None else {}
@@ -179,13 +207,25 @@ class RankEntry:
         if self.index is None or self.directory is None:
             raise ManifestError(f"rank {self.rank}'s entry has no records and no index part")
         path = os.path.join(self.directory, self.index.file)
-        data = read_part(path, self.index.bytes)
-        _PARTS_READ += 1
-        if checksum.digest(data) != self.index.xxh3:
-            raise ManifestError(f"{path}: checksum mismatch: the index part of rank "
-                                f"{self.rank} is corrupt")
+        key = f"{path}:{self.index.bytes}:{self.index.xxh3}"  # as this entry says it is
+        d = self._parts.get(key) if self._parts is not None else None
         try:
-            d = json.loads(data)
+            if d is None:
+                data = read_part(path, self.index.bytes)
+                _PARTS_READ += 1
+                if checksum.digest(data) != self.index.xxh3:
+                    raise ManifestError(f"{path}: checksum mismatch: the index part of rank "
+                                        f"{self.rank} is corrupt")
+                d = json.loads(data)
+                if self._parts is not None and isinstance(d, dict) and "ranks" in d:
+                    self._parts[key] = d  # a node's part: its other ranks need it too
+            if isinstance(d, dict) and "ranks" in d:  # a node's part: this rank's entry in it
+                mine = [e for e in _get(d, "ranks", list, path)
+                        if isinstance(e, dict) and e.get("rank") == self.rank]
+                if len(mine) != 1:
+                    raise _Bad(f"{path}: {len(mine)} entries of rank {self.rank} in a node's "
+                               "index part, not 1")
+                d = mine[0]
             entry = _entry(self.rank, d, f"{path}: rank entry {self.rank}", self.references)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{path}: not valid JSON ({e})") from None
@@ -261,7 +301,7 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         """The bytes of this checkpoint's own shards (not those of the older ones it refers to)."""
-        return sum(r.bytes for r in self.ranks)
+        return sum({r.file: r.bytes for r in self.ranks}.values())  # a node's file once
 
     def load_all(self) -> Manifest:
         """Read every rank's index part now (the operator's tools check whole checkpoints);
@@ -408,13 +448,18 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def _shard(i: int, r: Any, w: str) -> tuple[str, int]:
-    """Rank ``i``'s shard file name and size from its entry, checked."""
+def _shard(i: int, r: Any, w: str, extended: bool) -> tuple[str, int]:
+    """Rank ``i``'s shard file name and size from its entry, checked (node files and
+    sub-directories: version 3 only)."""
     if _get(r, "rank", int, w) != i:
         raise _Bad(f"{w}: rank field is {r['rank']}")
     name = _get(r, "file", str, w)
-    if name != shard_name(i):
-        raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r}")
+    m = SHARD_RE.match(name)
+    if m is None or (m.group(1) == "rank" and int(m.group(2)) != i):
+        raise _Bad(f"{w}: shard file {name!r} is not {shard_name(i)!r} (nor a node's file "
+                   "node-NNNNN.h5; either in a sub-directory shards-NNNN/ or none)")
+    if not extended and name != shard_name(i):
+        raise _Bad(f"{w}: shard file {name!r} in a manifest of version 1 or 2")
     size = _get(r, "bytes", int, w)
     if size < 0:
         raise _Bad(f"{w}: negative size")
@@ -441,7 +486,8 @@ def _sources(r: Any, w: str, references: frozenset[int] | None) -> dict[str, int
     for f, size in raw.items():
         step = source_step(f)
         if step is None:
-            raise _Bad(f"{w}: source {f!r} is not step-XXXXXXXX/rank-XXXXX.h5")
+            raise _Bad(f"{w}: source {f!r} is not step-XXXXXXXX/rank-XXXXX.h5 (or a node's file, "
+                       "in a sub-directory shards-NNNN/ or none)")
         if step not in references:
             raise _Bad(f"{w}: source {f!r} is of step {step}, which the manifest does not list "
                        "among its references")
@@ -453,7 +499,7 @@ def _sources(r: Any, w: str, references: frozenset[int] | None) -> dict[str, int
 def _entry(i: int, r: Any, w: str, references: frozenset[int] | None = None) -> RankEntry:
     """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part;
     version 3: records may refer to older shards, of the steps in ``references``)."""
-    name, size = _shard(i, r, w)
+    name, size = _shard(i, r, w, references is not None)
     sources = _sources(r, w, references)
     tensors = []
     for j, t in enumerate(_get(r, "tensors", list, w)):
@@ -485,14 +531,19 @@ def _entry(i: int, r: Any, w: str, references: frozenset[int] | None = None) -> 
 
 
 def _summary(i: int, r: Any, w: str, directory: str | None,
-             references: frozenset[int] | None = None) -> RankEntry:
+             references: frozenset[int] | None = None,
+             parts: dict[str, Any] | None = None) -> RankEntry:
     """Rank ``i``'s version-2 (or 3) entry: shard and index part, records read when needed;
     version 3: the steps it refers to, among ``references``."""
-    name, size = _shard(i, r, w)
+    name, size = _shard(i, r, w, references is not None)
     ix = _get(r, "index", dict, w)
     part = _get(ix, "file", str, f"{w} index")
-    if part != index_name(i):
-        raise _Bad(f"{w}: index part {part!r} is not {index_name(i)!r}")
+    m = INDEX_RE.match(part)
+    if m is None or (m.group(1) == "rank" and int(m.group(2)) != i):
+        raise _Bad(f"{w}: index part {part!r} is not {index_name(i)!r}, in a sub-directory "
+                   "index/part-NNNN/ or none")
+    if references is None and part != index_name(i):
+        raise _Bad(f"{w}: index part {part!r} in a manifest of version 2")
     part_bytes = _get(ix, "bytes", int, f"{w} index")
     if not 0 <= part_bytes <= MAX_BYTES:
         raise _Bad(f"{w}: index part of {part_bytes} bytes")
@@ -504,7 +555,7 @@ def _summary(i: int, r: Any, w: str, directory: str | None,
             raise _Bad(f"{w}: refers to steps the manifest does not list among its references")
     elif "references" in r:
         raise _Bad(f"{w}: 'references' (an incremental checkpoint's) in a manifest of version 2")
-    return RankEntry(i, name, size, index=IndexRef(part, part_bytes, digest),
+    return RankEntry(i, name, size, index=IndexRef(part, part_bytes, digest), parts=parts,
                      directory=directory, references=own)
 
 
@@ -531,6 +582,13 @@ def _parse(d: Any, directory: str | None = None) -> Manifest:
     if world <= 0 or len(ranks_raw) != world:
         raise _Bad(f"world_size {world} but {len(ranks_raw)} rank entries")
     step = _get(d, "step", int, "manifest")
+    sizes: dict[Any, Any] = {}
+    for i, r in enumerate(ranks_raw):  # the ranks of a node's file agree on its size
+        if not isinstance(r, dict):
+            continue
+        if sizes.setdefault(r.get("file"), r.get("bytes")) != r.get("bytes"):
+            raise _Bad(f"rank entry {i}: file {r.get('file')!r} of {r.get('bytes')} bytes, "
+                       f"another rank's entry says {sizes[r.get('file')]}")
     refs = None
     if version == EXT_VERSION:
         refs = frozenset(_steps(_get(d, "references", list, "manifest"), "references"))
@@ -542,7 +600,8 @@ def _parse(d: Any, directory: str | None = None) -> Manifest:
     split = version == SPLIT_VERSION or (
         version == EXT_VERSION and all(isinstance(r, dict) and "index" in r for r in ranks_raw))
     if split:
-        ranks = [_summary(i, r, f"rank entry {i}", directory, refs)
+        parts: dict[str, Any] = {}  # node index parts read once for all their ranks
+        ranks = [_summary(i, r, f"rank entry {i}", directory, refs, parts)
                  for i, r in enumerate(ranks_raw)]
     else:
         ranks = [_entry(i, r, f"rank entry {i}", refs) for i, r in enumerate(ranks_raw)]

@@ -21,6 +21,11 @@ FORMAT = "mpickpt-shard"
 VERSION = 1
 TENSORS_GROUP = "tensors"
 
+
+def rank_group(rank: int) -> str:
+    """The HDF5 group of rank ``rank``'s datasets and attributes in a node's file."""
+    return f"rank-{rank:05d}"
+
 # name -> (bytes per element, numpy storage type). Types numpy knows are stored as themselves;
 # the others (bfloat16, the float8 family, complex32) as unsigned integers of the same width.
 DTYPES: dict[str, tuple[int, str]] = {
@@ -53,8 +58,9 @@ class TensorRecord:
     global_shape: list[int] | None = None
     offsets: list[int] | None = None
     # an incremental checkpoint's record of a tensor that had not changed: the shard of an older
-    # checkpoint its bytes lie in (``step-XXXXXXXX/rank-XXXXX.h5``, a sibling of this
-    # checkpoint's directory), and ``offset`` is in that file; None: in this rank's own shard
+    # checkpoint its bytes lie in (``step-XXXXXXXX/rank-XXXXX.h5`` or a node's file, in a
+    # sibling of this checkpoint's directory), and ``offset`` is in that file; None: in this
+    # rank's own shard
     source: str | None = None
     # a compressed tensor (:mod:`mpickpt.codec`): the codec, and where each checksum block's
     # chunk lies in the file, [byte offset, bytes]; ``offset`` is then unused (0)

@@ -19,20 +19,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import checksum, faults, log, retention, rootdir, sharding
+from . import checksum, faults, log, nodefile, retention, rootdir, sharding
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .codec import MIN_BYTES as MIN_COMPRESS
 from .errors import CheckpointError, SaveAborted
 from .incremental import Decision, Tracker, size_problem
+from .manifest import FANOUT, IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
 from .manifest import NAME as MANIFEST
-from .manifest import IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
 from .records import TensorRecord
 from .shard import DEFAULT_ALIGNMENT, ShardWriter
@@ -40,7 +41,10 @@ from .snapshot import Snapshot, Snapshotter
 from .upkeep import Upkeep
 
 if TYPE_CHECKING:
+    import torch
+
     from .levels import LocalLevel
+    from .nodefile import NodeFiles
 
 
 @dataclass
@@ -112,11 +116,14 @@ class ShardOptions:
     incremental: int | None = None  # refer to unchanged tensors; a full checkpoint every N saves
     frozen: Callable[[str], bool] | None = None  # tensor names referred to without hashing
     compression: Callable[[str], str | None] | None = None  # tensor name -> codec, or None
+    per_node: bool = False  # one file per node (mpickpt.nodefile)
+    fanout: int = FANOUT  # shards (and index parts) per directory, at most
 
-    @property
-    def extended(self) -> bool:
-        """Whether manifests are version 3 (incremental or compressed records)."""
-        return bool(self.incremental or self.compression)
+    def extended(self, world_size: int) -> bool:
+        """Whether manifests are version 3 (incremental or compressed records, node files,
+        sub-directories)."""
+        return bool(self.incremental or self.compression or self.per_node
+                    or world_size > self.fanout)
 
 
 class Saver:
@@ -125,7 +132,7 @@ class Saver:
     def __init__(self, proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
                  options: ShardOptions, policy: retention.Policy, logger: logging.Logger,
                  raise_on_error: bool, local: LocalLevel | None = None,
-                 skip: bool = False) -> None:
+                 skip: bool = False, node: NodeFiles | None = None) -> None:
         self.proto, self.root, self.run_id = proto, root, run_id
         self.rank, self.world_size = proto.rank, proto.size
         self.snapshotter, self.options, self.log = snapshotter, options, logger
@@ -135,6 +142,7 @@ class Saver:
         self.skips = SkipLog(logger) if skip and self.rank == 0 else None
         self.last: SaveResult | None = None  # the last committed save
         self.local = local
+        self.node = node  # files="per-node": this rank's node
         self.tracker = (Tracker(root, options.incremental, options.frozen)
                         if options.incremental else None)
         self.drained: int | None = None  # the last step the local level drained to ROOT
@@ -240,12 +248,19 @@ class Saver:
         partial = os.path.join(self.root, rootdir.partial_name(req.step, self.run_id))
         entry, error = None, req.error
         try:
-            if req.snapshot is not None and req.tree is not None:
+            if self.node is not None:
+                entry, error = self._write_node(req, partial, error)
+                if self.options.split_index:
+                    with self.proto.fatal_timeouts(self.log):
+                        ref = nodefile.write_index(self.node, partial, entry, error)
+                    if entry is not None:
+                        entry.index = ref
+            elif req.snapshot is not None and req.tree is not None:
                 entry = self._write(req, partial)
                 if self.options.split_index:
                     self._write_index(partial, entry)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+            entry, error = None, f"{type(e).__name__}: {e}"
         finally:
             if req.snapshot is not None:  # also when it failed before draining
                 self.snapshotter.release(req.snapshot)
@@ -285,14 +300,10 @@ class Saver:
         """Stage 1: this rank's shard, written and fsynced."""
         assert req.snapshot is not None and req.tree is not None
         stats, t0 = req.stats, time.perf_counter()
-        req.snapshot.wait()
-        stats["copy_s"] = req.snapshot.copy_s or stats["stall_s"]
-        rootdir.make_dirs(partial)
-        path = os.path.join(partial, shard_name(self.rank))
-        host = req.snapshot.tensors
-        decision = self._decide(req)
-        if decision.reused:
-            host = {n: t for n, t in host.items() if n not in decision.reused}
+        host, decision = self._host(req)
+        name = shard_name(self.rank, self.world_size, self.options.fanout)
+        path = os.path.join(partial, name)
+        rootdir.make_dirs(os.path.dirname(path))
         codecs = None
         if self.options.compression is not None:
             pick = self.options.compression
@@ -301,16 +312,10 @@ class Saver:
                       and self.options.block % t.element_size() == 0 and (c := pick(n))}
         t1 = time.perf_counter()
         writer = ShardWriter(
-            path, host,
-            {"rank": self.rank, "step": req.step, "world_size": self.world_size,
-             "tree": json.dumps(req.tree, allow_nan=False)},
+            path, host, self._attrs(req),
             alignment=self.options.alignment, mapped=mapped, codecs=codecs,
             block=self.options.block,
         )
-        for r in writer.records:
-            if r.name in req.placements:
-                r.global_shape = list(req.placements[r.name].global_shape)
-                r.offsets = list(req.placements[r.name].offsets)
         try:
             t2 = time.perf_counter()
             writer.write(host, block=self.options.block, threads=self.options.io_threads,
@@ -327,16 +332,74 @@ class Saver:
         except BaseException:
             writer.close()
             raise
+        return self._entry(req, name, size, writer.records, decision, t0)
+
+    def _write_node(self, req: SaveRequest, partial: str, error: str | None
+                    ) -> tuple[RankEntry | None, str | None]:
+        """Stage 1 with one file per node: this rank's regions of its node's file, written and
+        fsynced with the node's ranks (collective over the node, also for a rank that failed);
+        its entry, or the error."""
+        assert self.node is not None
+        t0 = time.perf_counter()
+        host, decision, attrs = None, Decision(), {}
+        name = self.node.name()
+        path = os.path.join(partial, name)
+        if error is None:
+            try:
+                assert req.snapshot is not None and req.tree is not None
+                host, decision = self._host(req)
+                attrs = self._attrs(req)
+                rootdir.make_dirs(os.path.dirname(path))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        try:
+            with self.proto.fatal_timeouts(self.log):
+                records, size = nodefile.write(
+                    self.node, path, self.rank, host, attrs, error,
+                    alignment=self.options.alignment, block=self.options.block,
+                    threads=self.options.io_threads, digests=decision.digests,
+                    on_block=lambda: faults.hit("mid-write", self.rank, req.step),
+                    times=req.stats)
+            if error is not None:
+                return None, error
+            return self._entry(req, name, size, records, decision, t0), None
+        except Exception as e:
+            return None, error or f"{type(e).__name__}: {e}"
+
+    def _host(self, req: SaveRequest) -> tuple[dict[str, torch.Tensor], Decision]:
+        """The snapshot's tensors once copied, less those an incremental save refers to."""
+        assert req.snapshot is not None
+        req.snapshot.wait()
+        req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
+        host = req.snapshot.tensors
+        decision = self._decide(req)
+        if decision.reused:
+            host = {n: t for n, t in host.items() if n not in decision.reused}
+        return host, decision
+
+    def _attrs(self, req: SaveRequest) -> dict[str, str | int]:
+        """The attributes of a rank's shard (or of its group in a node's file)."""
+        return {"rank": self.rank, "step": req.step, "world_size": self.world_size,
+                "tree": json.dumps(req.tree, allow_nan=False)}
+
+    def _entry(self, req: SaveRequest, name: str, size: int, records: list[TensorRecord],
+               decision: Decision, t0: float) -> RankEntry:
+        """This rank's entry once its shard is durable: the written records with their pieces'
+        placements, and those an incremental save refers to."""
+        assert req.snapshot is not None and req.tree is not None
+        stats = req.stats
+        for r in records:
+            if r.name in req.placements:
+                r.global_shape = list(req.placements[r.name].global_shape)
+                r.offsets = list(req.placements[r.name].offsets)
         stats["persist_s"] = time.perf_counter() - t0
         stats["persist_GBps"] = size / max(stats["persist_s"], 1e-9) / 1e9
         faults.hit("after-fsync-before-vote", self.rank, req.step)
-        records = writer.records
         if decision.reused:
             written = {r.name: r for r in records}
             records = [written.get(n) or decision.reused[n]
                        for n in [*req.snapshot.tensors, *req.elided]]
-        return RankEntry(self.rank, shard_name(self.rank), size, req.tree, records,
-                         sources=decision.sources)
+        return RankEntry(self.rank, name, size, req.tree, records, sources=decision.sources)
 
     def _decide(self, req: SaveRequest) -> Decision:
         """An incremental save: which tensors are unchanged since the last commit (referred to,
@@ -357,7 +420,7 @@ class Saver:
     def _write_index(self, partial: str, entry: RankEntry) -> None:
         """This rank's index part (its entry as JSON), durable before it votes."""
         data = json.dumps(entry.to_dict(), allow_nan=False).encode()
-        name = index_name(self.rank)
+        name = index_name(self.rank, self.world_size, self.options.fanout)
         rootdir.make_dirs(os.path.join(partial, os.path.dirname(name)))
         rootdir.atomic_write(os.path.join(partial, name), data)
         entry.index = IndexRef(name, len(data), checksum.digest(data))
@@ -394,7 +457,7 @@ class Saver:
                 metadata = user_metadata.resolve(req.metadata)
                 manifest = Manifest.assemble(step, self.world_size, self.run_id, entries or [],
                                              metadata, self.options.block, directory=partial,
-                                             extended=self.options.extended)
+                                             extended=self.options.extended(self.world_size))
                 if not manifest.split or self.world_size <= CHECK_PIECES_RANKS:
                     _check_pieces(manifest.ranks)  # with index parts: reads them all
                     _check_sources(partial, manifest.ranks)
@@ -683,12 +746,17 @@ def _check_sources(partial: str, ranks: list[RankEntry]) -> None:
 
 def _check_shards(partial: str, ranks: list[RankEntry]) -> None:
     """Before the commit, on rank 0: every rank's shard is in the partial directory as rank 0
-    sees it, of the size its rank wrote (a ROOT that is not shared leaves them elsewhere)."""
+    sees it, of the size its rank wrote (a ROOT that is not shared leaves them elsewhere); the
+    entries of its sub-directories are made durable (the manifest's write syncs the top)."""
     sizes: dict[str, int] = {}
-    with os.scandir(partial) as entries:
-        for e in entries:
-            if e.is_file(follow_symlinks=False):
-                sizes[e.name] = e.stat(follow_symlinks=False).st_size
+    for top, dirs, files in os.walk(partial):
+        rel = os.path.relpath(top, partial)
+        for name in files:
+            st = os.lstat(os.path.join(top, name))
+            if stat.S_ISREG(st.st_mode):
+                sizes[name if rel == "." else f"{rel}/{name}"] = st.st_size
+        for d in dirs:
+            rootdir.fsync_path(os.path.join(top, d))
     missing = [e.rank for e in ranks if e.file not in sizes]
     if missing:
         raise CheckpointError(f"the shards of {ranks_text(missing)} are not in {partial} as "

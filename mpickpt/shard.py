@@ -18,7 +18,7 @@ import io
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -134,6 +134,10 @@ def _set_attr(obj: h5py.h5o.ObjectID, name: str, value: str | int | np.ndarray) 
     h5py.h5a.create(obj, name.encode(), tid, space).write(arr)
 
 
+# one rank's part of a node's file: its HDF5 group, tensors and attributes
+Part = tuple[str, Mapping[str, torch.Tensor], Mapping[str, str | int]]
+
+
 class ShardWriter:
     """Create a shard's layout, fill it from host tensors, then seal it (checksums, fsync)."""
 
@@ -165,6 +169,8 @@ class ShardWriter:
             alignment_threshold=alignment, alignment_interval=alignment,
         )
         try:
+            _set_attr(self._h5.id, "mpickpt_format", FORMAT)
+            _set_attr(self._h5.id, "mpickpt_version", VERSION)
             self._layout(tensors, attrs)
             self._fd = os.open(path, os.O_WRONLY)
             self._dfd = -1 if mapped else _open_direct(path, os.O_WRONLY)
@@ -185,12 +191,48 @@ class ShardWriter:
             self._map = mmap.mmap(self._rw, end)
             self._dst = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def _layout(self, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str | int]) -> None:
+    @classmethod
+    def node_file(cls, path: str, parts: Sequence[Part], *, alignment: int = DEFAULT_ALIGNMENT
+                  ) -> tuple[ShardWriter, list[list[TensorRecord]]]:
+        """The layout of a node's file: each part (HDF5 group, tensors, attributes: one rank's)
+        laid out in its group, every dataset aligned. Returns the writer, which only seals
+        (the ranks write through :meth:`region`), and each part's records. The tensors may be on
+        the ``meta`` device: only their dtypes and shapes are used."""
+        w = cls(path, {}, {}, alignment=alignment)
+        try:
+            out = []
+            for group, tensors, attrs in parts:
+                start = len(w.records)
+                w._layout(tensors, attrs, group)
+                out.append(w.records[start:])
+        except BaseException:
+            w.close()
+            raise
+        return w, out
+
+    @classmethod
+    def region(cls, path: str, records: list[TensorRecord]) -> ShardWriter:
+        """A writer of ``records`` into the file ``path`` that another process laid out (a
+        node's file): :meth:`write` fills them; :meth:`close` releases it (the file's owner
+        seals it)."""
+        w = cls.__new__(cls)
+        w.path, w._codecs, w._block, w.records = path, {}, 0, records
+        w._datasets, w._rw, w._map, w._dst, w._raw, w._h5 = [], -1, None, None, None, None
+        w._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            w._dfd = _open_direct(path, os.O_WRONLY)
+        except BaseException:
+            os.close(w._fd)
+            raise
+        return w
+
+    def _layout(self, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str | int],
+                group: str | None = None) -> None:
         f = self._h5
-        _set_attr(f.id, "mpickpt_format", FORMAT)
-        _set_attr(f.id, "mpickpt_version", VERSION)
+        where = f.id if group is None else h5py.h5g.create(f.id, group.encode())
+        prefix = "" if group is None else f"{group}/"
         for k, v in attrs.items():
-            _set_attr(f.id, k, v)
+            _set_attr(where, k, v)
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_layout(h5py.h5d.CONTIGUOUS)
         dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
@@ -204,14 +246,14 @@ class ShardWriter:
             tid = h5py.h5t.py_create(dtypes.storage_dtype(dname))
             c = self._codecs.get(name) if nbytes else None
             if c is not None:  # one-dimensional, chunked: one chunk per checksum block
-                ds = self._compressed_dataset(name, tid, t, c, lcpl)
+                ds = self._compressed_dataset(prefix + _dataset_path(name), tid, t, c, lcpl)
                 offset = 0
             else:
                 space = (h5py.h5s.create_simple(shape) if shape
                          else h5py.h5s.create(h5py.h5s.SCALAR))
                 ds = h5py.h5d.create(
-                    f.id, _dataset_path(name).encode(), tid, space, dcpl=dcpl, lcpl=lcpl
-                )
+                    f.id, (prefix + _dataset_path(name)).encode(), tid, space, dcpl=dcpl,
+                    lcpl=lcpl)
                 offset = ds.get_offset() if nbytes else 0
                 if offset is None:
                     raise OSError(f"{self.path}: HDF5 gave no offset for dataset {name!r}")
@@ -221,7 +263,7 @@ class ShardWriter:
             self.records.append(TensorRecord(name, dname, list(shape), int(offset), nbytes,
                                              codec=c))
 
-    def _compressed_dataset(self, name: str, tid: h5py.h5t.TypeID, t: torch.Tensor, c: str,
+    def _compressed_dataset(self, path: str, tid: h5py.h5t.TypeID, t: torch.Tensor, c: str,
                             lcpl: h5py.h5p.PropLCID) -> h5py.h5d.DatasetID:
         """A chunked dataset with the filters that read what :func:`mpickpt.codec.compress`
         makes (HDF5 runs none of them here: the chunks are written directly)."""
@@ -235,7 +277,7 @@ class ShardWriter:
             dcpl.set_shuffle()
         dcpl.set_filter(codec.ZSTD_FILTER, h5py.h5z.FLAG_OPTIONAL, (codec.LEVEL,))
         space = h5py.h5s.create_simple((t.numel(),))
-        return h5py.h5d.create(self._h5.id, _dataset_path(name).encode(), tid, space, dcpl=dcpl,
+        return h5py.h5d.create(self._h5.id, path.encode(), tid, space, dcpl=dcpl,
                                lcpl=lcpl)
 
     def write(
@@ -334,6 +376,7 @@ class ShardWriter:
             self._unmap()
             for r, ds in zip(self.records, self._datasets, strict=True):
                 _set_attr(ds, "xxh3_64", ",".join(r.checksums))
+            assert self._h5 is not None, "a region is sealed by its file's owner"
             self._h5.close()
             os.fsync(self._fd)
             return os.fstat(self._fd).st_size
@@ -346,7 +389,7 @@ class ShardWriter:
         self._datasets = []
         try:
             self._unmap()
-            if self._h5.id.valid:
+            if self._h5 is not None and self._h5.id.valid:
                 self._h5.close()
         except Exception:
             pass  # the file is discarded: its metadata need not reach the disk

@@ -158,18 +158,30 @@ def partial_shards(path: str, run_id: str, committed: list[str]) -> PartialShard
     if same is not None:
         p.reference = {r.rank: r.bytes for r in same.ranks}
         p.reference_step = same.step
-    try:
-        names = os.listdir(path)
-    except OSError:
-        names = []
-    for name in names:
-        m = SHARD_RE.match(name)
+    for f in _rank_files(path):
+        m = SHARD_RE.match(os.path.basename(f))
         if m:
-            f = os.path.join(path, name)
             p.states[int(m.group(1))] = shard_state(f)
             with contextlib.suppress(OSError):
                 p.sizes[int(m.group(1))] = os.lstat(f).st_size
     return p
+
+
+def _rank_files(path: str) -> list[str]:
+    """The files in checkpoint directory ``path`` and its ``shards-NNNN/`` sub-directories (a
+    node's file cannot be told apart by rank: such saves are diagnosed from their manifests)."""
+    out = []
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False) and e.name.startswith("shards-"):
+                    with contextlib.suppress(OSError):
+                        out += [os.path.join(e.path, n) for n in os.listdir(e.path)]
+                else:
+                    out.append(e.path)
+    except OSError:
+        pass  # unreadable: no shards to diagnose by
+    return out
 
 
 def absent_ranks(path: str, m: Manifest) -> list[int]:
@@ -206,10 +218,9 @@ def not_shared(committed: list[tuple[str, Manifest | None]],
         return None
     ranks = set()
     for path in partial:
-        try:
-            names = os.listdir(path)
-        except OSError:
+        if not os.path.isdir(path):
             return None
+        names = [os.path.basename(f) for f in _rank_files(path)]
         if shard_name(0) in names:
             return None
         ranks |= {int(m.group(1)) for n in names if (m := SHARD_RE.match(n))}

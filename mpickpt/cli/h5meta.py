@@ -8,7 +8,9 @@ stops a restore nor changes what it loads. It does make the file unreadable for 
 its root attributes must name the format, this rank, this step and this world size and hold this
 rank's state tree, and every tensor record must be a dataset of the recorded dtype, shape and
 checksums starting at the recorded offset. The file is handed to h5py as the descriptor the
-checks opened (never through a symbolic link). Only metadata is read, never tensor data.
+checks opened (never through a symbolic link). Only metadata is read, never tensor data. In a
+node's file (``node-NNNNN.h5``) the rank's attributes and datasets are those of its group
+``rank-RRRRR``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import h5py
 
 from ..manifest import Manifest, RankEntry
-from ..records import FORMAT, TENSORS_GROUP, TensorRecord, itemsize
+from ..records import FORMAT, TENSORS_GROUP, TensorRecord, itemsize, rank_group
 
 
 def _int(x: Any) -> int | None:
@@ -48,9 +50,15 @@ def problem(fd: int, m: Manifest, entry: RankEntry) -> str | None:
 
 
 def _compare(f: h5py.File, m: Manifest, entry: RankEntry) -> str | None:
-    a = f.attrs
-    if _str(a.get("mpickpt_format")) != FORMAT:
+    if _str(f.attrs.get("mpickpt_format")) != FORMAT:
         return f"its attributes do not name the {FORMAT!r} format"
+    g: h5py.Group = f
+    if os.path.basename(entry.file).startswith("node-"):  # a node's file: the rank's group
+        group = f.get(rank_group(entry.rank))
+        if not isinstance(group, h5py.Group):
+            return f"this node's file has no group {rank_group(entry.rank)} of rank {entry.rank}"
+        g = group
+    a = g.attrs
     rank, step = _int(a.get("rank")), _int(a.get("step"))
     if rank != entry.rank or step != m.step:
         return (f"its attributes say it is rank {rank}'s shard of step {step}, not rank "
@@ -68,7 +76,7 @@ def _compare(f: h5py.File, m: Manifest, entry: RankEntry) -> str | None:
         if r.source is not None:  # an incremental record: its dataset is in an older shard
             continue
         where = f"{TENSORS_GROUP}/{r.name}"
-        ds = f.get(where)
+        ds = g.get(where)
         if not isinstance(ds, h5py.Dataset):
             return f"tensor {r.name!r}: no dataset {where}"
         if r.codec is not None:

@@ -2,6 +2,7 @@
 
 Usage: incremental.py train ROOT REPORTS --steps N [--every E] [--incremental K] [--keep K]
                       [--frozen] [--index auto|inline|per-rank] [--compress CODEC]
+                      [--per-node K]
        incremental.py check ROOT REPORTS [--step S | --all]
 
 The state at step ``s`` is a pure function of ``s`` (and of the rank, for per-rank tensors), so a
@@ -20,8 +21,8 @@ REPORTS/train-rank-R.json with the restored step and every save's figures. ``che
 into a zeroed state (``--step``: that one; ``--all``: every committed one in turn) and writes
 REPORTS/check-rank-R.json: the step, and whether every tensor is what that step should hold.
 
-Run by tests/multirank/test_incremental.py, tests/faults/test_fault_incremental.py and
-tests/cli/test_cli_incremental.py.
+Run by tests/multirank/test_incremental.py, tests/faults/test_fault_incremental.py,
+tests/cli/test_cli_incremental.py and tests/multirank/test_node_files.py (``--per-node``).
 """
 
 from __future__ import annotations
@@ -98,16 +99,21 @@ def main() -> None:
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--index", default="auto")
     ap.add_argument("--compress", default=None, help="Checkpointer(compression=...)")
+    ap.add_argument("--per-node", type=int, default=0,
+                    help="files='per-node', nodes of this many ranks ($MPICKPT_NODE)")
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--all", action="store_true")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
     frozen = ["model/base.weight", "model/base.bias", "embed"] if args.frozen else None
+    if args.per_node:
+        os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
     ck = mpickpt.Checkpointer(args.root, keep=args.keep, checksum_block=4096, alignment=4096,
                               incremental=args.incremental or None, frozen=frozen,
                               index=args.index, compression=args.compress,
-                              on_error="raise")
+                              on_error="raise",
+                              files="per-node" if args.per_node else "per-rank")
     report: dict = {"rank": rank, "world": world}
     if args.all:
         steps = comm.bcast(sorted(int(n[5:]) for n in os.listdir(args.root)

@@ -1,6 +1,7 @@
 """Save declared-sharded, replicated and per-rank tensors on N ranks; restore on M and check.
 
 Usage: reshard.py save|restore ROOT REPORTS [--block B] [--index auto|inline|per-rank]
+                  [--files per-rank|per-node] [--fanout N] [--per-node K]
 
 The global tensors are pure functions of their shape, so any rank can check its piece:
 - ``rows``: float32 (37, 1024), split over the ranks by uneven row ranges (see ``row_split``);
@@ -12,7 +13,8 @@ Each rank writes REPORTS/<mode>-rank-R.json with the restored step, what matched
 restore read, the bytes its pieces need and the index parts it read (with --index per-rank).
 
 Run by tests/multirank/test_reshard.py, tests/multirank/test_index.py (with --index
-per-rank) and tests/cli/test_cli_export_sharded.py (which also imports :func:`whole`); named
+per-rank), tests/multirank/test_node_files.py (--files per-node, nodes of --per-node ranks)
+and tests/cli/test_cli_export_sharded.py (which also imports :func:`whole`); named
 for the first, whose subject it is.
 """
 
@@ -74,11 +76,18 @@ def main() -> None:
     ap.add_argument("reports")
     ap.add_argument("--block", type=int, default=4096)
     ap.add_argument("--index", default="auto")
+    ap.add_argument("--files", default="per-rank")
+    ap.add_argument("--fanout", type=int, default=1024)
+    ap.add_argument("--per-node", type=int, default=0,
+                    help="simulate nodes of this many ranks ($MPICKPT_NODE)")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size
+    if args.per_node:
+        os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
     ck = mpickpt.Checkpointer(args.root, replicated=("rep",), checksum_block=args.block,
-                              alignment=4096, index=args.index)
+                              alignment=4096, index=args.index, files=args.files,
+                              fanout=args.fanout)
     report: dict = {"rank": rank, "world": world}
     if args.mode == "save":
         state = make_state(rank, world, fill=True)
