@@ -370,9 +370,11 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------- restore
 
-    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
-        """Load the newest checkpoint that every rank can load (or ``step``) into ``state`` in
-        place; return its step, or None when there is none. Collective.
+    def restore(self, state: dict[str, Any], step: int | None = None, *,
+                upto: int | None = None) -> int | None:
+        """Load the newest checkpoint that every rank can load (or ``step``; or the newest of a
+        step no later than ``upto``) into ``state`` in place; return its step, or None when there
+        is none. Collective.
 
         Details, including skipped checkpoints and the user metadata, are in ``restore_info``.
         """
@@ -385,10 +387,14 @@ class Checkpointer:
             lambda: rootdir.committed(self.root, require_manifest=False), "list", root_only=True)
         if step is not None:
             candidates = [c for c in candidates if c[0] == step]
+        if upto is not None:
+            candidates = [c for c in candidates if c[0] <= upto]
         with self._proto.fatal_timeouts(self.log):
             local_steps = self._recovery.steps() if self._recovery is not None else []
             if step is not None:
                 local_steps = [s for s in local_steps if s == step]
+            if upto is not None:
+                local_steps = [s for s in local_steps if s <= upto]
         if step is not None and not candidates and not local_steps:
             raise CheckpointError(f"no checkpoint of step {step} under {self.root}"
                                   + (" or in the local level" if self._local else ""))
@@ -422,7 +428,8 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------- preemption
 
-    def should_exit(self, step: int | None = None, state: dict[str, Any] | None = None, *,
+    def should_exit(self, step: int | None = None,
+                    state: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, *,
                     exit: bool = True) -> bool:
         """Call once per step on every rank: whether a preemption signal reached any rank.
 
@@ -431,7 +438,8 @@ class Checkpointer:
         ``state`` is saved as ``step`` and committed (unless that step is already committed or
         the deadline leaves too little time), rank 0 requeues the job under Slurm, and, with
         ``exit``, the Checkpointer is closed and ``SystemExit(EXIT_PREEMPTED)`` (3) is raised on
-        every rank; without it, True is returned.
+        every rank; without it, True is returned. ``state`` may be a function that returns the
+        state, called only then (a framework's checkpoint dict, costly to build every step).
         """
         self._check_open()
         with self._proto.fatal_timeouts(self.log):  # a rank stopped calling: dead or hung
@@ -446,7 +454,7 @@ class Checkpointer:
             self.log.warning("%s on rank %d: checkpointing step %s and exiting", what, who, step)
         self.wait()
         if step is not None and state is not None:
-            self._emergency_save(step, state)
+            self._emergency_save(step, state() if callable(state) else state)
         # not for SIGTERM alone: that is also how scancel ends a job
         if kind == preempt.PREEMPT and self.requeue and self.rank == 0:
             slurm.requeue(self.log)

@@ -151,7 +151,9 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     source = rank % manifest.world_size
     entry = manifest.ranks[source]
     own = {r.name: r for r in entry.tensors if r.global_shape is None}
-    _, live, placements = state_tree.flatten_placed(state, replicated, world)
+    # a state without some replicated tensors (an optimizer before its first step) gets them
+    # from the checkpoint: not a typo here (the save checks the key paths)
+    _, live, placements = state_tree.flatten_placed(state, replicated, world, strict=False)
     names = list(dict.fromkeys(_array_names(entry.tree, [])))
     if manifest.world_size == world:
         # the same ranks: this rank's pieces are in its own entry, and the replicated ones

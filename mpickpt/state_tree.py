@@ -198,14 +198,16 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return tree, arrays
 
 
-def flatten_placed(state: Any, replicated: tuple[str, ...] = (), world: int = 1
-                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Placement]]:
+def flatten_placed(state: Any, replicated: tuple[str, ...] = (), world: int = 1, *,
+                   strict: bool = True
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Placement]]:
     """:func:`flatten`, plus the placement of every sharded or replicated tensor by name.
     ``replicated``: key paths ("model", "optim/state") whose plain tensors every one of the
-    ``world`` ranks holds alike."""
+    ``world`` ranks holds alike; ``strict``: one that matches no tensor is an error (a typo, at
+    a save; a restore may build those tensors from the checkpoint)."""
     f = _Flattener(replicated, world)
     tree = f.node(state, ())
-    if f.unmatched:
+    if f.unmatched and strict:
         keys = ", ".join(repr(k) for k in state) if isinstance(state, Mapping) else "none"
         raise StateTreeError(
             f"Checkpointer(replicated=...): {', '.join(repr(p) for p in sorted(f.unmatched))} "
