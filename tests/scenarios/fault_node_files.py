@@ -1,5 +1,6 @@
-"""Run examples/train.py with its ranks grouped into simulated nodes: ``fault_node_files.py K ARGS...``
-makes rank r node ``n{r // K}`` (``$MPICKPT_NODE``) and runs the example with ARGS.
+"""Run examples/train.py with its ranks grouped into simulated nodes:
+``fault_node_files.py K ARGS...`` makes rank r node ``n{r // K}`` (``$MPICKPT_NODE``) and runs
+the example with ARGS.
 
 Run by tests/faults/test_fault_node_files.py.
 """

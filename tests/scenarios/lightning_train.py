@@ -1,0 +1,96 @@
+"""A tiny Lightning job under mpiexec (DDP on CPU, gloo, Lightning's MPIEnvironment), saving
+through mpickpt.lightning; it resumes from ROOT when a checkpoint is there.
+
+Usage: lightning_train.py ROOT OUT --epochs E [--batches B] [--no-checkpoint] [--signal-at S]
+
+A regression MLP on a fixed synthetic dataset: ``B`` batches per rank per epoch, no shuffling,
+so a run is deterministic; ``ModelCheckpoint(every_n_epochs=1, save_last=True)`` saves at each
+epoch's end (steps B, 2B, ...). Each rank writes OUT/rank-R.pt (the final parameters) and
+OUT/rank-R.json (the step it started from). ``--signal-at S``: rank 1 sends itself SIGUSR2 at
+the end of step S (a preemption).
+
+Run by tests/integrations/test_lightning.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+
+from mpickpt.lightning import DDPStrategy, MpickptIO, Preemption
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        x, y = batch
+        loss = ((self.net(x) - y) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 5, 0.5)}
+
+
+class SignalAt(Callback):
+    """Rank 1 sends itself SIGUSR2 once, at the end of step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("out")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--no-checkpoint", action="store_true")
+    ap.add_argument("--signal-at", type=int, default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    world = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+    n = 8 * args.batches * world
+    x = torch.randn(n, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+    io = None if args.no_checkpoint else MpickptIO(args.root, keep=3)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, max_epochs=args.epochs, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        strategy=DDPStrategy(checkpoint_io=io, process_group_backend="gloo"),
+        enable_checkpointing=io is not None,
+        callbacks=[] if io is None else [
+            ModelCheckpoint(dirpath=os.path.join(args.root, "lightning"), every_n_epochs=1,
+                            save_last=True, save_top_k=-1), Preemption(io)]
+        + ([SignalAt(args.signal_at)] if args.signal_at else []))
+    model = Regression()
+    start = io.resume_path() if io is not None else None
+    trainer.fit(model, loader, ckpt_path=start)
+    rank = trainer.global_rank
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+               os.path.join(args.out, f"rank-{rank}.pt"))
+    with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
+        json.dump({"resumed_from": start, "global_step": trainer.global_step}, f)
+
+
+if __name__ == "__main__":
+    main()
