@@ -1,0 +1,92 @@
+"""Hugging Face ``Trainer`` on mpickpt (mpickpt.hf): a 2-rank DDP job on CPU (gloo) under
+mpiexec, through ``python -m mpickpt.run``. A rank SIGKILLed while writing a checkpoint: the
+rerun resumes mid-epoch from the last committed one (the trainer state places the data) and
+ends bit-identical to an uninterrupted run. A preemption signal: one emergency checkpoint, exit
+code 3, and the rerun resumes there. The checkpoint of 2 ranks restores on 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from harness import SCENARIOS, run_mpi
+
+SCENARIO = str(SCENARIOS / "hf_train.py")
+N = 2
+
+
+def train(n: int, root: Path, out: Path, *extra: str, fault: str | None = None):
+    return run_mpi(n, ["-m", "mpickpt.run", SCENARIO, str(root), str(out), *extra],
+                   env={"MPICKPT_FAULT": fault} if fault else None, timeout=300)
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("step-*")
+                  if p.name[5:].isdigit() and (p / "MANIFEST.json").is_file())
+
+
+def finals(out: Path, n: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"rank-{r}.pt") for r in range(n)]
+
+
+def report(out: Path, r: int) -> dict:
+    return json.loads((out / f"rank-{r}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.guarantee("no-torn-load", "resume-bit-identical")
+def test_a_rank_killed_mid_save_resumes_mid_epoch_bit_identical(tmp_path: Path):
+    """8 steps per epoch, a checkpoint every 6: killed writing step 12, resumed from step 6."""
+    ref = train(N, tmp_path / "unused", tmp_path / "ref", "--steps", "16", "--no-checkpoint")
+    assert ref.returncode == 0, ref.output
+    root = tmp_path / "root"
+    dead = train(N, root, tmp_path / "dead", "--steps", "16", "--save-steps", "6",
+                 fault="mid-write:1:kill:12")
+    assert dead.returncode != 0, f"the job survived a SIGKILL\n{dead.output}"
+    assert committed_steps(root) == [6], dead.output
+    out = tmp_path / "out"
+    resumed = train(N, root, out, "--steps", "16", "--save-steps", "6")
+    assert resumed.returncode == 0, resumed.output
+    assert "restored step 6" in resumed.stderr + resumed.stdout, resumed.output
+    assert [report(out, r)["global_step"] for r in range(N)] == [16] * N
+    assert committed_steps(root) == [6, 12, 16]  # the Trainer also saves its last step
+    for got, want in zip(finals(out, N), finals(tmp_path / "ref", N), strict=True):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.slow
+def test_a_preemption_signal_saves_once_exits_3_and_the_rerun_resumes_there(tmp_path: Path):
+    root = tmp_path / "root"
+    first = train(N, root, tmp_path / "first", "--steps", "16", "--save-steps", "4",
+                  "--signal-at", "5")
+    assert first.returncode == 3, first.output
+    steps = committed_steps(root)
+    assert steps[0] == 4 and len(steps) == 2 and 5 <= steps[1] < 8, (steps, first.output)
+    assert f"emergency checkpoint of step {steps[1]} committed" in first.stderr, first.output
+    out = tmp_path / "out"
+    again = train(N, root, out, "--steps", "16", "--save-steps", "4")
+    assert again.returncode == 0, again.output
+    assert f"restored step {steps[1]}" in again.stderr + again.stdout, again.output
+    assert [report(out, r)["global_step"] for r in range(N)] == [16] * N
+
+
+@pytest.mark.guarantee("reshard-bit-exact")
+def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
+    """8 steps on 2 ranks, then max_steps 8 on 1: the restore of step 8 ends training at once;
+    the model is the one the 2 ranks saved, bit for bit."""
+    root = tmp_path / "root"
+    two = train(N, root, tmp_path / "two", "--steps", "8")
+    assert two.returncode == 0, two.output
+    one = train(1, root, tmp_path / "one", "--steps", "8")
+    assert one.returncode == 0, one.output
+    assert "restored step 8" in one.stderr + one.stdout, one.output
+    got, want = finals(tmp_path / "one", 1)[0], finals(tmp_path / "two", N)[0]
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
