@@ -1,0 +1,248 @@
+"""The training stall of a checkpoint inside PyTorch Lightning and the Hugging Face Trainer: each
+framework's own checkpointing against mpickpt's integration, on the same job, in one run.
+
+Methods (each a process of its own, one rank; the order rotates every round):
+
+  lightning own            Lightning's default CheckpointIO (torch.save, on the training thread)
+  lightning async          Lightning's AsyncCheckpointIO (torch.save on a thread)
+  lightning mpickpt        mpickpt.lightning.MpickptIO
+  lightning none           no checkpoint: the baseline
+  hf own                   Trainer's own checkpoint (safetensors + torch.save of optimizer,
+                           scheduler and RNG states)
+  hf mpickpt               mpickpt.hf.Trainer
+  hf none                  save_strategy="no": the baseline
+
+Lightning trains an MLP (``--width`` by ``--layers``, AdamW), the Trainer a GPT-2 built from a
+config (``--gpt-layers`` by ``--gpt-width``); both save every ``--every`` steps for ``--steps``
+steps. Per method: the state's size, the median time of the save call (the stall the training
+loop sees directly: Lightning's ``trainer.save_checkpoint``, the Trainer's ``_save_checkpoint``),
+and the slowdown of the whole run per checkpoint against the baseline (the stall plus what
+background writing takes from the training steps, and the wait for the last save at the end).
+Neither framework fsyncs its files; mpickpt does. On CUDA the models are on the GPU.
+
+    python bench/bench_frameworks.py                  # ~6 minutes on 2 cores
+    python bench/bench_frameworks.py --device cuda --width 4096 --layers 8 --batch 4096 \
+        --gpt-width 1024 --gpt-layers 12 --gpt-batch 32 --steps 160 --every 40  # an H200
+
+Needs ``pip install '.[lightning,hf]'``. JSON to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+METHODS = ("lightning none", "lightning own", "lightning async", "lightning mpickpt",
+           "hf none", "hf own", "hf mpickpt")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from torch import nn
+
+    from mpickpt.lightning import MpickptIO
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers: list[nn.Module] = []
+            for _ in range(args.layers):
+                layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+            self.net = nn.Sequential(*layers)
+
+        def training_step(self, batch, i):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    x = torch.randn(args.steps * args.batch, args.width)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x),
+                                         batch_size=args.batch)
+    plugins, callbacks = [], []
+    if how == "own":
+        pass
+    elif how == "async":
+        plugins = [AsyncCheckpointIO()]
+    elif how == "mpickpt":
+        plugins = [MpickptIO(os.path.join(work, "root"), keep=2)]
+    if how != "none":
+        callbacks = [ModelCheckpoint(dirpath=os.path.join(work, "ckpt"), save_top_k=-1,
+                                     every_n_train_steps=args.every)]
+    trainer = pl.Trainer(accelerator=args.device if args.device == "cuda" else "cpu", devices=1,
+                         max_steps=args.steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=how != "none",
+                         callbacks=callbacks, plugins=plugins)
+    calls: list[float] = []
+    inner = trainer.save_checkpoint
+
+    def timed(*a: Any, **k: Any) -> None:
+        _sync(args.device)
+        t = time.perf_counter()
+        inner(*a, **k)
+        _sync(args.device)
+        calls.append(time.perf_counter() - t)
+
+    trainer.save_checkpoint = timed  # type: ignore[method-assign]
+    model = MLP()
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    t = time.perf_counter()
+    trainer.fit(model, loader)
+    _sync(args.device)
+    return {"total_s": time.perf_counter() - t, "calls": calls, "state_bytes": state_bytes}
+
+
+def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    import mpickpt.hf
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int) -> None:
+            self.x = torch.randint(0, 8192, (n, 128), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    cfg = GPT2Config(n_layer=args.gpt_layers, n_embd=args.gpt_width, n_head=8, vocab_size=8192,
+                     n_positions=128)
+    model = GPT2LMHeadModel(cfg)
+    targs = TrainingArguments(
+        output_dir=os.path.join(work, "hf"), max_steps=args.steps,
+        per_device_train_batch_size=args.gpt_batch,
+        save_strategy="no" if how == "none" else "steps", save_steps=args.every,
+        report_to=[], disable_tqdm=True, logging_strategy="no",
+        use_cpu=args.device != "cuda")
+    data = Tokens(args.steps * args.gpt_batch)
+    if how == "mpickpt":
+        trainer = mpickpt.hf.Trainer(model=model, args=targs, train_dataset=data,
+                                     mpickpt_root=os.path.join(work, "root"),
+                                     mpickpt_options={"keep": 2})
+    else:
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
+    calls: list[float] = []
+    inner = trainer._save_checkpoint
+
+    def timed(*a: Any, **k: Any) -> None:
+        _sync(args.device)
+        t = time.perf_counter()
+        inner(*a, **k)
+        _sync(args.device)
+        calls.append(time.perf_counter() - t)
+
+    trainer._save_checkpoint = timed  # type: ignore[method-assign]
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    t = time.perf_counter()
+    trainer.train()
+    _sync(args.device)
+    return {"total_s": time.perf_counter() - t, "calls": calls, "state_bytes": state_bytes}
+
+
+def worker(args: argparse.Namespace) -> None:
+    framework, how = args.method.split()
+    work = tempfile.mkdtemp(dir=args.dir, prefix="mpickpt-fw-")
+    try:
+        job = lightning_job if framework == "lightning" else hf_job
+        out = job(args, how, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("RESULT " + json.dumps({"method": args.method, **out}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--gpt-width", type=int, default=512)
+    ap.add_argument("--gpt-layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8, help="Lightning's batch")
+    ap.add_argument("--gpt-batch", type=int, default=4, help="the Trainer's batch")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json", default="bench/results/frameworks.json")
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.method:
+        worker(args)
+        return
+    from bench_cpu import columns
+
+    methods = args.methods.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for r in range(args.rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for m in order:
+            cmd = [sys.executable, os.path.abspath(__file__), "--method", m,
+                   *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                     if k in ("steps", "every", "width", "layers", "gpt_width", "gpt_layers",
+                              "batch", "gpt_batch", "device", "dir")]]
+            p = subprocess.run(cmd, capture_output=True, text=True,
+                               env={**os.environ, "MPICKPT_LOG": "WARNING"})
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            if p.returncode != 0 or not line:
+                sys.exit(f"{m} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            runs[m].append(json.loads(line[-1][7:]))
+            print(f"round {r + 1}: {m}: total {runs[m][-1]['total_s']:.2f} s, save calls "
+                  f"{[round(c, 3) for c in runs[m][-1]['calls']]}", flush=True)
+    rows, out = [], []
+    for m in methods:
+        fw = m.split()[0]
+        base_runs = runs.get(f"{fw} none") or [{"total_s": 0.0}]
+        base = statistics.median(x["total_s"] for x in base_runs)
+        total = statistics.median(x["total_s"] for x in runs[m])
+        calls = [c for x in runs[m] for c in x["calls"]]
+        saves = len(runs[m][0]["calls"])
+        stall = statistics.median(calls) if calls else 0.0
+        slow = (total - base) / saves if saves else 0.0
+        out.append({"method": m, "state_bytes": runs[m][0]["state_bytes"], "saves": saves,
+                    "save_call_s": stall, "total_s": total, "slowdown_per_save_s": slow,
+                    "runs": runs[m]})
+        rows.append((m, f"{runs[m][0]['state_bytes'] / 1e6:.0f}", str(saves),
+                     f"{stall:.3f}", f"{total:.2f}", f"{slow:.3f}" if saves else "-"))
+    print(columns(("method", "state MB", "saves", "save call s (median)", "run s",
+                   "slowdown per save s"), rows))
+    for fw in ("lightning", "hf"):
+        own = next((o for o in out if o["method"] == f"{fw} own"), None)
+        mine = next((o for o in out if o["method"] == f"{fw} mpickpt"), None)
+        if own and mine and mine["save_call_s"] > 0:
+            print(f"{fw}: mpickpt's save call is {own['save_call_s'] / mine['save_call_s']:.1f}x "
+                  f"shorter than the framework's own")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "method"},
+                   "device": args.device, "results": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
