@@ -138,7 +138,7 @@ def with_mpickpt(base: type) -> type:
 
         # ---------------------------------------------------------------------------- resume
 
-        def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+        def train(self, resume_from_checkpoint: str | bool | int | None = None, *args: Any,
                   **kwargs: Any) -> Any:
             """As ``Trainer.train``; ``resume_from_checkpoint`` True or ROOT: the newest loadable
             mpickpt checkpoint; ``"checkpoint-N"`` or N: step N, or the newest before it."""
@@ -152,8 +152,12 @@ def with_mpickpt(base: type) -> type:
                     self._mpickpt_ck = None
 
         def _mpickpt_restore(self, which: str | bool | int) -> str:
+            """Restore the checkpoint ``which`` names (collective); the directory holding its
+            trainer state for the Trainer to read."""
             upto = None
-            if not (which is True or os.path.abspath(os.fspath(which)) == self.mpickpt_root):
+            if isinstance(which, int) and not isinstance(which, bool):
+                upto = which
+            elif not (which is True or os.path.abspath(os.fspath(which)) == self.mpickpt_root):
                 name = os.path.basename(os.path.normpath(os.fspath(which)))
                 upto = int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else None
                 if upto is None:

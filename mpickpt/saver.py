@@ -120,8 +120,8 @@ class ShardOptions:
     fanout: int = FANOUT  # shards (and index parts) per directory, at most
 
     def extended(self, world_size: int) -> bool:
-        """Whether manifests are version 3 (incremental or compressed records, node files,
-        sub-directories)."""
+        """Whether manifests of ``world_size`` ranks are version 3 (incremental or compressed
+        records, node files, sub-directories); 0 for the node-local level's (flat, per rank)."""
         return bool(self.incremental or self.compression or self.per_node
                     or world_size > self.fanout)
 
@@ -301,7 +301,9 @@ class Saver:
         assert req.snapshot is not None and req.tree is not None
         stats, t0 = req.stats, time.perf_counter()
         host, decision = self._host(req)
-        name = shard_name(self.rank, self.world_size, self.options.fanout)
+        # the node-local level keeps its shards flat (its tools and recovery name them so)
+        name = shard_name(self.rank) if self.local is not None else \
+            shard_name(self.rank, self.world_size, self.options.fanout)
         path = os.path.join(partial, name)
         rootdir.make_dirs(os.path.dirname(path))
         codecs = None
@@ -457,7 +459,8 @@ class Saver:
                 metadata = user_metadata.resolve(req.metadata)
                 manifest = Manifest.assemble(step, self.world_size, self.run_id, entries or [],
                                              metadata, self.options.block, directory=partial,
-                                             extended=self.options.extended(self.world_size))
+                                             extended=self.options.extended(
+                                                 0 if local else self.world_size))
                 if not manifest.split or self.world_size <= CHECK_PIECES_RANKS:
                     _check_pieces(manifest.ranks)  # with index parts: reads them all
                     _check_sources(partial, manifest.ranks)
