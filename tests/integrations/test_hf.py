@@ -6,15 +6,14 @@ code 3, and the rerun resumes there. The checkpoint of 2 ranks restores on 1."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-import torch
 from harness import SCENARIOS, run_mpi
+from integrationkit import assert_same, committed_steps, finals, report
 
 SCENARIO = str(SCENARIOS / "hf_train.py")
 N = 2
@@ -23,19 +22,6 @@ N = 2
 def train(n: int, root: Path, out: Path, *extra: str, fault: str | None = None):
     return run_mpi(n, ["-m", "mpickpt.run", SCENARIO, str(root), str(out), *extra],
                    env={"MPICKPT_FAULT": fault} if fault else None, timeout=300)
-
-
-def committed_steps(root: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in root.glob("step-*")
-                  if p.name[5:].isdigit() and (p / "MANIFEST.json").is_file())
-
-
-def finals(out: Path, n: int) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(out / f"rank-{r}.pt") for r in range(n)]
-
-
-def report(out: Path, r: int) -> dict:
-    return json.loads((out / f"rank-{r}.json").read_text())
 
 
 @pytest.mark.slow
@@ -56,9 +42,7 @@ def test_a_rank_killed_mid_save_resumes_mid_epoch_bit_identical(tmp_path: Path):
     assert [report(out, r)["global_step"] for r in range(N)] == [16] * N
     assert committed_steps(root) == [6, 12, 16]  # the Trainer also saves its last step
     for got, want in zip(finals(out, N), finals(tmp_path / "ref", N), strict=True):
-        assert got.keys() == want.keys()
-        for k in want:
-            assert torch.equal(got[k], want[k]), k
+        assert_same(got, want)
 
 
 @pytest.mark.slow
@@ -88,5 +72,4 @@ def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
     assert one.returncode == 0, one.output
     assert "restored step 8" in one.stderr + one.stdout, one.output
     got, want = finals(tmp_path / "one", 1)[0], finals(tmp_path / "two", N)[0]
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_same(got, want)

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import torch
 from harness import SCENARIOS, run_mpi
+from integrationkit import assert_same, committed_steps, finals, report
 
 SCENARIO = str(SCENARIOS / "lightning_train.py")
 N = 2
@@ -23,19 +23,6 @@ N = 2
 def train(n: int, root: Path, out: Path, *extra: str, fault: str | None = None):
     return run_mpi(n, [SCENARIO, str(root), str(out), *extra],
                    env={"MPICKPT_FAULT": fault} if fault else None, timeout=300)
-
-
-def committed_steps(root: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in root.glob("step-*")
-                  if p.name[5:].isdigit() and (p / "MANIFEST.json").is_file())
-
-
-def finals(out: Path, n: int) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(out / f"rank-{r}.pt") for r in range(n)]
-
-
-def report(out: Path, r: int) -> dict:
-    return json.loads((out / f"rank-{r}.json").read_text())
 
 
 @pytest.mark.slow
@@ -55,9 +42,7 @@ def test_a_rank_killed_mid_save_resumes_from_the_last_commit_bit_identical(tmp_p
     assert [report(out, r)["global_step"] for r in range(N)] == [16] * N
     assert committed_steps(root)[-1] == 16
     for got, want in zip(finals(out, N), finals(tmp_path / "ref", N), strict=True):
-        assert got.keys() == want.keys()
-        for k in want:
-            assert torch.equal(got[k], want[k]), k
+        assert_same(got, want)
 
 
 @pytest.mark.slow
@@ -89,5 +74,46 @@ def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
     assert one.returncode == 0, one.output
     assert report(tmp_path / "one", 0)["global_step"] == 8
     got, want = finals(tmp_path / "one", 1)[0], finals(tmp_path / "two", N)[0]
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_same(got, want)
+
+
+def test_fit_last_resumes_from_the_pointer_and_top_k_maps_onto_retention(tmp_path: Path):
+    """ModelCheckpoint(monitor="train_loss", save_top_k=2) with MpickptIO(keep=1,
+    best=("train_loss", "min"), keep_best=2): every pointer Lightning keeps names a committed
+    step, the monitored value is in each manifest, and fit(ckpt_path="last") resumes from the
+    step last.ckpt names."""
+    root = tmp_path / "root"
+    first = train(N, root, tmp_path / "first", "--epochs", "4", "--top-k", "2")
+    assert first.returncode == 0, first.output
+    kept = committed_steps(root)
+    pointers = {p.name: json.loads(p.read_text())["step"]
+                for p in (root / "lightning").glob("*.ckpt")}
+    # last.ckpt and the top 2 (Lightning saves on improvement only, so last may be before 16)
+    assert "last.ckpt" in pointers and len(pointers) == 3, pointers
+    last = pointers["last.ckpt"]
+    assert last == max(pointers.values()), pointers
+    assert set(pointers.values()) <= set(kept), (pointers, kept)
+    assert len(kept) <= 3, kept  # the newest and the 2 best by train_loss
+    for s in kept:
+        meta = json.loads((root / f"step-{s:08d}" / "MANIFEST.json").read_text())["metadata"]
+        assert isinstance(meta["train_loss"], float) and meta["epoch"] == s // 4 - 1, meta
+    out = tmp_path / "out"
+    again = train(N, root, out, "--epochs", "5", "--top-k", "2", "--resume", "last")
+    assert again.returncode == 0, again.output
+    assert f"restored step {last}" in again.stderr + again.stdout, again.output
+    assert [report(out, r)["resumed_from"] for r in range(N)] == ["last"] * N
+    assert [report(out, r)["global_step"] for r in range(N)] == [20] * N
+
+
+def test_lightnings_own_slurm_requeue_next_to_mpickpt_is_refused(tmp_path: Path):
+    """Two handlers of one signal would each checkpoint and requeue: refused at setup, naming
+    the fix (before anything is saved or any process group is made)."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from mpickpt.lightning import DDPStrategy, MpickptIO
+
+    strategy = DDPStrategy(checkpoint_io=MpickptIO(tmp_path / "root"),
+                           cluster_environment=SLURMEnvironment(auto_requeue=True))
+    with pytest.raises(ValueError, match=r"SLURMEnvironment\(auto_requeue=False\)"):
+        strategy.setup(None)
+    assert not (tmp_path / "root").exists()

@@ -2,12 +2,15 @@
 through mpickpt.lightning; it resumes from ROOT when a checkpoint is there.
 
 Usage: lightning_train.py ROOT OUT --epochs E [--batches B] [--no-checkpoint] [--signal-at S]
+                          [--top-k K] [--resume root|last]
 
 A regression MLP on a fixed synthetic dataset: ``B`` batches per rank per epoch, no shuffling,
 so a run is deterministic; ``ModelCheckpoint(every_n_epochs=1, save_last=True)`` saves at each
 epoch's end (steps B, 2B, ...). Each rank writes OUT/rank-R.pt (the final parameters) and
 OUT/rank-R.json (the step it started from). ``--signal-at S``: rank 1 sends itself SIGUSR2 at
-the end of step S (a preemption).
+the end of step S (a preemption). ``--top-k K``: ``ModelCheckpoint(monitor="train_loss",
+save_top_k=K)`` and ``MpickptIO(keep=1, best=("train_loss", "min"), keep_best=K)``.
+``--resume last``: ``fit(ckpt_path="last")`` (the pointer ``last.ckpt``) instead of ROOT.
 
 Run by tests/integrations/test_lightning.py.
 """
@@ -63,6 +66,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--signal-at", type=int, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--resume", choices=["root", "last"], default="root")
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -71,7 +76,11 @@ def main() -> None:
     x = torch.randn(n, 8, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
-    io = None if args.no_checkpoint else MpickptIO(args.root, keep=3)
+    keep: dict = {"keep": 3} if args.top_k is None else {
+        "keep": 1, "best": ("train_loss", "min"), "keep_best": args.top_k}
+    io = None if args.no_checkpoint else MpickptIO(args.root, **keep)
+    policy: dict = {"save_top_k": -1} if args.top_k is None else {
+        "save_top_k": args.top_k, "monitor": "train_loss", "mode": "min"}
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, max_epochs=args.epochs, logger=False,
         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
@@ -79,10 +88,12 @@ def main() -> None:
         enable_checkpointing=io is not None,
         callbacks=[] if io is None else [
             ModelCheckpoint(dirpath=os.path.join(args.root, "lightning"), every_n_epochs=1,
-                            save_last=True, save_top_k=-1), Preemption(io)]
+                            save_last=True, **policy), Preemption(io)]
         + ([SignalAt(args.signal_at)] if args.signal_at else []))
     model = Regression()
     start = io.resume_path() if io is not None else None
+    if start is not None and args.resume == "last":
+        start = "last"
     trainer.fit(model, loader, ckpt_path=start)
     rank = trainer.global_rank
     os.makedirs(args.out, exist_ok=True)
