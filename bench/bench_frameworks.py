@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,6 +54,19 @@ def _sync(device: str) -> None:
 
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[..., None], calls: list[float], device: str) -> Callable[..., None]:
+    """``fn``, appending to ``calls`` how long each call took (the GPU's work included)."""
+
+    def timed(*a: Any, **k: Any) -> None:
+        _sync(device)
+        t = time.perf_counter()
+        fn(*a, **k)
+        _sync(device)
+        calls.append(time.perf_counter() - t)
+
+    return timed
 
 
 def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
@@ -96,16 +110,7 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
                          enable_model_summary=False, enable_checkpointing=how != "none",
                          callbacks=callbacks, plugins=plugins)
     calls: list[float] = []
-    inner = trainer.save_checkpoint
-
-    def timed(*a: Any, **k: Any) -> None:
-        _sync(args.device)
-        t = time.perf_counter()
-        inner(*a, **k)
-        _sync(args.device)
-        calls.append(time.perf_counter() - t)
-
-    trainer.save_checkpoint = timed  # type: ignore[method-assign]
+    trainer.save_checkpoint = _timed(trainer.save_checkpoint, calls, args.device)  # type: ignore[method-assign]
     model = MLP()
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     t = time.perf_counter()
@@ -148,16 +153,7 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
     else:
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
     calls: list[float] = []
-    inner = trainer._save_checkpoint
-
-    def timed(*a: Any, **k: Any) -> None:
-        _sync(args.device)
-        t = time.perf_counter()
-        inner(*a, **k)
-        _sync(args.device)
-        calls.append(time.perf_counter() - t)
-
-    trainer._save_checkpoint = timed  # type: ignore[method-assign]
+    trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, args.device)  # type: ignore[method-assign]
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     t = time.perf_counter()
     trainer.train()
