@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,8 +78,6 @@ def write(nf: NodeFiles, path: str, rank: int, tensors: Mapping[str, torch.Tenso
     its records and the file's size once the leader sealed it. ``error``: this rank failed
     before (``tensors`` is then None); it still takes part, and every rank of the node raises.
     ``times`` receives ``create_s``, ``data_s`` and ``seal_s``."""
-    import time
-
     t0 = time.perf_counter()
     mine: Any = (rank, _spec(tensors), dict(attrs)) if error is None and tensors is not None \
         else {"error": error or f"rank {rank}: no snapshot"}
