@@ -35,6 +35,8 @@ TRAIN = REPO / "examples" / "train.py"
 WIDTH = 100  # wrap explanations at this many columns
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 PARTIAL_DIR = re.compile(r"^step-(\d{8,})\.partial-([0-9a-z]+)$")
+# the restore's log line: "restored step 20 from /path/step-00000020 in 0.08 s: ..."
+RESTORED = re.compile(r"restored step (?P<step>\d+) from (?P<path>.+?) in [0-9.]+ s")
 
 
 class DemoFailed(Exception):
@@ -414,6 +416,9 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
     if rc != 0:
         raise DemoFailed(f"the restarted run failed with exit code {rc} (its output is above)")
     restored_line = next((i for i, s in enumerate(lines) if "restored step" in s), None)
+    if restored_line is None:
+        raise DemoFailed("the restarted run did not log which checkpoint it restored")
+    restored = RESTORED.search(lines[restored_line])
     removed_line = next((i for i, s in enumerate(lines)
                          if "removing" in s and partial[0].name in s), None)
     starts = {json.loads((resumed / f"rank-{r}.json").read_text())["start"]
@@ -421,9 +426,10 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
     if starts != {last_good}:
         raise DemoFailed(f"the restarted ranks began at steps {sorted(starts)}, expected all at "
                          f"{last_good} (the last committed checkpoint)")
-    if restored_line is not None and not lines[restored_line].rstrip().endswith(
-            f"step-{last_good:08d}"):
-        raise DemoFailed(f"mpickpt reported restoring something else than step-{last_good:08d}")
+    if restored is None or int(restored["step"]) != last_good or \
+            Path(restored["path"]).name != f"step-{last_good:08d}":
+        raise DemoFailed(f"mpickpt reported restoring something else than step-{last_good:08d}: "
+                         f"{lines[restored_line].strip()}")
     if any(partial[0].name in s for s in lines if "restored" in s) or partial[0].exists():
         raise DemoFailed(f"{partial[0].name} was not cleaned up as expected")
     say(f"-> done in {secs:.1f} s. What the restart found and did:", "  ")
@@ -431,7 +437,7 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
              f"{last_good})" if saved else "no committed checkpoint")
     say(f"* It found {found}, and the partial directory of the killed save of step {kstep}.",
         "    ")
-    if removed_line is not None and (restored_line is None or removed_line < restored_line):
+    if removed_line is not None and (removed_line < restored_line):
         say(f"* It removed {partial[0].name}/ at start-up, before restoring, without reading "
             f"it: a directory without a manifest is never a candidate, so none of the killed "
             f"save's bytes were loaded.", "    ")
