@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from . import codec, knobs, log, preempt, retention, rootdir, shared_root, slurm
+from . import codec, knobs, log, preempt, retention, rollback, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError, LocalTierFull
 from .exchange import Exchange
@@ -33,6 +33,7 @@ from .pinned_pool import HostPool
 from .protocol import Protocol
 from .recovery import LocalRecovery
 from .restorer import RestoreInfo, Restorer
+from .rollback import Rollback
 from .saver import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BLOCK,
@@ -221,7 +222,11 @@ class Checkpointer:
         self.restore_info: RestoreInfo | None = None
         self._closed = False
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
-        self._collective(self._prepare_root, "init", root_only=True)
+        # why ROOT cannot be used now (None: it can); fatal without a local level
+        self._root_problem: str | None = self._collective(self._prepare_root, "init",
+                                                          root_only=True)
+        if self._root_problem is not None and local is None:
+            raise CheckpointError(f"init failed: rank 0: {self._root_problem}")
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
         self._local = None
         self._recovery: LocalRecovery | None = None
@@ -229,6 +234,11 @@ class Checkpointer:
             self._local = self._local_level(local, redundancy, persist_every, keep_local,
                                             local_budget, xor_set, drain_bandwidth)
             self._recovery = LocalRecovery(self._proto, self._local, io_threads, self.log)
+            if self._root_problem is not None and self.rank == 0:
+                self.log.warning(
+                    "ROOT cannot be used: %s. Restore takes what the node-local level holds; "
+                    "saves are protected on the nodes, and their drains to ROOT fail (each one "
+                    "says so) until ROOT is back", self._root_problem)
         elif redundancy is not None:
             raise ValueError("redundancy protects the node-local level: give local= too")
         self._local_checked = False
@@ -302,7 +312,9 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self._saver.report_finished()
-        if not self._root_shared:  # before the first save writes anything
+        # before the first save writes anything (a ROOT that was unusable at the start is not
+        # written until a drain finds it back, and a drain commits only every rank's shard)
+        if not self._root_shared and self._root_problem is None:
             shared_root.check(self._proto, self.root, self.run_id, self.log)
             self._root_shared = True
         request, user_error = self._capture.take(step, state, metadata)
@@ -383,14 +395,15 @@ class Checkpointer:
         if self._saver.tracker is not None:  # the state changes: the next save is full
             self._saver.tracker.forget()
         t0 = time.perf_counter()
-        candidates = self._collective(
-            lambda: rootdir.committed(self.root, require_manifest=False), "list", root_only=True)
+        candidates, undo, unlisted = self._collective(self._list_root, "list", root_only=True)
+        if unlisted is not None and self._recovery is None:
+            raise CheckpointError(f"cannot list the checkpoints under ROOT: {unlisted}")
         if step is not None:
             candidates = [c for c in candidates if c[0] == step]
         if upto is not None:
             candidates = [c for c in candidates if c[0] <= upto]
         with self._proto.fatal_timeouts(self.log):
-            local_steps = self._recovery.steps() if self._recovery is not None else []
+            local_steps = self._recovery.steps(undo) if self._recovery is not None else []
             if step is not None:
                 local_steps = [s for s in local_steps if s == step]
             if upto is not None:
@@ -405,9 +418,16 @@ class Checkpointer:
                                 local=self._recovery, local_steps=local_steps)
             info.total_bytes_read = self._proto.sum(info.bytes_read, "restored")
             info.total_network_bytes = self._proto.sum(info.network_bytes, "restored")
+            if info.level == "local":
+                info.total_fetched_bytes = self._proto.sum(info.fetched_bytes, "restored")
             info.root_bytes = info.total_bytes_read if info.level == "root" else 0
         info.seconds = time.perf_counter() - t0
         self.restore_info = info
+        if info.step is None and unlisted is not None:
+            raise CheckpointError(
+                f"no step of the node-local level can be restored, and ROOT cannot be listed "
+                f"({unlisted}): refusing to start afresh while ROOT may hold checkpoints; make "
+                "ROOT readable, or give another ROOT for a fresh start")
         tracker = self._saver.tracker
         if tracker is not None and info.step is not None and restorer.manifest is not None \
                 and info.level == "root" and info.world_size == self.world_size:
@@ -424,6 +444,10 @@ class Checkpointer:
                               info.total_bytes_read / max(info.seconds, 1e-9) / 1e9,
                               f", {log.human_bytes(info.total_network_bytes)} rebuilt over "
                               "the network" if info.total_network_bytes else "")
+                if info.total_fetched_bytes:
+                    self.log.info("step %d: %s of shards of other nodes sent over the network "
+                                  "(replicated or resharded tensors)", info.step,
+                                  log.human_bytes(info.total_fetched_bytes))
         return info.step
 
     # -------------------------------------------------------------------------------- preemption
@@ -543,15 +567,37 @@ class Checkpointer:
             raise CheckpointError(f"{phase} failed: {err}")
         return value  # type: ignore[return-value]
 
-    def _prepare_root(self) -> None:
-        rootdir.make_dirs(self.root)
-        for path in rootdir.leftovers(self.root, self.run_id):
+    def _list_root(self) -> tuple[list[tuple[int, str]], Rollback | None, str | None]:
+        """(ROOT's committed steps, its rollback in effect, why ROOT cannot be listed); on
+        rank 0. With a local level, an unreadable ROOT is logged and restore goes on without
+        it."""
+        try:
+            candidates = rootdir.committed(self.root, require_manifest=False)
+        except OSError as e:
+            why = f"{self.root}: {type(e).__name__}: {e.strerror or e}"
+            if self._local is not None:
+                self.log.warning("cannot list the checkpoints under ROOT (%s): restoring from "
+                                 "the node-local level alone (a rollback recorded in ROOT "
+                                 "cannot be seen either)", why)
+            return [], None, why
+        return candidates, rollback.active(self.root), None
+
+    def _prepare_root(self) -> str | None:
+        """Create ROOT and remove what earlier runs left half done; why ROOT cannot be used,
+        or None."""
+        try:
+            rootdir.make_dirs(self.root)
+            doomed = rootdir.leftovers(self.root, self.run_id)
+        except OSError as e:
+            return f"{self.root}: {type(e).__name__}: {e.strerror or e}"
+        for path in doomed:
             self.log.info("removing %s, left by an earlier run that did not finish its save", path)
             try:
                 rootdir.remove(path, self.run_id)
             except OSError as e:  # e.g. a read-only ROOT: restore must still work
                 self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
                                  "a later start", path, e)
+        return None
 
 
 def finish_saves(why: str) -> bool:

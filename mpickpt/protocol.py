@@ -354,6 +354,12 @@ class Protocol:
         self.collectives += 1
         return self.comm.allgather(obj)
 
+    def alltoall(self, objs: list[Any], phase: str) -> list[Any]:
+        """Send ``objs[r]`` to rank r; what every rank sent this one, by rank."""
+        self.barrier(phase)
+        self.collectives += 1
+        return self.comm.alltoall(objs)
+
     def exit_vote(self) -> ExitVote:
         """A non-blocking agreement on a flag, on its own duplicate of the communicator."""
         return ExitVote(self)

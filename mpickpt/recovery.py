@@ -37,6 +37,8 @@ from .manifest import NAME as MANIFEST
 from .manifest import Manifest, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
 from .records import check_file, check_records
+from .rollback import NAME as ROLLBACK
+from .rollback import Rollback
 from .topology import partner_holder, team_of, xor_chunk_bytes
 
 
@@ -61,11 +63,30 @@ class LocalRecovery:
     def path(self, step: int) -> str:
         return self.level.tier.final(step)
 
-    def steps(self) -> list[int]:
-        """The steps any node committed locally, newest first (collective)."""
-        mine = self.level.tier.committed() if self.level.leader else []
-        return sorted({s for part in self.proto.allgather(mine, "local-list") for s in part},
-                      reverse=True)
+    def steps(self, undo: Rollback | None = None) -> list[int]:
+        """The steps any node committed locally, newest first (collective). With ``undo``
+        (ROOT's rollback in effect), the steps it undoes are left out and removed from every
+        node (:mod:`mpickpt.rollback`); rank 0 logs which."""
+        mine, gone = [], []
+        if self.level.leader:
+            for step in self.level.tier.committed():
+                if undo is not None and undo.excludes(step, _written(self.path(step))):
+                    gone.append(step)
+                else:
+                    mine.append(step)
+            for step in gone:
+                try:
+                    rootdir.remove(self.path(step), "rollback")
+                except OSError as e:
+                    self.log.warning("could not remove %s, undone by %s: %s", self.path(step),
+                                     ROLLBACK, e)
+        parts = self.proto.allgather((mine, gone), "local-list")
+        undone = sorted({s for _, g in parts for s in g})
+        if undone and undo is not None and self.rank == 0:
+            self.log.warning("%s: discarding step(s) %s of the local level, saved before it "
+                             "(%s)", undo.describe(), ", ".join(map(str, undone)),
+                             self.level.tier.base)
+        return sorted({s for m, _ in parts for s in m} - set(undone), reverse=True)
 
     def _inventory(self, d: str) -> tuple[bool, list[int], list[int]]:
         """(manifest there, ranks whose shard file is there, ranks whose parity is there)."""
@@ -242,6 +263,15 @@ class _Buffers:
         if buf is None or len(buf) < nbytes:
             buf = self._bufs[name] = bytearray(max(nbytes, 1))
         return memoryview(buf)[:nbytes]
+
+
+def _written(step_dir: str) -> float | None:
+    """When the manifest in ``step_dir`` says it was written; None when it cannot tell."""
+    try:
+        created = json.loads(read_bytes(step_dir)).get("created")
+    except (ManifestError, ValueError, AttributeError, RecursionError):
+        return None
+    return float(created) if isinstance(created, (int, float)) else None
 
 
 def _read_text(path: str) -> str | None:

@@ -258,12 +258,42 @@ def _cover(t: Target, stored: list[Piece], where: str) -> Target:
     return t
 
 
-def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
-            buffer: Callable[[int], torch.Tensor],
-            on_block: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
-    """Read and verify the planned spans; assemble and return every target by name. The records
-    of the shards read must have passed :func:`mpickpt.shard.check_records` (restore checks
-    them before it plans, and before anything is allocated)."""
+@dataclass
+class Staged:
+    """A plan's targets allocated, and the spans to read into them, by the rank whose shard
+    holds them: :meth:`read` fills them from files (every block verified), or another rank sends
+    them (the node-local level: :mod:`mpickpt.remote`); :meth:`finish` assembles the targets."""
+
+    plan: Plan
+    out: dict[str, torch.Tensor]
+    by_rank: dict[int, list[Span]]
+    direct: dict[RecordKey, int]  # stored record -> byte offset in its target (read in place)
+    staged: dict[RecordKey, list[Span]]  # stored record -> its spans, in byte order
+
+    def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
+             on_block: Callable[[], None] | None = None) -> None:
+        """Read and verify the spans of these ranks' shards under ``directory``."""
+        for src_rank in ranks:
+            entry: RankEntry = manifest.ranks[src_rank]
+            by_file: dict[tuple[str, int], list[Span]] = {}  # incremental: some in older shards
+            for s in self.by_rank.get(src_rank, []):
+                by_file.setdefault(entry.file_of(directory, s.record), []).append(s)
+            for (path, size), spans in by_file.items():
+                read_spans(src_rank, path, size, spans, block=manifest.checksum_block,
+                           threads=threads, on_block=on_block)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Every target, by name, once all spans are in."""
+        for n, t in self.plan.targets.items():
+            for src in t.sources:
+                if src.key not in self.direct:
+                    _copy_box(self.out[n], t, src, self.staged[src.key])
+        return self.out
+
+
+def stage(p: Plan, buffer: Callable[[int], torch.Tensor]) -> Staged:
+    """Allocate the targets of ``p`` in one ``buffer`` and lay out the spans to read: a record
+    that lands whole in one contiguous range of its target is read straight there."""
     offsets, pos = {}, 0
     for name, t in p.targets.items():
         offsets[name] = pos
@@ -271,14 +301,14 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
     buf = buffer(pos)
     out = {n: buf[offsets[n]: offsets[n] + t.nbytes].view(dtypes.torch_dtype(t.dtype))
            .view(t.shape) for n, t in p.targets.items()}
-    direct: dict[RecordKey, int] = {}  # stored record -> byte offset in its target
+    direct: dict[RecordKey, int] = {}
     for t in p.targets.values():
         for src in t.sources:
             at = t.in_place(src.record, src.offsets, src.shape)
             if at is not None:
                 direct[src.key] = at
     by_rank: dict[int, list[Span]] = {}
-    staged: dict[RecordKey, list[Span]] = {}  # stored record -> its spans, in byte order
+    staged: dict[RecordKey, list[Span]] = {}
     for n, t in p.targets.items():
         for src in t.sources:
             key = src.key
@@ -294,19 +324,18 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
                 spans.append(Span(src.record, r.lo, r.hi, dest))
             by_rank.setdefault(key.rank, []).extend(spans)
             staged[key] = spans
-    for src_rank, rank_spans in by_rank.items():
-        entry: RankEntry = manifest.ranks[src_rank]
-        by_file: dict[tuple[str, int], list[Span]] = {}  # incremental: some in older shards
-        for s in rank_spans:
-            by_file.setdefault(entry.file_of(directory, s.record), []).append(s)
-        for (path, size), spans in by_file.items():
-            read_spans(src_rank, path, size, spans, block=manifest.checksum_block,
-                       threads=threads, on_block=on_block)
-    for n, t in p.targets.items():
-        for src in t.sources:
-            if src.key not in direct:
-                _copy_box(out[n], t, src, staged[src.key])
-    return out
+    return Staged(p, out, by_rank, direct, staged)
+
+
+def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
+            buffer: Callable[[int], torch.Tensor],
+            on_block: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """Read and verify the planned spans; assemble and return every target by name. The records
+    of the shards read must have passed :func:`mpickpt.shard.check_records` (restore checks
+    them before it plans, and before anything is allocated)."""
+    s = stage(p, buffer)
+    s.read(manifest, directory, list(s.by_rank), threads=threads, on_block=on_block)
+    return s.finish()
 
 
 def _copy_box(dest: torch.Tensor, t: Target, src: Source, spans: list[Span]) -> None:

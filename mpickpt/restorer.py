@@ -35,7 +35,8 @@ from .manifest import Manifest, RankEntry, read_bytes
 from .pinned_pool import HostPool
 from .protocol import Protocol
 from .recovery import LocalRecovery
-from .shard import check_file, check_records
+from .remote import fetch as remote_fetch
+from .shard import Span, check_file, check_records
 
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
@@ -60,6 +61,8 @@ class RestoreInfo:
     #                            "XOR rebuild" (level "local"), or "ROOT"
     network_bytes: int = 0  # received over MPI to rebuild this rank's shard
     total_network_bytes: int = 0  # by every rank
+    fetched_bytes: int = 0  # (level "local") bytes of other nodes' shards received to load
+    total_fetched_bytes: int = 0  # by every rank
     root_bytes: int = 0  # read from ROOT by every rank
 
 
@@ -73,6 +76,7 @@ class Restorer:
         self.rank, self.world_size = proto.rank, proto.size
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
+        self.fetched_bytes = 0  # the node-local level: received from other nodes' ranks
         self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
@@ -98,6 +102,7 @@ class Restorer:
                 info.level = level
                 info.source = local.last.source if level == "local" and local else "ROOT"
                 info.network_bytes = local.last.received if level == "local" and local else 0
+                info.fetched_bytes = self.fetched_bytes if level == "local" else 0
                 break
             info.skipped.append((step, verdict))
             later = [t for t in tries[n + 1:] if t[0] == step]
@@ -120,15 +125,16 @@ class Restorer:
         load verifies every checksum), and if that fails, once more after every rank verified
         its shard and the damaged or missing ones were rebuilt from redundancy."""
         verdict, loaded = local.prepare(step, verify=False), {}
+        nodes = local.level.topology.nodes
         if verdict is None:
-            verdict, loaded = self._try(state, step, local.path(step))
+            verdict, loaded = self._try(state, step, local.path(step), nodes)
             if verdict is not None:
                 if self.rank == 0:
                     self.log.warning("step %d from the local level: %s; verifying every shard "
                                      "and rebuilding the damaged ones", step, verdict)
                 verdict = local.prepare(step, verify=True)
                 if verdict is None:
-                    verdict, loaded = self._try(state, step, local.path(step))
+                    verdict, loaded = self._try(state, step, local.path(step), nodes)
         return (None if verdict is None else f"from the local level: {verdict}"), loaded
 
     def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
@@ -138,9 +144,12 @@ class Restorer:
         except ManifestError as e:
             return None, str(e)
 
-    def _try(self, state: dict[str, Any], step: int, path: str
-             ) -> tuple[str | None, dict[str, Any]]:
-        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be."""
+    def _try(self, state: dict[str, Any], step: int, path: str,
+             nodes: Sequence[str] | None = None) -> tuple[str | None, dict[str, Any]]:
+        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
+        ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
+        step), the bytes of shards of other nodes' ranks come from those ranks
+        (:mod:`mpickpt.remote`)."""
         text, reason = self.proto.bcast(
             self._read_manifest(path) if self.rank == 0 else None, "manifest")
         if text is None:
@@ -178,6 +187,8 @@ class Restorer:
             return held[-1]
 
         where = path
+        staged: reshard.Staged | None = None
+        remote: dict[int, list[Span]] = {}
         try:
             # records that cannot be are damage (fall back), before they are compared with the
             # state (a mismatch stops the restore) or anything is allocated for them
@@ -188,18 +199,30 @@ class Restorer:
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             _check_records(manifest, needed - {source}, path)
-            _check_files(manifest, needed, path)
-            arrays = reshard.execute(
-                plan, manifest, path, threads=self.io_threads, buffer=buffer,
-                on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step),
-            )
-            self.bytes_read = plan.bytes_to_read
+            # the node-local level: other nodes' shards are their ranks' to check and send
+            _check_files(manifest, {r for r in needed
+                                    if nodes is None or nodes[r] == nodes[self.rank]}, path)
+            staged = reshard.stage(plan, buffer)
+            here = [r for r in staged.by_rank if nodes is None or nodes[r] == nodes[self.rank]]
+            remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
+            staged.read(manifest, path, here, threads=self.io_threads,
+                        on_block=lambda: faults.hit("mid-restore-read", self.rank,
+                                                    manifest.step))
+            self.bytes_read = sum(s.nbytes for r in here for s in staged.by_rank[r])
         except StateMismatchError as e:
             verdict, err = _MISMATCH, f"rank {self.rank}: {where}: {e}"
         except ShardError as e:
             verdict, err = _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
         except Exception as e:
             verdict, err = _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
+        if nodes is not None:  # collective: also where this rank failed
+            moved, why = remote_fetch(self.proto, remote, manifest, path, self.io_threads,
+                                      failed=verdict != _OK)
+            if not moved:
+                verdict, err = max(verdict, _CORRUPT), err or why
+            self.fetched_bytes = sum(s.nbytes for spans in remote.values() for s in spans)
+        if verdict == _OK and staged is not None:
+            arrays = staged.finish()
         try:
             tree = plan.tree if plan is not None else {}
             return self._agree_and_apply(path, manifest, tree, state, arrays, verdict, err)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import rootdir
+from .. import rollback, rootdir
 from .catalog import QUARANTINE, QUARANTINE_LOG, ROLLBACK, Entry
 from .render import iso_utc
 
@@ -155,32 +155,8 @@ class Changes:
 
 
 def active_rollback(root: str) -> dict[str, Any] | None:
-    """ROOT/ROLLBACK.json while the rollback it records is in effect, with ``undone``: the steps
-    moved back into ROOT by hand since (the documented undo, ``mv`` from the quarantine); None
-    when there is none, or when every checkpoint it moved is back (the notice would be stale)."""
-    record = read_rollback(root)
-    if record is None:
-        return None
-    moved = record.get("moved")
-    undone = []
-    if isinstance(moved, list):
-        for m in moved:
-            try:
-                src, dst = os.path.basename(m["from"]), os.path.basename(m["to"])
-            except (KeyError, TypeError):
-                continue
-            if rootdir.is_real_dir(os.path.join(root, src)) and \
-                    not os.path.lexists(os.path.join(root, QUARANTINE, dst)):
-                undone.append(m.get("step"))
-        if moved and len(undone) == len(moved):
-            return None
-    return {**record, "undone": undone}
-
-
-def read_rollback(root: str) -> dict[str, Any] | None:
-    try:
-        with os.fdopen(rootdir.open_regular(os.path.join(root, ROLLBACK))) as f:
-            r = json.load(f)
-        return r if isinstance(r, dict) else None
-    except (OSError, ValueError, RecursionError):
-        return None
+    """ROOT/ROLLBACK.json while the rollback it records is in effect (:mod:`mpickpt.rollback`),
+    with ``undone``: the steps moved back into ROOT by hand since (the documented undo, ``mv``
+    from the quarantine); None when there is none, or when every checkpoint it moved is back."""
+    rb = rollback.active(root)
+    return None if rb is None else {**rb.record, "undone": rb.undone}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from ..log import human_bytes
 from ..manifest import NAME as MANIFEST
 from ..manifest import Manifest, read_bytes, shard_name
 from ..ranks import ranks_text
+from ..rollback import Rollback
 from .render import Cell, Out, human_age, iso_utc, local_time
 
 MAX_NAMES = 8  # node names listed in a sentence before the rest is counted
@@ -56,6 +58,8 @@ class NodeStep:
     wrong: dict[int, str] = field(default_factory=dict)
     scheme: str | None = None
     nodes: list[str] | None = None  # LEVEL.json: the node of every rank
+    teams: list[list[int]] | None = None  # LEVEL.json: the redundancy teams
+    parity: list[int] = field(default_factory=list)  # ranks whose XOR parity file is there
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,28 +91,38 @@ def _owner(path: str) -> str | None:
         return None
 
 
-def _shards(step_dir: str) -> dict[int, int]:
-    out = {}
+SHARD_FILE = re.compile(r"^rank-(\d{5,})\.h5$")
+PARITY_FILE = re.compile(r"^xor-(\d{5,})\.bin$")
+
+
+def _shards(step_dir: str) -> tuple[dict[int, int], list[int]]:
+    """(rank -> size of each ``rank-*.h5`` there, the ranks whose ``xor-*.bin`` is there)."""
+    out, parity = {}, []
     with os.scandir(step_dir) as it:
         for e in it:
-            n = e.name
-            if (n.startswith("rank-") and n.endswith(".h5") and n[5:-3].isdigit()
-                    and e.is_file(follow_symlinks=False)):
-                out[int(n[5:-3])] = e.stat(follow_symlinks=False).st_size
-    return out
+            if not e.is_file(follow_symlinks=False):
+                continue
+            if m := SHARD_FILE.match(e.name):
+                out[int(m.group(1))] = e.stat(follow_symlinks=False).st_size
+            elif m := PARITY_FILE.match(e.name):
+                parity.append(int(m.group(1)))
+    return out, sorted(parity)
 
 
-def _layout(step_dir: str) -> tuple[str | None, list[str] | None]:
+def _layout(step_dir: str) -> tuple[str | None, list[str] | None, list[list[int]] | None]:
+    """LEVEL.json's scheme, node of every rank and teams (None where it says nothing usable)."""
     try:
         fd = rootdir.open_regular(os.path.join(step_dir, LEVEL))
         with os.fdopen(fd, "rb") as f:
             d = json.loads(f.read())
-        nodes = d.get("nodes")
+        nodes, teams, scheme = d.get("nodes"), d.get("teams"), d.get("scheme")
         ok = isinstance(nodes, list) and all(isinstance(n, str) for n in nodes)
-        scheme = d.get("scheme")
-        return (scheme if isinstance(scheme, str) else None), (nodes if ok else None)
+        good_teams = isinstance(teams, list) and all(
+            isinstance(t, list) and all(isinstance(r, int) for r in t) for t in teams)
+        return ((scheme if isinstance(scheme, str) else None), (nodes if ok else None),
+                (teams if good_teams else None))
     except (OSError, ValueError, AttributeError, RecursionError):
-        return None, None
+        return None, None, None
 
 
 def read_manifest(step_dir: str) -> tuple[Manifest, bytes]:
@@ -124,17 +138,17 @@ def read_manifest(step_dir: str) -> tuple[Manifest, bytes]:
 
 
 def _node_step(node: str, step: int, d: str) -> NodeStep:
-    scheme, nodes = _layout(d)
+    scheme, nodes, teams = _layout(d)
     try:
         m, data = read_manifest(d)
         if m.step != step:
             raise ManifestError(f"{os.path.join(d, MANIFEST)} says step {m.step}")
-        shards = _shards(d)
+        shards, parity = _shards(d)
     except ManifestError as e:
-        return NodeStep(node, d, step, None, str(e), scheme=scheme, nodes=nodes)
+        return NodeStep(node, d, step, None, str(e), scheme=scheme, nodes=nodes, teams=teams)
     except OSError as e:
         return NodeStep(node, d, step, None, f"{d}: cannot list: {e.strerror}", scheme=scheme,
-                        nodes=nodes)
+                        nodes=nodes, teams=teams)
     sized, wrong = [], {}
     for r in m.ranks:
         size = shards.get(r.rank)
@@ -143,7 +157,7 @@ def _node_step(node: str, step: int, d: str) -> NodeStep:
         elif size is not None:
             wrong[r.rank] = f"{os.path.join(d, r.file)} has {size} bytes, not {r.bytes}"
     return NodeStep(node, d, step, checksum.digest(data), None, m.world_size, m.total_bytes,
-                    m.created, m.run_id, sized, wrong, scheme, nodes)
+                    m.created, m.run_id, sized, wrong, scheme, nodes, teams, parity)
 
 
 def _node_dir(path: str) -> NodeDir:
@@ -205,6 +219,7 @@ class LocalStep:
     wrong: dict[int, list[str]] = field(default_factory=dict)  # rank -> copies of another size
     notes: list[str] = field(default_factory=list)
     in_root: bool = False
+    parity: set[int] = field(default_factory=set)  # ranks whose XOR parity a node seen holds
 
     @property
     def missing(self) -> list[int]:
@@ -215,6 +230,26 @@ class LocalStep:
     @property
     def complete(self) -> bool:
         return self.first is not None and not self.missing
+
+    @property
+    def rebuildable(self) -> bool:
+        """Complete, or (XOR) each missing shard alone in its team, whose other members' shards
+        and parities are seen: what a restart of the job can rebuild (as
+        :class:`mpickpt.recovery.LocalRecovery` plans it)."""
+        if self.first is None:
+            return False
+        missing = set(self.missing)
+        if not missing:
+            return True
+        teams = self.first.teams
+        if self.scheme != "xor" or not teams:
+            return False
+        for r in missing:
+            team = next((t for t in teams if r in t), None)
+            others = [m for m in team or [] if m != r]
+            if not others or any(m in missing or m not in self.parity for m in others):
+                return False
+        return True
 
     def home(self, rank: int) -> str | None:
         """The directory name of rank ``rank``'s own node (from LEVEL.json), or None."""
@@ -240,6 +275,7 @@ class LocalStep:
         m = self.first
         return {
             "step": self.step, "nodes": self.nodes, "complete": self.complete,
+            "rebuildable": self.rebuildable,
             "missing": self.missing, "scheme": self.scheme, "drained": self.in_root,
             "world_size": m.world_size if m else None, "bytes": m.total_bytes if m else None,
             "time": m.created if m else None, "time_iso": iso_utc(m.created) if m else None,
@@ -301,7 +337,23 @@ def pool(views: list[LocalView], root: str | None) -> list[LocalStep]:
                     Holder(proc, c.node, os.path.join(c.path, shard_name(r))))
             for r, why in c.wrong.items():
                 ls.wrong.setdefault(r, []).append(why)
+            ls.parity.update(c.parity)
     return out
+
+
+def next_restore(steps: list[LocalStep], undo: Rollback | None) -> LocalStep | None:
+    """The local step a restart of the job loads first, as far as the node directories seen
+    tell: the newest one it can make whole that ROOT's rollback (if any) does not undo."""
+    return next((s for s in steps if s.rebuildable and s.first is not None
+                 and (undo is None or not undo.excludes(s.step, s.first.created))), None)
+
+
+def undone(steps: list[LocalStep], undo: Rollback | None) -> list[int]:
+    """The local steps the rollback ``undo`` undoes (a restart of the job discards them)."""
+    if undo is None:
+        return []
+    return [s.step for s in steps
+            if undo.excludes(s.step, s.first.created if s.first is not None else None)]
 
 
 def foreign(views: list[LocalView], root: str) -> list[tuple[NodeDir, str]]:
@@ -348,8 +400,8 @@ def _nodes_cell(s: LocalStep) -> str:
 
 
 def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, local: str,
-         now: float) -> None:
-    """The local level's section of ``mpickpt ls``."""
+         now: float, undo: Rollback | None = None) -> None:
+    """The local level's section of ``mpickpt ls``; ``undo``: ROOT's rollback in effect."""
     out.line()
     names = node_names(views)
     where = views[0].where if views else local
@@ -369,9 +421,12 @@ def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, lo
         out.line("no committed checkpoint on the nodes")
         return
     rows = []
+    gone = undone(steps, undo)
     for s in steps:
         m = s.first
-        status = ("complete" if s.complete else "incomplete" if m is not None else "unreadable")
+        status = ("undone" if s.step in gone else "complete" if s.complete
+                  else "rebuildable" if s.rebuildable
+                  else "incomplete" if m is not None else "unreadable")
         note = (f"missing {ranks_text(s.missing)}" if s.missing
                 else "" if m is not None else "no node holds a valid manifest")
         if s.notes:
@@ -380,13 +435,16 @@ def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, lo
             str(s.step), local_time(m.created if m else None),
             human_age(now - m.created if m else None), str(m.world_size) if m else "-",
             human_bytes(m.total_bytes if m else None), s.scheme or "none", _nodes_cell(s),
-            Cell(status, "green" if s.complete else "red"),
+            Cell(status, "green" if status in ("complete", "rebuildable") else "red"),
             Cell("yes" if s.in_root else "no", "" if s.in_root else "yellow"), note])
     out.table(["STEP", "WRITTEN", "AGE", "RANKS", "SIZE", "REDUNDANCY", "NODES", "STATUS",
                "IN ROOT", "NOTE"], rows, right=(0, 3, 4))
     out.line()
+    if gone and undo is not None:
+        out.line(f"undone by {undo.describe()}: step(s) {', '.join(map(str, gone))}, saved "
+                 "before it; the job's next start discards them on every node")
     newest = steps[0]
-    best = next((s for s in steps if s.complete), None)
+    best = next((s for s in steps if s.complete and s.step not in gone), None)
     if best is not None and not best.in_root:
         out.line(f"step {best.step} is complete on the nodes but not in ROOT: `mpickpt drain "
                  f"{where} {root}` copies it there")

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__, retention, rootdir
+from .. import __version__, retention, rollback, rootdir
 from ..log import human_bytes
 from ..ranks import ranks_text
 from . import (
@@ -39,6 +39,7 @@ from . import (
     catalog,
     common_options,
     diagnose,
+    local,
     verify,
 )
 from .changes import Changes
@@ -86,6 +87,11 @@ def parser() -> argparse.ArgumentParser:
                    "default) or highest (max); one without a finite number there is not ranked")
     p.add_argument("--keep-best", type=int, metavar="M", default=0,
                    help="with --prune and --best: also keep the M best")
+    p.add_argument("--local", metavar="LOCAL",
+                   help="the job's node-local level (Checkpointer(local=...)): the report says "
+                   "which step the job will load when the nodes hold a newer one than ROOT, "
+                   "and which of their steps a rollback undoes (under srun with one process "
+                   "per node, every node's directory is seen)")
     p.add_argument("--delete", action="store_true",
                    help="remove broken and partial directories instead of quarantining them")
     p.add_argument("--dry-run", action="store_true", help="say what would be done; do nothing")
@@ -213,8 +219,8 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         moved = [changes.quarantine(e, f"rolled back to step {args.step}" +
                                     (f"; it also fails verification: {e.problem.reason}"
                                      if e.problem else "")) for e in newer]
-        if moved:
-            changes.roll_back(s.committed[0].step, args.step, moved)
+        # recorded even when ROOT holds nothing newer: the node-local level may
+        changes.roll_back(s.committed[0].step, args.step, moved)
     planned = {a.path for a in changes.actions}
     needed = referenced(s, planned)
     for e in s.committed:
@@ -242,22 +248,49 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     if args.policy is not None and chosen is not None:
         pruning = prune(s, chosen, changes, args.policy)
     changes.apply()
-    code = EXIT_OK if chosen is not None else EXIT_NO_CHECKPOINT
+    lv = LocalLook(args.local, team, root, changes, args.dry_run)
+    # after a rollback, s.current is its target, and lv.undo the rollback (planned, if a dry run)
+    nxt = verify.next_restore(s, lv.steps, lv.undo)
+    code = EXIT_OK if chosen is not None or nxt["level"] == "local" else EXIT_NO_CHECKPOINT
     if changes.failed:
         code = EXIT_ERROR
     resume = None
-    if chosen is not None:
-        resume = {"step": chosen.step, "world_size": chosen.world_size, "path": chosen.path,
-                  "command": f"mpiexec -n {chosen.world_size} <the job's command line, "
-                  "unchanged>",
-                  "python": f"ckpt.restore(state, step={chosen.step})"}
+    if nxt["step"] is not None:
+        ranks = chosen.world_size if chosen is not None and nxt["level"] == "root" else \
+            lv.world_size(nxt["step"])
+        resume = {"step": nxt["step"], "level": nxt["level"], "world_size": ranks,
+                  "path": nxt["path"],
+                  "command": f"mpiexec -n {ranks} <the job's command line, unchanged>",
+                  "python": f"ckpt.restore(state, step={nxt['step']})"}
     out.json({"command": "restore", "exit_code": code, "error": None, "dry_run": args.dry_run,
               **s.to_json(now), "chosen": chosen.to_json(now) if chosen else None,
-              "resume": resume, "actions": [a.to_json() for a in changes.actions],
+              "resume": resume, "next_restore": nxt,
+              "local": {"undone": lv.gone, "path": args.local} if args.local else None,
+              "actions": [a.to_json() for a in changes.actions],
               "left_alone": left_alone, "rollback": changes.rollback_record(),
               "retention": pruning.to_json() if pruning else None})
-    report(out, s, chosen, changes, left_alone, args, now, pruning)
+    report(out, s, chosen, changes, left_alone, args, now, pruning, nxt, lv)
     return code
+
+
+class LocalLook:
+    """``--local``: the node-local level's steps as the processes of the command see them, and
+    the rollback in effect after this command's changes (a dry run's planned one included)."""
+
+    def __init__(self, path: str | None, team: Team, root: str, changes: Changes,
+                 dry_run: bool) -> None:
+        self.path = path
+        views = team.local_views(path) if path is not None else []
+        self.steps = local.pool(views, root) if path is not None else []
+        self.undo = rollback.active(root)
+        record = changes.rollback_record()
+        if dry_run and record is not None:
+            self.undo = rollback.Rollback(record["to_step"], record["time"], record["by"])
+        self.gone = local.undone(self.steps, self.undo)
+
+    def world_size(self, step: int) -> int | None:
+        s = next((x for x in self.steps if x.step == step), None)
+        return s.first.world_size if s is not None and s.first is not None else None
 
 
 def referenced(s: verify.Survey, planned: set[str]) -> dict[int, int]:
@@ -326,7 +359,7 @@ def prune(s: verify.Survey, chosen: catalog.Entry, changes: Changes,
 
 def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Changes,
            left_alone: list[dict[str, str]], args: argparse.Namespace, now: float,
-           pruning: Pruning | None) -> None:
+           pruning: Pruning | None, nxt: dict[str, Any], lv: LocalLook) -> None:
     out.line(f"{out.style('ROOT', 'bold')} {s.root}")
     if changes.actions:
         out.line()
@@ -343,10 +376,17 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
                 out.line(f"  {'':16} -> {a.dest}")
             if a.error:
                 out.line(f"  {'':16} {out.style(a.error, 'red')}")
-        record = changes.rollback_record()
-        if record is not None and not args.dry_run and all(a.done for a in changes.actions):
-            out.line(f"  rolled back from step {record['from_step']} to step "
-                     f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")
+    record = changes.rollback_record()
+    if record is not None and not args.dry_run and all(a.done for a in changes.actions):
+        out.line(f"  rolled back from step {record['from_step']} to step "
+                 f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")
+    if record is not None and lv.path is None:
+        out.line(f"  a node-local level's steps newer than {record['to_step']}, saved before "
+                 "now, are undone too: the job discards them at its next start")
+    if lv.gone:
+        out.line(f"  the node-local level {lv.path}: step(s) {', '.join(map(str, lv.gone))} "
+                 f"{'would be' if args.dry_run else 'are'} undone by the rollback; the job "
+                 "discards them at its next start")
     if pruning is not None:
         out.line()
         out.line(f"kept by the retention policy ({describe_policy(pruning.policy)}):")
@@ -369,6 +409,19 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
         out.line(out.style("some changes failed (above): fix the cause (permissions? a full "
                            "disk?) and run the same command again", "red bold"))
     out.line()
+    if nxt["level"] == "local":
+        ranks = lv.world_size(nxt["step"])
+        out.line(f"{out.style('GOOD', 'green bold')}  the job will resume from step "
+                 f"{out.style(str(nxt['step']), 'bold')}, from the node-local level "
+                 f"{lv.path} (newer than ROOT's"
+                 + (f" step {chosen.step}, its fallback)" if chosen is not None else ")"))
+        out.line(f"  nodes     {', '.join(nxt['nodes'] or [])}")
+        out.line(f"  ranks     {ranks}")
+        out.line()
+        out.line(f"next: start the job again exactly as before, on {ranks} rank(s) and the same "
+                 "nodes' local directories;")
+        out.line(f"Checkpointer.restore(state) loads step {nxt['step']}.")
+        return
     if chosen is None:
         out.line(out.style(f"NO GOOD CHECKPOINT under {s.root}: the job would start from "
                            "scratch", "red bold"))

@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import rollback
 from ..log import human_bytes
+from ..rollback import Rollback
 from . import (
     EXIT_DAMAGED,
     EXIT_ERROR,
@@ -91,8 +93,9 @@ def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> 
     return s
 
 
-def show(out: Out, s: Survey, now: float) -> None:
-    """The table of checkpoints, then the problems in full."""
+def show(out: Out, s: Survey, now: float, local_step: int | None = None) -> None:
+    """The table of checkpoints, then the problems in full. ``local_step``: the node-local
+    level's step that the next restore loads instead of ROOT's (``ls --local``)."""
     out.line(f"{out.style('ROOT', 'bold')} {s.root}")
     out.line(f"verified: {LEVELS[s.level]}")
     if s.level == "full" and s.checked_bytes:
@@ -122,7 +125,11 @@ def show(out: Out, s: Survey, now: float) -> None:
               right=(1, 4, 5))
     out.line()
     cur = s.current
-    if cur is not None:
+    if local_step is not None:
+        out.line(f"Checkpointer.restore() will load step {local_step} from the node-local "
+                 f"level (below), newer than ROOT's"
+                 + (f" (* = step {cur.step}, its fallback)" if cur is not None else ""))
+    elif cur is not None:
         out.line(f"* = the checkpoint Checkpointer.restore() will load: step {cur.step}, "
                  f"{cur.path}")
         if s.level == "quick":
@@ -162,9 +169,13 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
     views = team.local_views(lv) if lv is not None else []
     steps = local.pool(views, root) if lv is not None else []
     more = {"local": local.to_json(views, steps, root, now)} if lv is not None else {}
+    nxt = next_restore(s, steps, rollback.active(root))
+    if nxt["level"] == "local" and code == EXIT_NO_CHECKPOINT:
+        code = EXIT_OK  # the job resumes from the local level
     out.json({"command": "verify" if verify_mode else "list", "exit_code": code, "error": None,
-              **s.to_json(now), "rollback": active_rollback(root), **more})
-    show(out, s, now)
+              **s.to_json(now), "rollback": active_rollback(root), "next_restore": nxt,
+              **more})
+    show(out, s, now, nxt["step"] if nxt["level"] == "local" else None)
     hdf5 = [e for e in bad if e.status == "hdf5-damaged"]
     if len(bad) > len(hdf5) and code != EXIT_NO_CHECKPOINT:
         out.line(f"{len(bad) - len(hdf5)} checkpoint(s) fail verification; restore skips them by "
@@ -175,8 +186,24 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
                  "them (it reads the tensors without HDF5 and they verify), but h5py and h5dump "
                  "cannot read them.")
     if lv is not None:
-        local.show(out, views, steps, root, lv, now)
+        local.show(out, views, steps, root, lv, now, rollback.active(root))
     return code
+
+
+def next_restore(s: Survey, steps: list[local.LocalStep], undo: Rollback | None
+                 ) -> dict[str, Any]:
+    """What ``Checkpointer.restore()`` will load, as the job decides: the newest step of ROOT's
+    loadable ones and the local level's (seen here, one it can make whole, not undone by a
+    rollback), the local level first at the same step. ``{"step", "level", "path"}``; step None
+    when neither has one."""
+    cur = s.current
+    pick = local.next_restore(steps, undo)
+    if pick is not None and (cur is None or cur.step is None or pick.step >= cur.step):
+        return {"step": pick.step, "level": "local", "nodes": pick.nodes,
+                "path": pick.source.path if pick.source else None}
+    if cur is not None:
+        return {"step": cur.step, "level": "root", "nodes": None, "path": cur.path}
+    return {"step": None, "level": None, "nodes": None, "path": None}
 
 
 def verify_one(root: str, path: str, args: argparse.Namespace, out: Out, team: Team) -> int:

@@ -77,7 +77,9 @@ def test_ls_local_lists_the_step_on_the_nodes_and_that_root_lacks_it(tmp_path, t
     code, doc = cli_json("ls", root)
     assert code == EXIT_NO_CHECKPOINT and "local" not in doc  # without --local: as before
     code, doc = cli_json("ls", root, "--local", local)
-    assert code == EXIT_NO_CHECKPOINT  # the exit code stays ROOT's
+    assert code == EXIT_OK  # the job resumes from the nodes
+    assert (doc["current"], doc["next_restore"]["step"], doc["next_restore"]["level"]) == (
+        None, STEP, "local")
     lv = doc["local"]
     assert lv["path"] == str(local) and lv["error"] is None and lv["foreign"] == []
     assert [(n["name"], n["steps"], n["root"]) for n in lv["nodes"]] == [
@@ -96,6 +98,7 @@ def test_ls_local_lists_the_step_on_the_nodes_and_that_root_lacks_it(tmp_path, t
     for r in (2, 3):
         (node_step(local, "n0") / f"rank-{r:05d}.h5").unlink()
     code, doc = cli_json("ls", root, "--local", local)
+    assert code == EXIT_NO_CHECKPOINT and doc["next_restore"]["step"] is None
     [s] = doc["local"]["steps"]
     assert (s["nodes"], s["complete"], s["missing"]) == (["n0"], False, [2, 3])
     code, out, _ = cli("ls", root, "--local", local)
@@ -214,8 +217,11 @@ def test_xor_a_lost_node_is_named_and_left_to_the_jobs_rebuild(tmp_path, tmp_pat
     assert (s["nodes"], s["scheme"], s["complete"]) == (["n0", "n1", "n2", "n3"], "xor", True)
     saved = tmp_path / "n3"
     shutil.move(local / "n3", saved)  # the node is lost
+    code, doc = cli_json("ls", root, "--local", local)  # the job rebuilds rank 3 from parity
+    assert (doc["next_restore"]["step"], doc["next_restore"]["level"]) == (STEP, "local")
+    assert doc["local"]["steps"][0]["rebuildable"] and code == EXIT_OK
     code, out, _ = cli("ls", root, "--local", local)
-    assert "3 of 4" in out and "incomplete" in out
+    assert "3 of 4" in out and "rebuildable" in out
     assert "step 20 lacks the shards of rank 3 (their node: n3): a restart of the job " \
         "rebuilds them from XOR parity and drains at close()" in out
     code, doc = cli_json("drain", local, root)
@@ -250,7 +256,8 @@ def test_drain_under_mpiexec_one_process_per_node(tmp_path, tmp_path_factory):
         shutil.move(local / node, d / "local" / node)
     bad, _ = flip_data_byte(nodes[0] / "local" / "n0", STEP, 0)  # node a's copy of rank 0
     p = _per_node(["ls", str(root), "--local", "local", "--json"], nodes)
-    assert p.returncode == EXIT_NO_CHECKPOINT, p.stderr
+    assert p.returncode == EXIT_OK, p.stderr  # the job resumes from the nodes
+    assert json.loads(p.stdout)["next_restore"]["step"] == STEP
     lv = json.loads(p.stdout)["local"]
     assert [(n["name"], n["process"]) for n in lv["nodes"]] == [("n0", 0), ("n1", 1)]
     assert lv["steps"][0]["complete"] and lv["steps"][0]["nodes"] == ["n0", "n1"]
@@ -276,3 +283,50 @@ def test_drain_under_mpiexec_one_process_per_node(tmp_path, tmp_path_factory):
     doc = json.loads(p.stdout)
     assert {(s["node"], s["process"]) for s in doc["shards"]} == {("n1", 1)}
     assert cli_json("verify", root)[0] == EXIT_OK
+
+
+def _restores(root: Path, local: Path, out: Path) -> tuple[int, str]:
+    """What a restart of the job loads now: (step, level), the same on every rank (a job that
+    restores and exits, saving nothing)."""
+    reports = run_job(root, local, out, verify=True)
+    got = {(x["restore"]["step"], x["restore"]["level"]) for x in reports}
+    assert len(got) == 1 and all(x["restore"]["exact"] for x in reports), reports
+    return got.pop()
+
+
+def test_the_tools_predict_what_the_job_loads_and_a_rollback_wins_over_every_level(tmp_path):
+    """ROOT holds steps 20 and 40 (drained), the nodes 50 (protected, never drained). The tools
+    say the job loads 50 from the nodes, and it does. `mpickpt-restore --step 20` then undoes
+    40 in ROOT and 50 on the nodes: the tools say 20, the job loads 20 (and discards 50 on every
+    node), and a save made after the rollback counts again: the nodes' new 40 is loaded next."""
+    root, local = tmp_path / "root", tmp_path / "local"
+    run_job(root, local, tmp_path / "crash", persist_every=2, steps=50, crash_after=50)
+    assert [n for n in listing(root) if n.startswith("step-")] == ["step-00000020", "step-00000040"]
+    code, doc = cli_json("ls", root, "--local", local)
+    assert code == EXIT_OK and doc["current"] == 40
+    assert (doc["next_restore"]["step"], doc["next_restore"]["level"]) == (50, "local")
+    code, doc = cli_json(root, "--local", local, "--dry-run", restore=True)
+    assert code == EXIT_OK and (doc["resume"]["step"], doc["resume"]["level"]) == (50, "local")
+    assert _restores(root, local, tmp_path / "look1") == (50, "local")
+
+    code, doc = cli_json(root, "--step", "20", "--local", local, restore=True)
+    assert code == EXIT_OK and doc["rollback"]["to_step"] == 20
+    assert (doc["next_restore"]["step"], doc["next_restore"]["level"]) == (20, "root")
+    assert doc["local"]["undone"] == [50]
+    code, out, _ = cli(root, "--step", "20", "--local", local, "--dry-run", restore=True)
+    assert "step(s) 50 would be undone by the rollback" in out
+    code, doc = cli_json("ls", root, "--local", local)
+    assert (doc["next_restore"]["step"], doc["next_restore"]["level"]) == (20, "root")
+    code, out, _ = cli("ls", root, "--local", local)
+    assert "undone by ROLLBACK.json rolled back to step 20" in out and "undone" in out
+
+    # the job: 20, and 50 discarded on both nodes; then it saves 30 and 40 on the nodes (drained
+    # every third: never) and dies
+    job = run_job(root, local, tmp_path / "resume", persist_every=3, steps=60, crash_after=40)
+    assert {(x["restore"]["step"], x["restore"]["level"]) for x in job} == {(20, "root")}
+    assert all(x["restore"]["exact"] for x in job)
+    for node in ("n0", "n1"):
+        assert [p.name for p in sorted((local / node).glob("step-*"))] == ["step-00000040"]
+    code, doc = cli_json("ls", root, "--local", local)
+    assert (doc["next_restore"]["step"], doc["next_restore"]["level"]) == (40, "local")
+    assert _restores(root, local, tmp_path / "look2") == (40, "local")

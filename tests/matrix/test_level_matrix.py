@@ -1,7 +1,9 @@
 """The counted fault matrix of the node-local level: {kill, raise, hang} x {rank 0, the last rank}
 x every phase the level adds (its local write, the redundancy exchange, the local commit, the
 drain's copy and the drain's commit in ROOT), on 4 ranks as 2 simulated nodes with partner
-redundancy, each cell in real MPI jobs (tests/scenarios/levels.py).
+redundancy, each cell in real MPI jobs (tests/scenarios/levels.py). The last rank's cells save
+a replicated model (DDP's layout), rank 0's a per-rank one: every fault in every phase is tried
+with both.
 
 The job saves steps 10, 20 and 30 into the local level (step 20 is drained to ROOT as the second
 save; step 30 only at close()), with the fault armed for step 30: in its save, or in the drain of
@@ -45,8 +47,16 @@ class LevelCell:
     phase: str
 
     @property
+    def replicated(self) -> bool:
+        """The cells of the last rank save a model replicated on every rank (DDP's layout,
+        ``replicated=("model",)``): each rank writes a share, and a restore from the local
+        level takes the other nodes' shares over MPI."""
+        return self.rank == N - 1
+
+    @property
     def id(self) -> str:
-        return f"{self.action}/rank{self.rank}/{self.phase}"
+        return f"{self.action}/rank{self.rank}/{self.phase}" + (
+            "/replicated" if self.replicated else "")
 
     def expected(self) -> set[int]:
         if self.phase in DRAIN_PHASES:
@@ -72,7 +82,7 @@ def run_cell(cell: LevelCell, base: Path) -> CellRun:
     where.mkdir(parents=True)
     plan = {"root": str(where / "root"), "local": str(where / "local"), "per_node": PER_NODE,
             "redundancy": "partner", "persist_every": 2, "steps": 30, "every": 10,
-            "timeout": 3 if cell.action == "hang" else 30,
+            "timeout": 3 if cell.action == "hang" else 30, "replicated": cell.replicated,
             "fault": f"{cell.phase}:{cell.rank}:{cell.action}:30"}
     (where / "fault.json").write_text(json.dumps(plan))
     fault = run_mpi(N, [str(JOB), str(where / "fault.json")], timeout=90,

@@ -57,15 +57,19 @@ def in_memory(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, str]]:
-    """The final digests of uninterrupted runs, per rank count (they depend on nothing else)."""
-    out: dict[int, dict[int, str]] = {}
-    for n in (4, 6):
-        tmp = tmp_path_factory.mktemp(f"reference{n}")
-        done, reports = job(tmp, "ref", n, per_node=1)
-        assert done.returncode == 0, done.output
-        out[n] = {r: rep["final"] for r, rep in reports.items()}
-    return out
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The final digests of uninterrupted runs, per rank count and for a replicated model
+    (key ``(n, True)``), made on first use (they depend on nothing else)."""
+    class Lazy(dict):
+        def __missing__(self, key: int | tuple[int, bool]) -> dict[int, str]:
+            n, replicated = key if isinstance(key, tuple) else (key, False)
+            tmp = tmp_path_factory.mktemp(f"reference{n}{'r' if replicated else ''}")
+            done, reports = job(tmp, "ref", n, per_node=1, replicated=replicated)
+            assert done.returncode == 0, done.output
+            self[key] = {r: rep["final"] for r, rep in reports.items()}
+            return self[key]
+
+    return Lazy()
 
 
 def crash_then_resume(tmp: Path, n: int, wipe: list[int], **settings: Any
@@ -93,14 +97,20 @@ def outcome(reports: dict[int, dict], n: int, step: int, finals: dict[int, str])
 
 WINDOW = 7000  # bytes moved at a time in the cases that set it: a shard takes ~15 windows
 LOSSES = [
-    # (id, redundancy, ranks, ranks per node, xor_set, nodes wiped, restored from, window)
-    ("partner-2x2-one-node", "partner", 4, 2, None, [1], "local", WINDOW),
-    ("partner-4x1-two-pairs", "partner", 4, 1, None, [0, 2], "local", None),
-    ("partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root", None),
-    ("partner-4x1-one-pair", "partner", 4, 1, None, [2, 3], "root", None),
-    ("xor-3x2-one-node", "xor", 6, 2, 3, [1], "local", WINDOW),
-    ("xor-6x1-two-sets", "xor", 6, 1, 3, [0, 4], "local", None),
-    ("xor-3x2-two-nodes", "xor", 6, 2, 3, [0, 2], "root", None),
+    # (id, redundancy, ranks, ranks per node, xor_set, nodes wiped, restored from, window,
+    #  replicated: the model is the same on every rank, replicated=("model",) as under DDP)
+    ("partner-2x2-one-node", "partner", 4, 2, None, [1], "local", WINDOW, False),
+    ("partner-4x1-two-pairs", "partner", 4, 1, None, [0, 2], "local", None, False),
+    ("partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root", None, False),
+    ("partner-4x1-one-pair", "partner", 4, 1, None, [2, 3], "root", None, False),
+    ("xor-3x2-one-node", "xor", 6, 2, 3, [1], "local", WINDOW, False),
+    ("xor-6x1-two-sets", "xor", 6, 1, 3, [0, 4], "local", None, False),
+    ("xor-3x2-two-nodes", "xor", 6, 2, 3, [0, 2], "root", None, False),
+    ("replicated-partner-2x2-node-0", "partner", 4, 2, None, [0], "local", None, True),
+    ("replicated-partner-4x1-two-pairs", "partner", 4, 1, None, [1, 3], "local", WINDOW, True),
+    ("replicated-partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root", None, True),
+    ("replicated-xor-3x2-one-node", "xor", 6, 2, 3, [0], "local", WINDOW, True),
+    ("replicated-xor-6x1-two-sets", "xor", 6, 1, 3, [1, 5], "local", None, True),
 ]
 
 
@@ -108,13 +118,15 @@ LOSSES = [
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in LOSSES])
 def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         tmp_path: Path, reference, guarantees, case: tuple, request) -> None:
-    name, redundancy, n, per_node, xor_set, wipe, level, window = case
+    name, redundancy, n, per_node, xor_set, wipe, level, window, replicated = case
     if window:  # these cases also put the local level in memory, as in production
         assert request.getfixturevalue("in_memory").parent == Path("/dev/shm")
     done, reports = crash_then_resume(tmp_path, n, wipe, redundancy=redundancy,
-                                      per_node=per_node, xor_set=xor_set, window=window)
+                                      per_node=per_node, xor_set=xor_set, window=window,
+                                      replicated=replicated)
     step = CRASH if level == "local" else DRAINED
-    guarantees.record(SUITE, name, outcome(reports, n, step, reference[n]), done.output[-2000:])
+    finals = reference[n, replicated]
+    guarantees.record(SUITE, name, outcome(reports, n, step, finals), done.output[-2000:])
     assert done.returncode == 0, done.output
     restored = [reports[r]["restore"] for r in range(n)]
     assert {r["step"] for r in restored} == {step}, restored
@@ -127,26 +139,30 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
             assert restored[r]["source"].startswith(how if r in lost else "own"), restored[r]
         assert restored[0]["total_network_bytes"] == sum(r["network_bytes"] for r in restored)
         assert all(restored[r]["network_bytes"] > 0 for r in lost)
+        # a replicated model: every rank gets the shares of other nodes' ranks over MPI
+        assert all((r["fetched_bytes"] > 0) == replicated for r in restored), restored
     else:
         assert restored[0]["root_bytes"] > 0
         if len(wipe) < n // per_node:  # a surviving node still holds step 40: tried first
             assert any(step == CRASH and "from the local level" in why
                        for step, why in restored[0]["skipped"]), restored[0]["skipped"]
     for r in range(n):
-        assert reports[r]["final"] == reference[n][r], f"rank {r} did not end bit-identical"
+        assert reports[r]["final"] == finals[r], f"rank {r} did not end bit-identical"
         assert all(s["committed"] for s in reports[r]["saves"].values())
     assert reports[0]["drained"] == LAST  # close() drained the newest to ROOT
 
 
 @pytest.mark.guarantee("local-survives-node-loss", "damage-detected")
-@pytest.mark.parametrize("redundancy", ["partner", None])
+@pytest.mark.parametrize(("redundancy", "replicated"), [
+    ("partner", False), (None, False), ("partner", True)])
 def test_a_corrupt_local_shard_is_rebuilt_or_falls_back_and_is_named(
-        tmp_path: Path, reference, guarantees, redundancy: str | None) -> None:
+        tmp_path: Path, reference, guarantees, redundancy: str | None,
+        replicated: bool) -> None:
     """A flipped byte in rank 1's own local shard: rebuilt from its partner copy on the other
     node (nothing from ROOT), or without redundancy, the step falls back to ROOT; the log names
     the file and the tensor either way."""
     crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, redundancy=redundancy,
-                     per_node=2)
+                     per_node=2, replicated=replicated)
     assert crashed.returncode != 0
     shard = tmp_path / "local" / "n0" / f"step-{CRASH:08d}" / "rank-00001.h5"
     data = bytearray(shard.read_bytes())
@@ -154,10 +170,13 @@ def test_a_corrupt_local_shard_is_rebuilt_or_falls_back_and_is_named(
     rec = max(m["ranks"][1]["tensors"], key=lambda t: t["nbytes"])
     data[rec["offset"] + rec["nbytes"] // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    done, reports = job(tmp_path, "resume", 4, redundancy=redundancy, per_node=2)
+    done, reports = job(tmp_path, "resume", 4, redundancy=redundancy, per_node=2,
+                        replicated=replicated)
     step = CRASH if redundancy else DRAINED
-    guarantees.record(SUITE, f"corrupt-local-shard-{redundancy}",
-                      outcome(reports, 4, step, reference[4]), done.output[-2000:])
+    finals = reference[4, replicated]
+    guarantees.record(SUITE, f"corrupt-local-shard-{redundancy}"
+                      + ("-replicated" if replicated else ""),
+                      outcome(reports, 4, step, finals), done.output[-2000:])
     assert done.returncode == 0, done.output
     assert str(shard) in done.stderr and rec["name"] in done.stderr
     restored = [reports[r]["restore"] for r in range(4)]
@@ -169,7 +188,7 @@ def test_a_corrupt_local_shard_is_rebuilt_or_falls_back_and_is_named(
     else:
         assert {r["level"] for r in restored} == {"root"}
         assert "checksum mismatch" in restored[0]["skipped"][0][1]
-    assert all(reports[r]["final"] == reference[4][r] for r in range(4))
+    assert all(reports[r]["final"] == finals[r] for r in range(4))
 
 
 def test_a_local_level_too_small_is_refused_on_every_rank_at_the_first_save(

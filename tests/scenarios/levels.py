@@ -14,6 +14,9 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 * ``fault``: an ``MPICKPT_FAULT`` spec armed once the Checkpointer exists;
 * ``window``: the bytes the redundancy exchange moves at a time (default 32 MiB: one window
   for this small state; a few KiB make many, in flight two at a time);
+* ``replicated``: the model is the same on every rank (as under DDP) and saved with
+  ``replicated=("model",)``: each rank writes a share of it, and a restore from the local level
+  needs the shares of other nodes' ranks;
 * ``verify``: restore only, then check ROOT alone: a Checkpointer without the local level
   restores every step committed in ROOT explicitly; each must be bit for bit the state trained
   to that step (``root_steps`` in the report).
@@ -43,8 +46,11 @@ from mpickpt import exchange, faults, rootdir
 NAMES = ("w1", "w2", "b")
 
 
+REPLICATED = False  # the plan's "replicated": the model is the same on every rank
+
+
 def initial(rank: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator().manual_seed(1000 + (0 if REPLICATED else rank))
     return {"model": {"w1": torch.randn(96, 128, generator=g),
                       "w2": torch.randn(64, 64, generator=g, dtype=torch.float64),
                       "b": torch.randn(333, generator=g).to(torch.bfloat16)},
@@ -53,7 +59,7 @@ def initial(rank: int) -> dict[str, Any]:
 
 def train_step(state: dict[str, Any], rank: int, step: int) -> None:
     """One deterministic step: every value depends on the whole history."""
-    g = torch.Generator().manual_seed(7919 * (rank + 1) + step)
+    g = torch.Generator().manual_seed(7919 * ((0 if REPLICATED else rank) + 1) + step)
     for name in NAMES:
         t = state["model"][name]
         t.mul_(0.5).add_(torch.randn(t.shape, generator=g).to(t.dtype))
@@ -80,7 +86,8 @@ def trained(rank: int, step: int) -> dict[str, Any]:
 
 def check_root(plan: dict[str, Any], rank: int) -> dict[str, bool]:
     """Every step committed in ROOT, restored from ROOT alone: bit for bit the trained state?"""
-    ck = mpickpt.Checkpointer(plan["root"], timeout=plan.get("timeout", 60))
+    ck = mpickpt.Checkpointer(plan["root"], timeout=plan.get("timeout", 60),
+                              replicated=("model",) if REPLICATED else ())
     out = {}
     for step, _ in rootdir.committed(plan["root"]):
         state = initial(rank)
@@ -95,6 +102,8 @@ def main() -> None:
         plan = json.load(f)
     comm = MPI.COMM_WORLD
     rank = comm.rank
+    global REPLICATED
+    REPLICATED = bool(plan.get("replicated"))
     os.environ["MPICKPT_NODE"] = f"n{rank // plan.get('per_node', 1)}"
     if plan.get("window"):
         exchange.WINDOW = plan["window"]
@@ -103,7 +112,8 @@ def main() -> None:
         plan["root"], keep=plan.get("keep"), timeout=plan.get("timeout", 60),
         local=plan["local"], redundancy=plan.get("redundancy"),
         persist_every=plan.get("persist_every"), keep_local=plan.get("keep_local", 1),
-        local_budget=plan.get("local_budget"), xor_set=plan.get("xor_set"))
+        local_budget=plan.get("local_budget"), xor_set=plan.get("xor_set"),
+        replicated=("model",) if REPLICATED else ())
     faults.configure(plan.get("fault", ""))
     state = initial(rank)
     start = ck.restore(state) or 0
@@ -113,6 +123,7 @@ def main() -> None:
         "step": info.step, "level": info.level, "source": info.source,
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
         "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
+        "fetched_bytes": info.fetched_bytes,
         "exact": digest(state) == digest(trained(rank, start))}
     if plan.get("verify"):
         ck.close()

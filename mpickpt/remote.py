@@ -1,0 +1,91 @@
+"""Restore from the node-local level: the bytes of shards on other nodes, sent by their ranks.
+
+Once :class:`~mpickpt.recovery.LocalRecovery` has made a local step whole, every rank's own shard
+lies in its node's directory. A rank that needs bytes of a shard written on another node (the
+replicated tensors of a DDP job, whose writers are spread over every rank; the pieces of a
+sharded tensor) asks that shard's rank for them. Collective over every rank:
+
+1. each rank tells each owner the spans (record, first byte, end) it needs of its shard;
+2. each owner reads them from its own shard, every block verified against the manifest
+   (identical requests, as every DDP rank makes, are read once), and all ranks vote;
+3. the bytes move point to point straight into the requesters' buffers, in pieces of at most
+   :data:`WINDOW` bytes.
+
+A rank that could not plan its restore takes part asking for nothing, and the vote stops the
+transfer everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import ShardError
+from .manifest import Manifest
+from .protocol import Protocol
+from .shard import Span, read_spans
+
+WINDOW = 256 << 20  # bytes per message at most
+
+
+def _pieces(t: torch.Tensor) -> list[object]:
+    """``t`` (contiguous uint8) as buffers of at most :data:`WINDOW` bytes."""
+    return [t[a: a + WINDOW].numpy() for a in range(0, t.numel(), WINDOW)]
+
+
+def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
+          threads: int, failed: bool) -> tuple[bool, str | None]:
+    """Fill the spans of ``wanted`` (owner rank -> spans of its shard) from their owners, and
+    serve this rank's shard to the others. ``failed``: this rank could not plan (it asks for
+    nothing). (whether every rank's transfer happened, this rank's reason if it failed
+    serving); collective."""
+    asks: list[list[tuple[str, int, int]]] = [[] for _ in range(proto.size)]
+    for owner, spans in ({} if failed else wanted).items():
+        asks[owner] = [(s.record.name, s.lo, s.hi) for s in spans if s.nbytes]
+    requests = proto.alltoall(asks, "local-ask")
+    sends: list[tuple[object, int]] = []
+    why = None
+    try:
+        sends = _serve(proto.rank, requests, manifest, directory, threads)
+    except ShardError as e:
+        why = str(e)
+    except Exception as e:
+        why = f"rank {proto.rank}: {directory}: {type(e).__name__}: {e}"
+    if not proto.all_ok(why is None and not failed, "local-serve"):
+        return False, why
+    recvs = [(b, owner) for owner, spans in wanted.items() for s in spans if s.nbytes
+             for b in _pieces(s.dest)]
+    proto.transfer(sends, recvs, "local-fetch")
+    return True, None
+
+
+def _serve(rank: int, requests: list[list[tuple[str, int, int]]], manifest: Manifest,
+           directory: str, threads: int) -> list[tuple[object, int]]:
+    """Read what each rank asked of this rank's shard (each distinct request once); the
+    buffers to send, in the order asked."""
+    entry = manifest.ranks[rank]
+    records = {r.name: r for r in entry.tensors}
+    path = os.path.join(directory, entry.file)
+    done: dict[tuple[tuple[str, int, int], ...], list[torch.Tensor]] = {}
+    sends: list[tuple[object, int]] = []
+    for requester, asked in enumerate(requests):
+        if not asked:
+            continue
+        key = tuple(asked)
+        parts = done.get(key)
+        if parts is None:
+            buf = torch.empty(sum(hi - lo for _, lo, hi in asked), dtype=torch.uint8)
+            spans, pos = [], 0
+            for name, lo, hi in asked:
+                rec = records.get(name)
+                if rec is None:
+                    raise ShardError(rank, path, f"rank {requester} asked for a tensor this "
+                                     "shard does not hold", tensor=name)
+                spans.append(Span(rec, lo, hi, buf[pos: pos + hi - lo]))
+                pos += hi - lo
+            read_spans(rank, path, entry.bytes, spans, block=manifest.checksum_block,
+                       threads=threads)
+            parts = done[key] = [s.dest for s in spans]
+        sends += [(b, requester) for part in parts for b in _pieces(part)]
+    return sends
