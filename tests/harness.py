@@ -19,6 +19,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = REPO / "tests" / "scenarios"
 TRAIN = REPO / "examples" / "train.py"
+# setpriv's options that take root's power to ignore file permissions (a job of root then meets
+# EACCES as any user's does)
+NO_DAC = ["--inh-caps=-dac_override,-dac_read_search",
+          "--bounding-set=-dac_override,-dac_read_search"]
 
 
 def mpiexec() -> list[str]:
@@ -43,11 +47,12 @@ class Job(subprocess.CompletedProcess):
 
 
 def run_mpi(n: int, args: list[str], *, env: dict[str, str] | None = None,
-            timeout: float = 180) -> Job:
-    """Run ``python ARGS`` on ``n`` ranks; a job that outlives ``timeout`` is killed and fails."""
+            timeout: float = 180, prefix: list[str] | None = None) -> Job:
+    """Run ``python ARGS`` on ``n`` ranks (behind ``prefix``, e.g. ``setpriv ...``); a job that
+    outlives ``timeout`` is killed and fails."""
     full_env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
     full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    cmd = [*mpiexec(), "-n", str(n), sys.executable, *args]
+    cmd = [*(prefix or []), *mpiexec(), "-n", str(n), sys.executable, *args]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout,
                            start_new_session=True)

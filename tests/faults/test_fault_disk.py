@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 from faultkit import committed_steps, partials, reports, step_dirs
-from harness import SCENARIOS, Job, mpiexec
+from harness import NO_DAC, SCENARIOS, Job, mpiexec
 
 N = 2
 pytestmark = pytest.mark.guarantee("failed-save-aborts")
 SCENARIO = str(SCENARIOS / "fault_disk.py")
-NO_DAC = ["--inh-caps=-dac_override,-dac_read_search",
-          "--bounding-set=-dac_override,-dac_read_search"]
 
 
 def mount_tmpfs(where: Path, size: str) -> None:

@@ -18,21 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import SCENARIOS, run_mpi
+from harness import NO_DAC, SCENARIOS, run_mpi
 
 JOB = SCENARIOS / "levels.py"
 SUITE = "levels"
 CRASH, LAST, DRAINED = 40, 60, 30  # the step protected before the crash, the end, ROOT's newest
 
 
-def job(tmp: Path, name: str, n: int, **plan: Any) -> tuple[Any, dict[int, dict]]:
-    """Run the scenario on ``n`` ranks; (the job, each rank's report)."""
+def job(tmp: Path, name: str, n: int, prefix: list[str] | None = None, **plan: Any
+        ) -> tuple[Any, dict[int, dict]]:
+    """Run the scenario on ``n`` ranks (behind ``prefix``); (the job, each rank's report)."""
     out = tmp / f"out-{name}"
     full = {"root": str(tmp / "root"), "local": str(local_of(tmp)), "steps": LAST,
             "every": 10, "persist_every": 3, "out": str(out), **plan}
     path = tmp / f"plan-{name}.json"
     path.write_text(json.dumps(full))
-    done = run_mpi(n, [str(JOB), str(path)], timeout=120)
+    done = run_mpi(n, [str(JOB), str(path)], timeout=120, prefix=prefix)
     reports = {}
     for r in range(n):
         f = out / f"rank-{r}.json"
@@ -221,3 +222,39 @@ def test_another_number_of_ranks_restores_from_root(tmp_path: Path) -> None:
     restored = [reports[r]["restore"] for r in range(2)]
     assert {(r["step"], r["level"]) for r in restored} == {(DRAINED, "root")}
     assert "written by 4 ranks" in restored[0]["skipped"][0][1]
+
+
+@pytest.mark.guarantee("local-survives-node-loss")
+def test_a_root_that_cannot_be_read_does_not_stop_a_restart_from_the_nodes(
+        tmp_path: Path, reference) -> None:
+    """ROOT exists but cannot be listed (mode 000, the job without root's power over file
+    permissions), as when the parallel file system is down: the job restores step 40 from the
+    nodes, says that ROOT cannot be used, trains on with every save protected on the nodes and
+    every drain failing loudly. With the nodes empty too, it refuses a fresh start."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
+    crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, redundancy="partner", per_node=2)
+    assert crashed.returncode != 0
+    root = tmp_path / "root"
+    root.chmod(0)
+    try:
+        done, reports = job(tmp_path, "resume", 4, prefix=["setpriv", *NO_DAC],
+                            redundancy="partner", per_node=2)
+        assert done.returncode == 0, done.output
+        assert {(reports[r]["restore"]["step"], reports[r]["restore"]["level"])
+                for r in range(4)} == {(CRASH, "local")}
+        assert all(reports[r]["final"] == reference[4][r] for r in range(4))
+        assert all(s["committed"] and s["level"] == "local"
+                   for r in range(4) for s in reports[r]["saves"].values())
+        assert reports[0]["drained"] is None
+        assert "ROOT cannot be used" in done.stderr and "Permission denied" in done.stderr
+        assert "the drain of step 60 to ROOT failed" in done.stderr
+        for node in ("n0", "n1"):
+            shutil.rmtree(local_of(tmp_path) / node)
+        done, _ = job(tmp_path, "empty", 4, prefix=["setpriv", *NO_DAC],
+                      redundancy="partner", per_node=2)
+        assert done.returncode != 0
+        assert "refusing to start afresh while ROOT may hold checkpoints" in done.stderr
+    finally:
+        root.chmod(0o755)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000030"]
