@@ -40,7 +40,7 @@ class _Mapped:
     def __enter__(self) -> _Mapped:
         if self.create:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         rootdir.FILE_MODE)
+                         rootdir.file_mode(self.path))
         else:
             fd = rootdir.open_regular(self.path)
         self.fd = fd
@@ -96,7 +96,8 @@ def _pwrite(fd: int, buf: memoryview, offset: int) -> None:
 
 
 def _create(path: str, size: int | None = None) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, rootdir.FILE_MODE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                 rootdir.file_mode(path))
     if size:
         os.ftruncate(fd, size)
     return fd

@@ -13,6 +13,10 @@ holds, per committed local checkpoint, ``step-XXXXXXXX/`` with:
 
 A directory holding every rank's ``rank-*.h5`` and the manifest is a complete checkpoint
 that every tool reads like one under ROOT. Being written: ``step-XXXXXXXX.partial-<run>/``.
+
+LOCAL and everything under it is private to the job's user: directories 0700, files 0600,
+whatever the umask; a directory on the way to it that another user made, or a symbolic link put
+there, is refused (``/dev/shm`` and ``/tmp`` are every user's to create in).
 """
 
 from __future__ import annotations
@@ -48,11 +52,15 @@ class LocalTier:
         self.node = node
         self.dir = os.path.join(self.base, node_dirname(node))
         self.root = os.path.realpath(root)
+        rootdir.mark_private(self.base)  # the files this rank makes there: 0600
 
     def prepare(self, run_id: str, log: logging.Logger) -> None:
         """Create the node's directory (or adopt it when it is this ROOT's) and remove what
-        earlier runs left half done; refuse another ROOT's."""
-        rootdir.make_dirs(self.dir)
+        earlier runs left half done; refuse another ROOT's, and a directory on the way that
+        another user made (:func:`mpickpt.rootdir.make_private`: the level is the job user's
+        alone, 0700 and its files 0600)."""
+        rootdir.make_private(self.base)
+        rootdir.make_private(self.dir)
         owner = os.path.join(self.dir, OWNER)
         try:
             with open(owner) as f:

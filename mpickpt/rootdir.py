@@ -5,12 +5,17 @@ being written or was left by a crash and is never loaded; ``*.deleting-<run>`` i
 Every durable change is write-temp, fsync, rename, fsync the directory.
 
 Files are created with mode :data:`FILE_MODE` and directories with :data:`DIR_MODE`: the umask
-applies, and nothing is ever world-writable, even under ``umask 000``. Files of a checkpoint are
-read through :func:`open_regular`: never through a symbolic link, never a FIFO or a device.
+applies, and nothing is ever world-writable, even under ``umask 000``. ROOT is the team's: its
+group and others may read what the umask lets them. Under a *private* tree (the node-local
+level's directory, :func:`make_private`), files are 0600 and directories 0700 whatever the umask:
+that copy of the state is the job's user's alone (:func:`file_mode`, :func:`dir_mode`). Files of
+a checkpoint are read through :func:`open_regular`: never through a symbolic link, never a FIFO
+or a device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -24,6 +29,88 @@ PARTIAL_RE = re.compile(r"^step-(\d{8,})\.partial-([0-9a-z]+)$")
 LEFTOVER_RE = re.compile(r"^step-(\d{8,})\.(deleting|replaced)-([0-9a-z]+)$")
 FILE_MODE = 0o664  # 0o666 less world-write; the umask takes away more
 DIR_MODE = 0o775
+PRIVATE_FILE_MODE = 0o600  # under a private tree: the job's user only
+PRIVATE_DIR_MODE = 0o700
+_PRIVATE: set[str] = set()  # the private trees of this process (absolute paths)
+
+
+def _private(path: str) -> bool:
+    path = os.path.abspath(path)
+    return any(path == p or path.startswith(p + os.sep) for p in _PRIVATE)
+
+
+def file_mode(path: str) -> int:
+    """The mode to create ``path`` with: 0600 under a private tree, else :data:`FILE_MODE`."""
+    return PRIVATE_FILE_MODE if _private(path) else FILE_MODE
+
+
+def dir_mode(path: str) -> int:
+    """The mode to create directory ``path`` with: 0700 under a private tree, else
+    :data:`DIR_MODE`."""
+    return PRIVATE_DIR_MODE if _private(path) else DIR_MODE
+
+
+def mark_private(path: str) -> str:
+    """Files and directories made under ``path`` from now on are 0600 and 0700 (on every rank
+    that writes there; :func:`make_private` also makes the directory safe). Its absolute path."""
+    path = os.path.abspath(path)
+    _PRIVATE.add(path)
+    return path
+
+
+class UnsafeDirectoryError(PermissionError):
+    """A directory of a private tree is not the job user's own: a link, or another user's."""
+
+
+def make_private(path: str) -> None:
+    """Make ``path`` a private tree: every missing directory up to it created 0700, and it (and
+    each existing directory between it and the first one that others may write to, such as
+    ``/dev/shm`` or ``/tmp``) refused unless it is a real directory of this user; one of this
+    user's with wider permissions is narrowed to 0700. Files and directories made under it
+    later are 0600 and 0700 (:func:`file_mode`, :func:`dir_mode`).
+
+    :class:`UnsafeDirectoryError` names the directory planted by another user (or a symbolic
+    link put where it should be): another user of the node could read the state, or have the
+    job write where they choose."""
+    path = mark_private(path)
+    missing, at = [], path
+    while not os.path.lexists(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    chain, up, shared = [], at, False  # the existing directories, up to a shared one
+    while True:
+        st = os.lstat(up)
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_mode & 0o002:
+            shared = True  # /tmp, /dev/shm: every user may create here; ours must be ours
+            break
+        chain.append((up, st))
+        if up == os.path.dirname(up):
+            break
+        up = os.path.dirname(up)
+    for where, st in chain if shared else [c for c in chain if c[0] == path]:
+        _check_own(where, st)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, PRIVATE_DIR_MODE)
+        _check_own(d, os.lstat(d))
+    if os.lstat(path).st_mode & 0o077:
+        os.chmod(path, PRIVATE_DIR_MODE)
+
+
+def _check_own(path: str, st: os.stat_result) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeDirectoryError(
+            errno.EPERM, f"is a symbolic link (to {os.readlink(path)}), not a directory: "
+            "someone else may have put it there. Remove it, or give the level another "
+            "directory", path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectoryError(errno.ENOTDIR, "is not a directory", path)
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectoryError(
+            errno.EPERM, f"belongs to user {st.st_uid}, not to this job's user "
+            f"{os.geteuid()}: another user may have created it to read the job's state. "
+            "Give the level a directory of its own (e.g. with the job id in its name), or "
+            "remove that one", path)
 
 
 # what to do when ranks do not share ROOT, as a save refuses it (not_shared_hint: as the tools
@@ -58,14 +145,14 @@ def is_real_dir(path: str) -> bool:
 
 
 def make_dirs(path: str) -> None:
-    """``os.makedirs(path, exist_ok=True)``, every directory it creates with :data:`DIR_MODE`."""
+    """``os.makedirs(path, exist_ok=True)``, every directory it creates with :func:`dir_mode`."""
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
     if parent and parent != path:
         make_dirs(parent)
     try:
-        os.mkdir(path, DIR_MODE)
+        os.mkdir(path, dir_mode(path))
     except FileExistsError:
         if not os.path.isdir(path):
             raise
@@ -139,7 +226,7 @@ def atomic_write(path: str, data: bytes, on_half: Callable[[], None] | None = No
     ``on_half`` runs after half the bytes reached the temp file (a fault injection point).
     """
     tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, file_mode(path))
     try:
         half = len(data) // 2
         os.write(fd, data[:half])
@@ -187,7 +274,7 @@ def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None,
     fin = open_regular(src)
     try:
         fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       FILE_MODE)
+                       file_mode(dst))
         try:
             size, done, t0 = os.fstat(fin).st_size, 0, time.monotonic()
             while done < size:

@@ -158,9 +158,9 @@ class ShardWriter:
         self.records: list[TensorRecord] = []
         self._datasets: list[h5py.h5d.DatasetID] = []  # of the records, for their checksums
         self._rw, self._map, self._dst = -1, None, None
-        # created here, so its mode is rootdir.FILE_MODE less the umask (HDF5 would use 0o666)
+        # created here, so its mode is rootdir.file_mode's less the umask (HDF5 would use 0o666)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         rootdir.FILE_MODE))
+                         rootdir.file_mode(path)))
         # HDF5 writes through a Python file object when chunks are compressed: its writes
         # (the frames) then release the GIL, which HDF5's own driver holds while it writes
         self._raw = io.FileIO(path, "r+") if self._codecs else None

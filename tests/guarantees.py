@@ -69,7 +69,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "A failed save aborts on all ranks; training goes on, older checkpoints stay."),
     Guarantee("retention-after-commit",
               "Retention deletes old checkpoints only after a newer one has committed."),
-    Guarantee("umask-honoured", "Files honour the umask and are never world-writable."),
+    Guarantee("umask-honoured",
+              "Files in ROOT honour the umask and are never world-writable; the node-local "
+              "level is the job's user's alone (directories 0700, files 0600), and a directory "
+              "or link another user planted on its path is refused."),
     Guarantee("flat-forever",
               "Saving forever is flat: file descriptors, memory and disk stay bounded."),
     Guarantee("reshard-bit-exact",

@@ -1,5 +1,5 @@
-"""File modes: everything mpickpt and its tools create honours the umask and is never
-world-writable, even under ``umask 000``.
+"""File modes: everything mpickpt and its tools create in ROOT honours the umask and is never
+world-writable, even under ``umask 000``; the node-local level is private to the job's user.
 
 A real 2-rank job (ROOT two directories deeper than what exists) checkpoints under each umask; then
 mpickpt-restore quarantines a damaged checkpoint and rolls back, and mpickpt export writes both
@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
+import shutil
 import stat
+import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import flip_data_byte, train
+from harness import SCENARIOS, Job, flip_data_byte, run_mpi, train
 
 from mpickpt import rootdir
 from mpickpt.cli import main as cli_main
@@ -94,3 +98,92 @@ def test_helpers_never_make_world_writable_entries(tmp_path: Path) -> None:
     for p, directory in ((tmp_path / "a", True), (tmp_path / "a" / "b", True),
                          (tmp_path / "a" / "b" / "f", False)):
         assert stat.S_IMODE(p.stat().st_mode) == (0o775 if directory else 0o664), p
+
+
+# ---------------------------------------------------------------- the node-local level: private
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run a command as the user nobody: another user of the node."""
+    return subprocess.run([*NOBODY, *argv], capture_output=True, text=True, timeout=30)
+
+
+def level_job(tmp: Path, local: Path, n: int = 4) -> Job:
+    """tests/scenarios/levels.py: 4 ranks on two simulated nodes, partner copies, steps 10, 20."""
+    plan = tmp / "plan.json"
+    plan.write_text(json.dumps({"root": str(tmp / "root"), "local": str(local), "per_node": 2,
+                                "redundancy": "partner", "steps": 20, "every": 10,
+                                "persist_every": None}))
+    return run_mpi(n, [str(SCENARIOS / "levels.py"), str(plan)], timeout=120)
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh name in /dev/shm (every user's to create in, as on a cluster's node)."""
+    where = Path(f"/dev/shm/mpickpt-test-{uuid.uuid4().hex[:8]}")
+    yield where
+    subprocess.run(["rm", "-rf", str(where)], check=True)
+
+
+@pytest.fixture
+def no_setpriv() -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to act as another user")
+
+
+def test_the_local_level_is_private_to_the_jobs_user_whatever_the_umask(
+        tmp_path: Path, shm: Path, no_setpriv: None) -> None:
+    """With umask 022 ROOT is readable by all, the local level by the job's user only: 0700
+    directories, 0600 files (shards, partner copies, manifests); another user can neither list
+    it nor read a shard."""
+    with umask(0o022):
+        job = level_job(tmp_path, shm)
+    assert job.returncode == 0, job.output
+    found = modes(shm)
+    shards = [p for p in found if p.endswith(".h5")]
+    assert len(shards) == 8, sorted(found)  # each node: its 2 ranks' shards and 2 copies
+    wrong = {p: oct(m) for p, (d, m) in found.items() if m != (0o700 if d else 0o600)}
+    assert not wrong, wrong
+    assert stat.S_IMODE((tmp_path / "root" / "step-00000020").stat().st_mode) == 0o755
+    for argv in (["ls", str(shm)], ["cat", shards[0]], ["ls", str(shm / "n0")]):
+        p = as_nobody(*argv)
+        assert p.returncode != 0 and "Permission denied" in p.stderr, (argv, p)
+
+
+@pytest.mark.parametrize("planted", ["directory", "link"])
+def test_a_directory_or_link_planted_by_another_user_is_refused(
+        tmp_path: Path, shm: Path, no_setpriv: None, planted: str) -> None:
+    """Another user creates the level's predictable name first (a directory they own, or a link
+    to a directory they can read): every rank refuses at construction, naming it; nothing of
+    the state is written there."""
+    trap = tmp_path / "trap"
+    trap.mkdir(mode=0o777)
+    trap.chmod(0o777)
+    made = as_nobody("mkdir", "-m", "777", str(shm)) if planted == "directory" else \
+        as_nobody("ln", "-s", str(trap), str(shm))
+    assert made.returncode == 0, made.stderr
+    job = level_job(tmp_path, shm)
+    assert job.returncode != 0
+    why = "belongs to user 65534" if planted == "directory" else "is a symbolic link"
+    assert why in job.stderr and str(shm) in job.stderr, job.output
+    assert list(trap.iterdir()) == []
+    if planted == "directory":
+        assert list(shm.iterdir()) == []
+    assert not (tmp_path / "root").exists() or not list((tmp_path / "root").glob("step-*"))
+
+
+def test_an_own_directory_with_wider_permissions_is_narrowed(tmp_path: Path) -> None:
+    """A local directory of the job's user made earlier with the umask's modes (0755) becomes
+    0700; the files made under it then are 0600."""
+    base = tmp_path / "local"
+    base.mkdir(mode=0o755)
+    base.chmod(0o755)
+    rootdir.make_private(str(base))
+    with umask(0):
+        rootdir.make_dirs(str(base / "n0" / "step-00000010"))
+        rootdir.atomic_write(str(base / "n0" / "step-00000010" / "MANIFEST.json"), b"{}")
+    assert {os.path.relpath(p, base): m for p, (_, m) in modes(base).items()} == {
+        ".": 0o700, "n0": 0o700, "n0/step-00000010": 0o700,
+        "n0/step-00000010/MANIFEST.json": 0o600}
