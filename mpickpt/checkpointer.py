@@ -10,6 +10,7 @@ comes from the scheduler.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 from . import codec, knobs, log, preempt, retention, rollback, rootdir, shared_root, slurm
 from .capture import Capture
-from .errors import CheckpointError, LocalTierFull
+from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exchange import Exchange
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .incremental import frozen_matcher
@@ -30,7 +31,7 @@ from .localtier import LocalTier, in_memory
 from .manifest import FANOUT
 from .nodefile import NodeFiles
 from .pinned_pool import HostPool
-from .protocol import Protocol
+from .protocol import Protocol, world_rank
 from .recovery import LocalRecovery
 from .restorer import RestoreInfo, Restorer
 from .rollback import Rollback
@@ -55,6 +56,23 @@ SPLIT_RANKS = 64
 # interpreter exit (a pipeline outlives its Checkpointer while a save is in flight)
 _OPEN: weakref.WeakSet[Saver] = weakref.WeakSet()
 _EXIT_HOOKED = False
+
+
+def _agreed(method: Callable[..., T]) -> Callable[..., T]:
+    """A Checkpointer method whose ValueError or CheckpointError is raised alike on every rank
+    (a configuration that cannot work, a collective refusal): printed in full by rank 0 only."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return method(*args, **kwargs)
+        except (ValueError, CheckpointError) as e:
+            if world_rank() is not None:
+                mark_agreed(e)
+                install_hook(world_rank)
+            raise
+
+    return wrapper
 
 
 class Checkpointer:
@@ -130,6 +148,7 @@ class Checkpointer:
     """
 
 
+    @_agreed
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -382,6 +401,7 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------- restore
 
+    @_agreed
     def restore(self, state: dict[str, Any], step: int | None = None, *,
                 upto: int | None = None) -> int | None:
         """Load the newest checkpoint that every rank can load (or ``step``; or the newest of a
@@ -439,9 +459,9 @@ class Checkpointer:
             else:
                 where = info.path if info.level == "root" else "the local level"
                 self.log.info("restored step %d from %s in %.2f s: %s read by %d rank(s), "
-                              "%.2f GB/s%s", info.step, where, info.seconds,
+                              "%s%s", info.step, where, info.seconds,
                               log.human_bytes(info.total_bytes_read), self.world_size,
-                              info.total_bytes_read / max(info.seconds, 1e-9) / 1e9,
+                              log.human_rate(info.total_bytes_read / max(info.seconds, 1e-9)),
                               f", {log.human_bytes(info.total_network_bytes)} rebuilt over "
                               "the network" if info.total_network_bytes else "")
                 if info.total_fetched_bytes:
@@ -511,9 +531,11 @@ class Checkpointer:
         result = self.save(step, state, drain=True).wait()
         self._saver.wait()  # and its drain to ROOT, with a local level
         if self.rank == 0 and result.committed:
-            self.log.warning("emergency checkpoint of step %d committed%s", step,
-                             "" if self._local is None or self._saver.drained == step else
-                             " on the nodes only: its drain to ROOT failed")
+            if self._local is None or self._saver.drained == step:
+                self.log.info("emergency checkpoint of step %d committed", step)
+            else:
+                self.log.warning("emergency checkpoint of step %d committed on the nodes only: "
+                                 "its drain to ROOT failed", step)
 
     # ------------------------------------------------------------------------------------- close
 
@@ -596,7 +618,7 @@ class Checkpointer:
                 rootdir.remove(path, self.run_id)
             except OSError as e:  # e.g. a read-only ROOT: restore must still work
                 self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
-                                 "a later start", path, e)
+                                 "a later start", path, log.os_error(e, path))
         return None
 
 

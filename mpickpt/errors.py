@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+_AGREED = "_mpickpt_same_on_every_rank"
+# how long a rank other than 0 waits, after its one line, so that rank 0 prints the error in full
+# before a launcher ends the job for the first rank that exited
+OTHERS_WAIT_S = 3.0
+
 
 class CheckpointError(Exception):
     """Base class of every error mpickpt raises."""
@@ -54,3 +64,38 @@ class CollectiveTimeout(CheckpointError):
 
 class FaultInjected(CheckpointError):
     """Raised by a fault injection point (MPICKPT_FAULT) with action 'raise'."""
+
+
+def mark_agreed(e: BaseException) -> None:
+    """Mark ``e`` as raised alike on every rank (a configuration that cannot work, a collective
+    refusal): printed in full by rank 0 only (:func:`short_form`)."""
+    setattr(e, _AGREED, True)
+
+
+def short_form(e: BaseException, rank: int | None) -> str | None:
+    """On a rank other than 0, the one line that stands for an error raised alike on every rank
+    (rank 0 prints it in full); None when ``e`` is to be printed in full here."""
+    if not getattr(e, _AGREED, False) or not rank:
+        return None
+    return (f"[rank {rank}] {type(e).__name__} (raised alike on every rank; rank 0 prints it "
+            "in full)\n")
+
+
+def install_hook(rank: Callable[[], int | None]) -> None:
+    """Let Python's handler of uncaught exceptions print an error raised alike on every rank
+    once, on rank 0 (every other rank prints its one line); other exceptions as before."""
+    previous = sys.excepthook
+    if getattr(previous, "_mpickpt", False):
+        return
+
+    def hook(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
+        line = short_form(e, rank())
+        if line is None:
+            previous(kind, e, tb)
+        else:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            time.sleep(OTHERS_WAIT_S)  # the launcher may end the job when one rank exits
+
+    hook._mpickpt = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

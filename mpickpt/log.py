@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from . import knobs
@@ -19,6 +20,21 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def human_rate(bytes_per_s: float) -> str:
+    """``2.5e9`` -> ``"2.5 GB/s"``, ``3.1e6`` -> ``"3.1 MB/s"``: a unit that fits."""
+    return f"{human_bytes(bytes_per_s)}/s"
+
+
+def os_error(e: BaseException, path: str | None = None) -> str:
+    """What went wrong, without repeating ``path``: an OSError's reason (``Permission denied``),
+    with the file it names when that is another one (a file inside ``path``, say)."""
+    if not isinstance(e, OSError) or not e.strerror:
+        return str(e)
+    if e.filename is not None and os.fspath(e.filename) != path:
+        return f"{e.strerror}: {os.fspath(e.filename)}"
+    return e.strerror
 
 
 def setup(rank: int) -> logging.Logger:

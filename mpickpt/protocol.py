@@ -201,6 +201,11 @@ class _RollCall:
                 f"rank 0's roll call was answered within {self.grace:g} s by {answered}")
 
 
+def world_rank() -> int | None:
+    """This process's rank in ``MPI.COMM_WORLD``, or None before MPI is initialized."""
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else None
+
+
 class Protocol:
     """Collectives with deadlines on ``comm.Dup()`` (``MPI.COMM_WORLD`` when ``comm`` is None).
 

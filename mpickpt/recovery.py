@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import rootdir
+from . import log, rootdir
 from .blocks import verify_file
 from .errors import ManifestError, ShardError
 from .exchange import copy_over, xor_rebuild
@@ -79,7 +79,7 @@ class LocalRecovery:
                     rootdir.remove(self.path(step), "rollback")
                 except OSError as e:
                     self.log.warning("could not remove %s, undone by %s: %s", self.path(step),
-                                     ROLLBACK, e)
+                                     ROLLBACK, log.os_error(e, self.path(step)))
         parts = self.proto.allgather((mine, gone), "local-list")
         undone = sorted({s for _, g in parts for s in g})
         if undone and undo is not None and self.rank == 0:

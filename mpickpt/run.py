@@ -60,7 +60,7 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from . import knobs, preempt
+from . import errors, knobs, preempt
 from .exitcodes import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_FAILED,
@@ -292,7 +292,13 @@ def run_program(program: Callable[[], object], rank: int) -> int:
     except KeyboardInterrupt:
         abort(EXIT_INTERRUPTED, "interrupted (KeyboardInterrupt)")
     except BaseException as e:
-        print_traceback(e, rank)
+        line = errors.short_form(e, rank)  # raised alike on every rank: rank 0 prints it
+        if line is None:
+            print_traceback(e, rank)
+        else:
+            sys.stdout.flush()
+            sys.stderr.write(line)
+            time.sleep(errors.OTHERS_WAIT_S)  # rank 0 aborts the job, having printed it
         abort(EXIT_FAILED, f"uncaught {type(e).__name__}")
     return EXIT_OK
 

@@ -673,7 +673,7 @@ class Saver:
                 rootdir.remove(partial, self.run_id)
         except OSError as e:
             self.log.warning("could not remove %s (%s); it is removed at the next start",
-                             partial, e)
+                             partial, log.os_error(e, partial))
 
 
 # with index parts, rank 0 reads them all to check that sharded tensors tile at the commit up to

@@ -34,10 +34,10 @@ class Upkeep:
 
     def after_commit(self, step: int, path: str | None, stats: dict[str, float],
                      metadata: dict[str, Any]) -> None:
-        self.log.info("checkpoint step %d committed: %s, stall %.3f s, persist %.2f GB/s "
-                      "(rank 0), commit %.0f ms -> %s", step,
-                      log.human_bytes(stats.get("bytes", 0)), stats["stall_s"],
-                      stats.get("persist_GBps", 0), stats.get("commit_s", 0) * 1e3, path)
+        self.log.info("checkpoint step %d committed: %s, stall %.3f s, persist %s (rank 0), "
+                      "commit %.0f ms -> %s", step, log.human_bytes(stats.get("bytes", 0)),
+                      stats["stall_s"], log.human_rate(stats.get("persist_GBps", 0) * 1e9),
+                      stats.get("commit_s", 0) * 1e3, path)
         self.record(step, stats)
         faults.hit("after-commit-before-retention", 0, step)
         self._metadata[step] = metadata
@@ -54,7 +54,8 @@ class Upkeep:
             with os.fdopen(fd, "a") as f:
                 f.write(json.dumps({"step": step, "time": time.time(), **stats}) + "\n")
         except OSError as e:
-            self.log.warning("could not append step %d's figures to %s: %s", step, where, e)
+            self.log.warning("could not append step %d's figures to %s: %s", step, where,
+                             log.os_error(e, where))
 
     def retain(self, newest: int) -> None:
         """Remove the committed checkpoints no rule of the policy keeps (never ``newest``)."""
@@ -75,7 +76,8 @@ class Upkeep:
                 rootdir.remove(committed[step], self.run_id)
             except OSError as e:
                 self.log.warning("retention could not remove %s: %s; what is left of it is "
-                                 "removed at a later start", committed[step], e)
+                                 "removed at a later start", committed[step],
+                                 log.os_error(e, committed[step]))
             faults.hit("mid-retention", 0, newest)
 
     def referrers(self, step: int) -> list[int]:

@@ -15,9 +15,6 @@ import argparse
 import sys
 
 from .. import __version__
-from . import common_options, drain, export, inspect, restore, stats, verify
-from .render import Out
-from .team import Team
 
 VERSION = f"mpickpt {__version__}"
 
@@ -28,6 +25,8 @@ Run `mpickpt COMMAND --help` for each command, `mpickpt-restore --help` for rest
 
 
 def parser() -> argparse.ArgumentParser:
+    from . import common_options, drain, export, inspect, stats
+
     p = argparse.ArgumentParser(prog="mpickpt", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +54,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--version"]:  # before the commands' modules are imported: a fraction of that
+        print(VERSION)
+        return 0
+    from . import drain, export, inspect, restore, stats, verify
+    from .render import Out
+    from .team import Team
+
     if argv[:1] == ["restore"]:
         return restore.main(argv[1:])
     args = parser().parse_args(argv)

@@ -34,7 +34,8 @@ with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         code = e.code
 watch = set(HEAVY) | {"h5py", "numpy"}
 print(json.dumps({"code": code, "out": out.getvalue(),
-                  "loaded": sorted(m for m in sys.modules if m in watch)}))
+                  "loaded": sorted(m for m in sys.modules if m in watch),
+                  "ours": sorted(m for m in sys.modules if m.startswith("mpickpt"))}))
 """.replace("HEAVY", repr(HEAVY))
 
 
@@ -70,6 +71,8 @@ def test_version_of_both_commands():
         got = run_probe(entry, "--version")
         assert got["code"] == 0 and got["out"] == f"mpickpt {mpickpt.__version__}\n"
     assert mpickpt.__version__ == "0.1.0"
+    # mpickpt --version answers before the commands' modules are imported
+    assert len(run_probe("main", "--version")["ours"]) <= 8
 
 
 def test_export_still_imports_torch(tmp_path, tmp_path_factory):

@@ -53,7 +53,7 @@ def test_a_preemption_signal_saves_once_exits_3_and_the_rerun_resumes_there(tmp_
     assert first.returncode == 3, first.output
     steps = committed_steps(root)
     assert steps[0] == 4 and len(steps) == 2 and 5 <= steps[1] < 8, (steps, first.output)
-    assert f"emergency checkpoint of step {steps[1]} committed" in first.stderr, first.output
+    assert f"INFO emergency checkpoint of step {steps[1]} committed" in first.stderr, first.output
     out = tmp_path / "out"
     again = train(N, root, out, "--steps", "16", "--save-steps", "4")
     assert again.returncode == 0, again.output

@@ -207,9 +207,16 @@ def test_a_local_level_too_small_is_refused_on_every_rank_at_the_first_save(
 
 
 def test_redundancy_on_one_node_is_refused_at_construction(tmp_path: Path) -> None:
-    done, reports = job(tmp_path, "one", 2, per_node=2, redundancy="partner", steps=10)
+    """Refused on every rank; the error is printed in full once (rank 0), each other rank says
+    in one line that it raised it too."""
+    done, reports = job(tmp_path, "one", 4, per_node=4, redundancy="partner", steps=10)
     assert done.returncode != 0
     assert "run on one node" in done.stderr and "redundancy=None" in done.stderr
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+    assert done.stderr.count("run on one node") == 1, done.stderr
+    for r in (1, 2, 3):
+        assert f"[rank {r}] TopologyError (raised alike on every rank; rank 0 prints it in " \
+            "full)" in done.stderr, done.stderr
     assert not reports
 
 

@@ -207,7 +207,7 @@ def test_scancel_usr2_preempts_requeues_and_resumes_bit_identical(slurm, jobs, r
     assert 15 <= step < steps
     assert f"checkpointing step {step} and exiting" in log, log
     if step % 10:
-        assert f"emergency checkpoint of step {step} committed" in log, log
+        assert f"INFO emergency checkpoint of step {step} committed" in log, log
     assert_same_final(jobs.out, reference, N)
 
 

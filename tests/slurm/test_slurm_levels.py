@@ -80,7 +80,7 @@ def check_drained(jobs: LocalJobs, step: int, log: str) -> None:
     assert f"drained step {step} to ROOT" in log, log
     assert f"checkpointing step {step} and exiting" in log, log
     if step % 10:
-        assert f"emergency checkpoint of step {step} committed" in log, log
+        assert f"INFO emergency checkpoint of step {step} committed" in log, log
         assert f"emergency checkpoint of step {step} committed on the nodes only" not in log, log
 
 
