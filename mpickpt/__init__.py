@@ -32,6 +32,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
+    from .ddp import prime_ddp
     from .incremental import frozen_params
     from .restorer import RestoreInfo
     from .sharding import Piece, Shard
@@ -60,13 +61,14 @@ __all__ = [
     "WorldSizeMismatchError",
     "__version__",
     "frozen_params",
+    "prime_ddp",
 ]
 
 # name -> the submodule that defines it, imported on first access
 _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
     "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "stateful",
-    "Values": "stateful", "frozen_params": "incremental",
+    "Values": "stateful", "frozen_params": "incremental", "prime_ddp": "ddp",
 }
 
 preempt.hold_early()

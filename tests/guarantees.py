@@ -86,7 +86,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "as it was."),
     Guarantee("resume-bit-identical",
               "A resumed job ends bit-identical to an uninterrupted one (DDP on more than 2 "
-              "ranks: with `find_unused_parameters=True`)."),
+              "ranks: with `mpickpt.prime_ddp` after the restore, or "
+              "`find_unused_parameters=True`)."),
     Guarantee("incremental",
               "An incremental checkpoint loads exactly what its step held: retention, prune and "
               "quarantine keep every file a kept checkpoint refers to, and damage to a "

@@ -19,6 +19,7 @@ in its bucket). The bucket layouts each run recorded show the remedy is in force
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,13 +93,14 @@ class Runs:
     after_kill: list[str]  # what the killed job left under its checkpoint root
 
 
-def resume_job(root: Path, out: Path, fault: str | None = None) -> Job | str:
+def resume_job(root: Path, out: Path, fault: str | None = None, extra: tuple[str, ...] = ()
+               ) -> Job | str:
     """ddp_resume.py on WORLD ranks; a job that hangs gives the reason as a str."""
     t = time.monotonic()
     try:
         job = run_mpi(WORLD, ["-m", "mpickpt.run", str(SCENARIOS / "ddp_resume.py"), "--root",
                               str(root), "--out", str(out), "--steps", str(RESUME_STEPS),
-                              "--every", str(EVERY)],
+                              "--every", str(EVERY), *extra],
                       env={"MPICKPT_FAULT": fault} if fault else None, timeout=120)
     except pytest.fail.Exception as e:
         return str(e)
@@ -188,3 +190,56 @@ def test_ddp_bucket_layout_never_changes(ddp_runs):
             assert not changed, f"{out.name} rank {r}: DDP's buckets were {built}, then {changed}"
     assert built is not None and len(built) >= 3, f"the model should span several buckets: {built}"
     assert sorted(n for bucket in built for n in bucket) == sorted(model)
+
+
+# ------------------------------------- plain DDP (buckets rebuilt), resumed with mpickpt.prime_ddp
+
+PLAIN = ("--plain",)
+PLAIN_CASE = (f"plain DDP on {WORLD} ranks: SIGKILL of rank {KILLED_RANK} mid-write of step "
+              f"{KILLED_AT}, resumed from step {RESUMED_FROM} with prime_ddp, bit for bit")
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Runs, Job | str, Path]:
+    """The same three jobs with plain DDP (the resumed one calls prime_ddp after restoring),
+    and the resume of a copy of the killed job's ROOT without prime_ddp (and its output)."""
+    base = tmp_path_factory.mktemp("ddp_plain")
+    whole = resume_job(base / "whole-ckpt", base / "whole", extra=PLAIN)
+    root = base / "ckpt"
+    dead = resume_job(root, base / "dead", f"mid-write:{KILLED_RANK}:kill:{KILLED_AT}", PLAIN)
+    after_kill = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    shutil.copytree(root, base / "ckpt-unprimed")
+    resumed = resume_job(root, base / "resumed", extra=(*PLAIN, "--prime"))
+    unprimed = resume_job(base / "ckpt-unprimed", base / "unprimed", extra=PLAIN)
+    return (Runs(whole, dead, resumed, base / "whole", base / "resumed", after_kill), unprimed,
+            base / "unprimed")
+
+
+@pytest.mark.guarantee("resume-bit-identical")
+def test_plain_ddp_primed_after_restore_ends_bit_identical(plain_runs, guarantees):
+    """Plain DDP: with prime_ddp after restore(), the resumed run reduces every step in the
+    bucket layout the uninterrupted run used, and ends equal to it, bit for bit."""
+    runs, _, _ = plain_runs
+    outcome, detail = judge(runs)
+    guarantees.record("ddp-resume", PLAIN_CASE, outcome, detail)
+    assert outcome == "correct", detail
+    for r in range(WORLD):
+        whole = json.loads((runs.whole_out / f"rank-{r}.json").read_text())
+        resumed = json.loads((runs.resumed_out / f"rank-{r}.json").read_text())
+        assert not whole["find_unused_parameters"]
+        assert whole["buckets"]["2"] != whole["buckets"]["built"]  # rebuilt in step 2
+        for step in range(RESUMED_FROM + 1, RESUME_STEPS + 1):
+            assert resumed["buckets"][str(step)] == whole["buckets"][str(step)], (r, step)
+
+
+def test_plain_ddp_resumed_without_prime_differs_in_the_last_bits(plain_runs):
+    """Why prime_ddp exists: the same resume without it reduces its first step in DDP's first
+    layout; the losses agree to float precision, the final state not bit for bit."""
+    runs, unprimed, out = plain_runs
+    assert isinstance(unprimed, Job) and unprimed.returncode == 0, unprimed
+    assert starts(out, WORLD) == [RESUMED_FROM] * WORLD
+    with pytest.raises(AssertionError, match=r"rank \d: (parameter|optim)"):
+        assert_same_final(out, runs.whole_out, WORLD)
+    got, whole = rank_losses(out, 0), rank_losses(runs.whole_out, 0)
+    assert [got[s] for s in sorted(got)] == pytest.approx([whole[s] for s in sorted(got)],
+                                                          rel=1e-5)
