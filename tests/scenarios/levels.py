@@ -24,8 +24,8 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 The state of a rank is a pure function of (rank, step) through a deterministic training step,
 so a resumed run that restored bit for bit ends with the digest of an uninterrupted one.
 
-Run by tests/multirank/test_levels.py, tests/matrix/test_level_matrix.py and
-tests/cli/test_cli_levels.py.
+Run by tests/multirank/test_levels.py, tests/matrix/test_level_matrix.py,
+tests/cli/test_cli_levels.py and tests/test_permissions.py.
 """
 
 from __future__ import annotations
