@@ -26,6 +26,18 @@ def _opens(path) -> bool:
         return False
 
 
+def spans(ranks: list[int]) -> str:
+    """Sorted ranks as the CLI writes them: runs of consecutive ranks as ``a-b``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+@pytest.mark.quick
 def test_the_killed_rank_is_named_and_the_claim_holds(tmp_path_factory):
     root = pristine(4, tmp_path_factory)
     partial = partial_dirs(root)[0]
@@ -38,7 +50,7 @@ def test_the_killed_rank_is_named_and_the_claim_holds(tmp_path_factory):
     assert 2 in shards["incomplete"], shards  # the killed one
     bad = shards["incomplete"]
     said = ("rank 2's shard is incomplete" if bad == [2] else
-            f"the shards of ranks {','.join(map(str, bad))} are incomplete")
+            f"the shards of ranks {spans(bad)} are incomplete")
     assert row["note"].startswith(f"a save that never committed; {said} ("), row["note"]
     sizes = {r["rank"]: r["bytes"] for r in manifest(root, 20)["ranks"]}
     for r in range(4):
