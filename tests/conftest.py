@@ -4,13 +4,46 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from guarantees import MAP_ENV, GuaranteeReport, function_of, proved_by
-from harness import train
+from harness import WARMSTART, train
+from warmstart import SOCKET_ENV as WARM_SOCKET
 
 _REPORT = GuaranteeReport()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Start tests/warmstart.py's server for this session (one per pytest-xdist worker): the
+    ranks of the tests' MPI jobs are forked from it with PyTorch imported already.
+    ``MPICKPT_WARM=0`` starts none (every rank imports everything itself)."""
+    if os.environ.get("MPICKPT_WARM") == "0" or os.environ.get(WARM_SOCKET):
+        yield
+        return
+    sock = tmp_path_factory.getbasetemp() / "warm.sock"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    log = open(tmp_path_factory.getbasetemp() / "warm.log", "w")  # noqa: SIM115
+    server = subprocess.Popen([sys.executable, "-u", str(WARMSTART), "--serve", str(sock)],
+                              stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+                              text=True)
+    assert server.stdout is not None
+    ready = server.stdout.readline().strip()  # after its imports: a few seconds
+    if ready != "ready":
+        server.kill()
+        pytest.fail(f"the warm-start server did not start: {ready!r}")
+    os.environ[WARM_SOCKET] = str(sock)
+    try:
+        yield
+    finally:
+        del os.environ[WARM_SOCKET]
+        server.kill()
+        server.wait()
+        log.close()
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +52,50 @@ def guarantees() -> GuaranteeReport:
     return _REPORT
 
 
+CASES, PROVES = "mpickpt-cases", "mpickpt-proves"  # what a test's report carries (below)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the quick marks below count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Note which guarantees each test proves (@pytest.mark.guarantee); refuse a marker that
-    names no guarantee of guarantees.py."""
+    names no guarantee of guarantees.py. Every test of the in-process modules (tests/test_*.py,
+    no MPI job) is in the quick tier (``-m quick``); of the others, those marked quick."""
     for item in items:
+        if item.path.parent == TESTS:
+            item.add_marker(pytest.mark.quick)
         try:
             _REPORT.collected(item.nodeid, proved_by(item))
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``-n N``): each worker takes a whole *unit* at a time
+    (:func:`scheduling.unit`: a module, so its module fixtures run once; Slurm's modules as one;
+    the fault matrices cut into groups of cells), the costliest units first."""
+    from scheduling import make_scheduler
+
+    return make_scheduler(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """The cases a test recorded, and the guarantees it proves, go with its report (under
+    pytest-xdist the worker's report travels to the process that prints the summary)."""
+    outcome = yield
+    report = outcome.get_result()
+    extra = []
+    cases = _REPORT.take_pending()
+    if cases:
+        extra.append((CASES, cases))
+    if call.when == "setup" and item.nodeid in _REPORT.proves:
+        extra.append((PROVES, _REPORT.proves[item.nodeid]))
+    if extra:  # a new list: the item's own is shared by its setup, call and teardown reports
+        report.user_properties = [*report.user_properties, *extra]
+    return None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -39,14 +108,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         cases[function_of(item.nodeid)] = cases.get(function_of(item.nodeid), 0) + 1
     marked = {i.nodeid: _REPORT.proves[i.nodeid] for i in session.items
               if i.nodeid in _REPORT.proves}
-    Path(path).write_text(json.dumps({"marked": marked, "cases": cases}, indent=1))
+    quick = [i.nodeid for i in session.items if i.get_closest_marker("quick")]
+    Path(path).write_text(json.dumps({"marked": marked, "cases": cases, "quick": quick},
+                                     indent=1))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _REPORT.ran(report.nodeid, report.when, report.outcome)
+    nodeid = report.nodeid
+    for key, value in report.user_properties:
+        if key == CASES:
+            _REPORT.add(value)
+        elif key == PROVES:
+            _REPORT.collected(nodeid, value)
+    _REPORT.ran(nodeid, report.when, report.outcome)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if hasattr(terminalreporter.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller reports
     if not _REPORT.cases and not _REPORT.results:
         return
     terminalreporter.section("mpickpt guarantees")

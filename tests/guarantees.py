@@ -128,9 +128,23 @@ def grouped(nodeids: Iterable[str]) -> dict[str, int]:
 class GuaranteeReport:
     """Cases recorded during one pytest session."""
 
-    cases: list[dict[str, str]] = field(default_factory=list)
+    settled: list[dict[str, str]] = field(default_factory=list)  # reported (see conftest.py)
+    pending: list[dict[str, str]] = field(default_factory=list)  # recorded, not yet reported
     proves: dict[str, list[str]] = field(default_factory=dict)  # node id -> guarantee ids
     results: dict[str, str] = field(default_factory=dict)  # node id of a marked test -> RESULTS
+
+    @property
+    def cases(self) -> list[dict[str, str]]:
+        return self.settled + self.pending
+
+    def take_pending(self) -> list[dict[str, str]]:
+        """The cases recorded since the last call: they travel with a test's report (under
+        pytest-xdist, from the worker that ran the test to the process that reports)."""
+        out, self.pending = self.pending, []
+        return out
+
+    def add(self, cases: list[dict[str, str]]) -> None:
+        self.settled.extend(cases)
 
     def collected(self, nodeid: str, ids: list[str]) -> None:
         """A collected test that proves ``ids``."""
@@ -178,7 +192,8 @@ class GuaranteeReport:
         """Count one case of ``suite`` (e.g. "fault-matrix", "corruption", "disk", "soak")."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
-        self.cases.append({"suite": suite, "case": case, "outcome": outcome, "detail": detail})
+        self.pending.append({"suite": suite, "case": case, "outcome": outcome,
+                             "detail": detail})
 
     def summary(self) -> dict[str, object]:
         total = Counter(c["outcome"] for c in self.cases)

@@ -40,6 +40,17 @@ def mpiexec() -> list[str]:
     return cmd
 
 
+WARMSTART = REPO / "tests" / "warmstart.py"
+
+
+def python() -> list[str]:
+    """How mpiexec starts a rank's Python: forked warm from the session's server
+    (tests/warmstart.py, when conftest.py started one), else as itself."""
+    if os.environ.get("MPICKPT_WARM_SOCKET"):
+        return [sys.executable, "-S", "-E", str(WARMSTART)]
+    return [sys.executable]
+
+
 class Job(subprocess.CompletedProcess):
     @property
     def output(self) -> str:
@@ -52,7 +63,7 @@ def run_mpi(n: int, args: list[str], *, env: dict[str, str] | None = None,
     outlives ``timeout`` is killed and fails."""
     full_env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
     full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    cmd = [*(prefix or []), *mpiexec(), "-n", str(n), sys.executable, *args]
+    cmd = [*(prefix or []), *mpiexec(), "-n", str(n), *python(), *args]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout,
                            start_new_session=True)

@@ -12,13 +12,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from faultkit import committed_steps, partials, reports, step_dirs
-from harness import NO_DAC, SCENARIOS, Job, mpiexec
+from harness import NO_DAC, SCENARIOS, Job, mpiexec, python
 
 N = 2
 pytestmark = pytest.mark.guarantee("failed-save-aborts")
@@ -47,7 +46,7 @@ def launch(args: list[str], prefix: list[str] | None = None, timeout: float = 12
     has ``returncode`` None (a hang, which the case records before failing)."""
     env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [*(prefix or []), *mpiexec(), "-n", str(N), sys.executable, *args]
+    cmd = [*(prefix or []), *mpiexec(), "-n", str(N), *python(), *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env, start_new_session=True)
     try:
@@ -146,6 +145,7 @@ def test_enospc_mid_write_then_space_returns(tmp_path, mounts, guarantees):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.quick
 def test_read_only_root(tmp_path, mounts, guarantees):
     """ROOT remounted read-only between saves; then a job started on a read-only ROOT (holding a
     dead run's partial directory) restores, and its save aborts on every rank; the leftover goes

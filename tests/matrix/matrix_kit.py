@@ -16,14 +16,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import SCENARIOS, mpiexec
+from harness import SCENARIOS, mpiexec, python
 
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from mpickpt.faults import PHASES
@@ -101,7 +100,7 @@ def launch(n: int, mode: str, plan: dict, where: Path) -> Launch:
     env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
     env.update(PYTHONUNBUFFERED="1", MPICKPT_EXIT_GRACE="10",
                MPICKPT_TIMEOUT_GRACE=str(ROLL_CALL_GRACE_S))
-    cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpickpt.run", str(JOB), mode,
+    cmd = [*mpiexec(), "-n", str(n), *python(), "-m", "mpickpt.run", str(JOB), mode,
            str(plan_file)]
     t0 = time.monotonic()
     with open(where / f"{mode}.log", "w+") as log:

@@ -27,10 +27,14 @@ from matrix_kit import (
     judge,
     run_matrix,
 )
+from scheduling import matrix_group
 
 SUITE = "fault-matrix"
 WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))
 ALL = [c for n in SIZES for c in cells(n)]
+# ./launch/test --quick: one cell of each action, on 2 ranks (retention's phase among them)
+QUICK = ("kill/rank1/mid-write/n2", "raise/rank0/after-vote-before-manifest/n2",
+         "hang/rank1/after-fsync-before-vote/n2", "exit/rank0/after-commit-before-retention/n2")
 
 
 def proves(cell: Cell) -> pytest.MarkDecorator:
@@ -44,10 +48,20 @@ def proves(cell: Cell) -> pytest.MarkDecorator:
     return pytest.mark.guarantee(*ids)
 
 
+def marks(cell: Cell) -> list[pytest.MarkDecorator]:
+    return [proves(cell), *([pytest.mark.quick] if cell.id in QUICK else [])]
+
+
+def group(cell: Cell) -> str:
+    """The cells run together (one worker, one batch of launches): one rank of one size."""
+    return f"fault-matrix-n{cell.n}-rank{cell.rank}"
+
+
 @pytest.fixture(scope="module")
 def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> dict[int, dict[str, CaseRun]]:
-    """The jobs of the cells selected in this session, run on first use per rank count."""
+           ) -> dict[str, dict[str, CaseRun]]:
+    """The jobs of the cells selected in this session, run on first use per group (under
+    pytest-xdist a group's cells all go to one worker: tests/scheduling.py)."""
     base = tmp_path_factory.mktemp("matrix")
     chosen = [item.callspec.params["cell"] for item in request.session.items
               if getattr(item, "callspec", None)  # this module's cells (not the level matrix's)
@@ -62,28 +76,30 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 reporter.write_line(f"\n{line}")
 
     class Lazy(dict):
-        def __missing__(self, n: int) -> dict[str, CaseRun]:
+        def __missing__(self, g: str) -> dict[str, CaseRun]:
             t0 = time.monotonic()
-            self[n] = run_matrix([c for c in chosen if c.n == n], base / f"n{n}", WORKERS)
-            launches = {id(r.launch): r.launch for r in self[n].values()}
-            launches |= {id(r.verify_launch): r.verify_launch for r in self[n].values()}
-            say(f"fault matrix, {n} ranks: {len(self[n])} cells, {len(launches)} launches, "
+            self[g] = run_matrix([c for c in chosen if group(c) == g], base / g, WORKERS)
+            launches = {id(r.launch): r.launch for r in self[g].values()}
+            launches |= {id(r.verify_launch): r.verify_launch for r in self[g].values()}
+            say(f"{g}: {len(self[g])} cells, {len(launches)} launches, "
                 f"{time.monotonic() - t0:.0f} s")
-            return self[n]
+            return self[g]
 
     return Lazy()
 
 
 @pytest.mark.timeout(3000)
-@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=proves(c))
-                                  for c in ALL if c.id not in NOT_APPLICABLE])
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, id=c.id, marks=marks(c))
+    for c in ALL if c.id not in NOT_APPLICABLE])
 def test_cell(matrix, guarantees, cell: Cell) -> None:
-    run = matrix[cell.n][cell.id]
+    run = matrix[group(cell)][cell.id]
     outcome, detail = judge(cell, run)
     guarantees.record(SUITE, cell.id, outcome, detail)
     assert outcome == "correct", f"{cell.id}: {outcome}: {detail}"
 
 
+@pytest.mark.quick
 def test_matrix_is_complete() -> None:
     """112 cells: every action, both ranks, every phase, both sizes; none left out unsaid."""
     assert len(ACTIONS) * 2 * len(PHASES) * len(SIZES) == 112
@@ -93,3 +109,12 @@ def test_matrix_is_complete() -> None:
     ran = [c for c in ALL if c.id not in NOT_APPLICABLE]
     assert len(ran) + len(NOT_APPLICABLE) == 112
     assert {c.rank for c in ran} == {0, 1, 3}
+    assert set(QUICK) <= {c.id for c in ran} and {c.id.split("/")[0] for c in ALL
+                                                  if c.id in QUICK} == set(ACTIONS)
+
+
+@pytest.mark.quick
+def test_the_scheduler_keeps_each_group_of_cells_on_one_worker() -> None:
+    """tests/scheduling.py finds a cell's group from its test id as the fixture does."""
+    for c in ALL:
+        assert matrix_group(f"tests/matrix/test_fault_matrix.py::test_cell[{c.id}]") == group(c)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from harness import SCENARIOS, Job, run_mpi
+from scheduling import matrix_group
 
 from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
@@ -102,17 +103,30 @@ def run_cell(cell: LevelCell, base: Path) -> CellRun:
     return CellRun(fault, verify, reports, unmanifested)
 
 
+def group(cell: LevelCell) -> str:
+    """The cells run together (one worker): one action on one rank."""
+    return f"level-matrix-{cell.action}-rank{cell.rank}"
+
+
 @pytest.fixture(scope="module")
 def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> dict[str, CellRun]:
+           ) -> dict[str, dict[str, CellRun]]:
+    """The jobs of the cells selected in this session, run on first use per group (under
+    pytest-xdist a group's cells all go to one worker: tests/scheduling.py)."""
     base = tmp_path_factory.mktemp("level-matrix")
     chosen = [item.callspec.params["cell"] for item in request.session.items
               if getattr(item, "callspec", None) and isinstance(
                   item.callspec.params.get("cell"), LevelCell)]
-    with ThreadPoolExecutor(WORKERS) as pool:
-        runs = dict(zip([c.id for c in chosen],
-                        pool.map(lambda c: run_cell(c, base), chosen), strict=True))
-    return runs
+
+    class Lazy(dict):
+        def __missing__(self, g: str) -> dict[str, CellRun]:
+            cells = [c for c in chosen if group(c) == g]
+            with ThreadPoolExecutor(WORKERS) as pool:
+                self[g] = dict(zip([c.id for c in cells],
+                                   pool.map(lambda c: run_cell(c, base), cells), strict=True))
+            return self[g]
+
+    return Lazy()
 
 
 def judge(cell: LevelCell, run: CellRun) -> str:
@@ -136,10 +150,21 @@ def proves(cell: LevelCell) -> pytest.MarkDecorator:
     return pytest.mark.guarantee(*ids)
 
 
+# ./launch/test --quick: one cell of each action; a drain among them, a replicated one too
+QUICK = ("kill/rank3/mid-drain/replicated", "raise/rank0/mid-exchange",
+         "hang/rank3/mid-local-commit/replicated")
+
+
+def marks(cell: LevelCell) -> list[pytest.MarkDecorator]:
+    return [proves(cell), *([pytest.mark.quick] if cell.id in QUICK else [])]
+
+
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=proves(c)) for c in CELLS])
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, id=c.id, marks=marks(c))
+    for c in CELLS])
 def test_cell(matrix, guarantees, cell: LevelCell) -> None:
-    run = matrix[cell.id]
+    run = matrix[group(cell)][cell.id]
     guarantees.record(SUITE, cell.id, judge(cell, run), run.verify.output[-1500:])
     fault = run.fault
     if cell.action == "raise":
@@ -161,6 +186,16 @@ def test_cell(matrix, guarantees, cell: LevelCell) -> None:
     assert run.unmanifested == []
 
 
+@pytest.mark.quick
 def test_the_matrix_covers_every_phase_of_the_local_level() -> None:
     assert set(LEVEL_PHASES) <= {c.phase for c in CELLS}
     assert len(CELLS) == len(ACTIONS) * 2 * len(PHASES) == 36
+    assert set(QUICK) <= {c.id for c in CELLS}
+    assert {c.action for c in CELLS if c.id in QUICK} == set(ACTIONS)
+
+
+@pytest.mark.quick
+def test_the_scheduler_keeps_each_group_of_cells_on_one_worker() -> None:
+    """tests/scheduling.py finds a cell's group from its test id as the fixture does."""
+    for c in CELLS:
+        assert matrix_group(f"tests/matrix/test_level_matrix.py::test_cell[{c.id}]") == group(c)

@@ -7,12 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness import SCENARIOS, assert_same_final, mpiexec, train
+from harness import SCENARIOS, assert_same_final, mpiexec, python, train
 
 from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_PREEMPTED
@@ -22,7 +21,7 @@ N, STEPS = 4, 60
 
 def start_job(root: Path, out: Path, extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"} | (extra or {})
-    cmd = [*mpiexec(), "-n", str(N), sys.executable, str(SCENARIOS / "preemption_train.py"),
+    cmd = [*mpiexec(), "-n", str(N), *python(), str(SCENARIOS / "preemption_train.py"),
            str(root), str(out), str(STEPS)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -73,6 +72,7 @@ def test_signal_to_one_rank_checkpoints_all_and_resume_is_bit_identical(
     assert_same_final(out2, reference_runs[(N, STEPS)], N)
 
 
+@pytest.mark.quick
 def test_no_emergency_save_when_the_deadline_leaves_no_time(tmp_path):
     root, out = tmp_path / "ckpt", tmp_path / "first"
     job = start_job(root, out, {"MPICKPT_DEADLINE": str(time.time() - 1)})  # already past

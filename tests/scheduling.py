@@ -1,0 +1,99 @@
+"""How pytest-xdist spreads the suite over its workers (``./launch/test`` runs ``-n 3``).
+
+The unit of work is :func:`unit`: a worker runs a whole unit, so a module's module- and
+session-scoped fixtures (reference runs, trees, the matrices' jobs) are made once, on one
+worker. A unit is a test module, except:
+
+* every module of ``tests/slurm``: one unit, since the session has one Slurm to drive;
+* the fault matrices: groups of cells (:func:`matrix_group`, which the matrix modules' own
+  fixtures use to batch their jobs), so that their cells spread over the workers.
+
+Units start costliest first (:data:`HEAVY`, measured; the rest in collection order), so that the
+long ones do not come last and leave the other workers idle at the end.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+FAULT_CELL = re.compile(
+    r"^tests/matrix/test_fault_matrix\.py::test_cell\[(\w+)/rank(\d+)/[^/\]]+/n(\d+)\]$")
+LEVEL_CELL = re.compile(r"^tests/matrix/test_level_matrix\.py::test_cell\[(\w+)/rank(\d+)/")
+
+# the costliest units, costliest first (as a full run's --durations measured them on a 2-core
+# machine); a unit not named here starts after these, in collection order
+HEAVY = (
+    "slurm", "tests/faults/test_fault_many_ranks.py", "tests/multirank/test_levels.py",
+    "level-matrix-hang-rank", "fault-matrix-n4", "level-matrix-kill-rank",
+    "tests/integrations/test_hf.py", "tests/integrations/test_lightning.py",
+    "fault-matrix-n2", "level-matrix-raise-rank", "tests/multirank/test_preemption.py",
+    "tests/multirank/test_deadlines.py", "tests/faults/test_fault_kill.py",
+    "tests/multirank/test_ddp.py", "tests/multirank/test_roundtrip.py",
+    "tests/faults/test_fault_disk.py", "tests/faults/test_fault_incremental.py",
+)
+
+
+def matrix_group(nodeid: str) -> str | None:
+    """The group of a fault-matrix cell's test (its jobs run together), or None."""
+    m = FAULT_CELL.match(nodeid)
+    if m:
+        return f"fault-matrix-n{m.group(3)}-rank{m.group(2)}"
+    m = LEVEL_CELL.match(nodeid)
+    if m:
+        return f"level-matrix-{m.group(1)}-rank{m.group(2)}"
+    return None
+
+
+def unit(nodeid: str) -> str:
+    """The unit of work a test belongs to (see the module's docstring)."""
+    if nodeid.startswith("tests/slurm/"):
+        return "slurm"
+    return matrix_group(nodeid) or nodeid.split("::", 1)[0]
+
+
+def cost_rank(unit_name: str) -> int:
+    """Where a unit starts: its place in :data:`HEAVY` (by prefix), else after them all."""
+    return next((i for i, h in enumerate(HEAVY) if unit_name.startswith(h)), len(HEAVY))
+
+
+def make_scheduler(config: Any, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """xdist's scope scheduling with :func:`unit` as the scope and the units queued by
+        :func:`cost_rank` (its ``schedule`` less the reordering by size)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(nodeid)
+
+        def schedule(self) -> None:
+            assert self.collection_is_completed
+            if self.collection is not None:
+                for node in self.nodes:
+                    self._reschedule(node)
+                return
+            if not self._check_nodes_have_same_collection():
+                self.log("**Different tests collected, aborting run**")
+                return
+            self.collection = list(next(iter(self.registered_collections.values())))
+            if not self.collection:
+                return
+            units: dict[str, dict[str, bool]] = {}
+            for nodeid in self.collection:
+                units.setdefault(unit(nodeid), {})[nodeid] = False
+            for name in sorted(units, key=cost_rank):  # stable: collection order within a rank
+                self.workqueue[name] = units[name]
+            for _ in range(max(0, len(self.nodes) - len(self.workqueue))):
+                unused, _assigned = self.assigned_work.popitem()
+                unused.shutdown()
+            for node in self.nodes:  # two tests or more each to start, more as they finish:
+                # a worker holds its last test back until it is sent another or told to stop
+                self._assign_work_unit(node)
+                while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                    self._assign_work_unit(node)
+            if not self.workqueue:
+                for node in self.nodes:
+                    node.shutdown()
+
+    return UnitScheduling(config, log)
