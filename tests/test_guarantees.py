@@ -68,6 +68,32 @@ def test_every_guarantee_is_proved_by_a_marked_test(collected):
     assert not unproved, f"no test is marked @pytest.mark.guarantee(ID) for {unproved}"
 
 
+# test modules left out of the quick tier, and why (./launch/test --quick)
+NOT_QUICK = {
+    "tests/faults/test_fault_many_ranks.py": "16 and 32 ranks on 2 cores take a minute; the "
+                                             "fault matrix and tests/multirank/test_index.py "
+                                             "try the same faults and indexes on fewer",
+    "tests/slurm/test_slurm_jobs.py": "each job waits for Slurm to signal, requeue and start "
+                                      "it again (30 s to 2.5 min); test_slurm_smoke.py starts "
+                                      "the same Slurm and runs a job on it",
+    "tests/slurm/test_slurm_levels.py": "as test_slurm_jobs.py; tests/multirank/test_levels.py "
+                                        "tries the node-local level outside Slurm",
+}
+
+
+def test_the_quick_tier_proves_every_guarantee_and_runs_every_test_module(collected):
+    quick = set(collected["quick"])
+    proved = {gid for nodeid, ids in collected["marked"].items() if nodeid in quick
+              for gid in ids}
+    assert [g.id for g in GUARANTEES if g.id not in proved] == [], \
+        "a guarantee no quick test proves: mark one of its tests @pytest.mark.quick"
+    modules = {n.split("::")[0] for n in collected["cases"]}
+    touched = {n.split("::")[0] for n in quick}
+    assert sorted(modules - touched - set(NOT_QUICK)) == [], \
+        "a test module with no quick test: mark one @pytest.mark.quick or say why in NOT_QUICK"
+    assert set(NOT_QUICK) <= modules - touched
+
+
 def test_a_marker_that_names_no_registered_guarantee_is_refused():
     def item(*marks: tuple) -> SimpleNamespace:
         found = [SimpleNamespace(args=args, kwargs={}) for args in marks]

@@ -73,6 +73,7 @@ def test_export_equals_the_saved_tensors_bit_for_bit(tmp_path, tmp_path_factory,
     assert "loss" in meta["mpickpt_metadata"]
 
 
+@pytest.mark.quick
 def test_export_one_format_a_step_and_no_overwrite(tmp_path, tmp_path_factory):
     root = pristine(2, tmp_path_factory)
     target = tmp_path / "m15.pt"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 from clikit import cli
 from harness import SCENARIOS, run_mpi
@@ -12,6 +13,7 @@ sys.path.insert(0, str(SCENARIOS))
 from reshard import whole  # the scenario's global tensors
 
 
+@pytest.mark.quick
 def test_export_assembles_sharded_and_replicated_pieces(tmp_path):
     root = tmp_path / "ck"
     done = run_mpi(3, [str(SCENARIOS / "reshard.py"), "save", str(root), str(tmp_path / "r")],

@@ -120,6 +120,7 @@ def test_export_equals_that_of_a_full_checkpoint(root: Path, tmp_path: Path):
         assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
 
 
+@pytest.mark.quick
 def test_a_rollback_moves_only_newer_checkpoints_and_the_target_still_loads(root: Path):
     """--step 6: 7 and 8 (which refer to 5 and 6) are quarantined; 6, which refers to 5, is
     chosen and verifies in full, and --prune --keep 1 on top keeps 5 for it."""

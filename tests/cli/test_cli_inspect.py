@@ -45,6 +45,7 @@ def test_inspect_one_rank_by_path_and_step(tmp_path_factory):
     assert code == EXIT_ERROR and "no committed checkpoint of step 11" in doc["error"]
 
 
+@pytest.mark.quick
 def test_inspect_damaged(tmp_path, tmp_path_factory):
     root = copy_tree(2, tmp_path_factory, tmp_path / "ckpt")
     shard(root, 20, 1).unlink()

@@ -105,6 +105,7 @@ def test_ls_local_lists_the_step_on_the_nodes_and_that_root_lacks_it(tmp_path, t
     assert "1 of 2" in out and "incomplete" in out and "missing ranks 2-3" in out
 
 
+@pytest.mark.quick
 def test_drain_commits_the_step_and_a_restore_from_root_is_bit_exact(tmp_path, tmp_path_factory):
     root, local = copy_level(tmp_path_factory, tmp_path / "t")
     code, doc = cli_json("drain", local, root)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from clikit import COMMITTED, cli, cli_json, copy_tree, listing, partial_dirs
 from harness import mpiexec, shard, step_dir
 
@@ -40,6 +41,7 @@ def split_over_two_nodes(tmp_path, tmp_path_factory):
     return root, other
 
 
+@pytest.mark.quick
 def test_rank_0s_root_is_called_not_shared(tmp_path, tmp_path_factory):
     root, _ = split_over_two_nodes(tmp_path, tmp_path_factory)
     want = ("shards of rank 1 are missing from every checkpoint (3) while rank 0's are present: "

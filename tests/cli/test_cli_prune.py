@@ -37,6 +37,7 @@ def present(root) -> list[int]:
     return [s for s in STEPS if step_dir(root, s).exists()]
 
 
+@pytest.mark.quick
 def test_keep_every_and_best_with_the_reason_for_each(root, saved):
     loss = saved[1]
     worst = max(loss, key=lambda s: (loss[s], s))

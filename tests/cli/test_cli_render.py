@@ -35,6 +35,7 @@ def test_colour_only_on_a_terminal_and_not_with_no_color(monkeypatch):
     assert "\033[" not in tty.getvalue()
 
 
+@pytest.mark.quick
 def test_table_aligns_on_the_text_not_the_escape_codes(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("TERM", "xterm")
@@ -61,6 +62,7 @@ def test_progress_bar_only_on_a_terminal():
     assert pipe.getvalue() == ""
 
 
+@pytest.mark.quick
 def test_human_units():
     assert human_bytes(999) == "999 B" and human_bytes(453_852) == "453.9 kB"
     assert human_bytes(3.2e12) == "3.2 TB"

@@ -150,6 +150,7 @@ def test_prune_keeps_the_chosen_and_the_newest_before_it(root2):
     assert [s for s in (20, 15, 10) if step_dir(root2, s).exists()] == [15]
 
 
+@pytest.mark.quick
 def test_rollback_then_the_next_restore_lands_on_it(root2, tmp_path):
     code, doc = cli_json(root2, "--step", "10", restore=True)
     assert code == EXIT_OK and doc["chosen"]["step"] == 10

@@ -81,6 +81,7 @@ def test_export_still_imports_torch(tmp_path, tmp_path_factory):
     assert got["code"] == 0 and "torch" in got["loaded"]
 
 
+@pytest.mark.quick
 def test_import_mpickpt_is_lazy_and_every_name_still_imports():
     code = """
 import sys, json

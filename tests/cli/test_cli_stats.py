@@ -7,11 +7,13 @@ import shutil
 import sys
 
 import numpy as np
+import pytest
 from clikit import cli, cli_json, pristine
 
 from mpickpt.cli import EXIT_ERROR, EXIT_OK
 
 
+@pytest.mark.quick
 def test_stats_table_json_and_plot(tmp_path, tmp_path_factory):
     root = tmp_path / "ckpt"
     shutil.copytree(pristine(2, tmp_path_factory), root)

@@ -71,6 +71,7 @@ def test_verify_full_reads_every_checksum(tmp_path, tmp_path_factory, n):
     assert cli_json("verify", step_dir(root, 20))[0] == EXIT_OK
 
 
+@pytest.mark.quick
 def test_every_kind_of_damage_is_named(tmp_path, tmp_path_factory):
     root = copy_tree(4, tmp_path_factory, tmp_path / "ckpt")
     os.truncate(shard(root, 20, 3), 1000)

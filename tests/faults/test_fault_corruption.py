@@ -123,6 +123,7 @@ def check_fallback(root: Path, tmp_path: Path, damaged: Path, why: str, referenc
     assert losses(out, N) == losses(ref, N)
 
 
+@pytest.mark.quick
 def test_flipped_data_byte_falls_back(root, tmp_path, reference_runs, guarantees):
     damaged, tensor = flip_data_byte(root, NEWEST, rank=1)
     check_fallback(root, tmp_path, damaged, f"tensor {tensor!r}: checksum mismatch",

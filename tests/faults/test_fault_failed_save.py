@@ -63,6 +63,7 @@ def check_failed_save(root: Path, job: Job, found: dict[int, dict], why: str,
     assert partials(root) == [], step_dirs(root)
 
 
+@pytest.mark.quick
 def test_injected_exception_mid_write_aborts_on_all_ranks(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     with counted(guarantees, "exception mid-write on one rank"):

@@ -629,6 +629,7 @@ def test_cli(name: str, matrix: dict[str, Prepared], expected, tmp_path, guarant
 
 
 @pytest.mark.guarantee("nothing-escapes-root")
+@pytest.mark.quick
 def test_a_save_never_writes_through_links_in_root(tmp_path: Path, guarantees) -> None:
     """ROOT/stats.jsonl is a link to a file outside ROOT, ROOT/step-00000005 a link to a
     checkpoint outside ROOT: the job starts fresh (the link is refused, saying so), saves steps 5

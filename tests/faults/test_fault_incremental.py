@@ -63,6 +63,7 @@ def test_a_kill_in_any_phase_leaves_every_checkpoint_loadable(tmp_path: Path, fa
 
 
 @pytest.mark.guarantee("incremental", "damage-detected")
+@pytest.mark.quick
 def test_damage_to_a_referred_to_shard_falls_back_naming_it(tmp_path: Path):
     """A flipped byte in step 5's frozen base weights (written once, referred to by steps 6 to
     8): those four fail, naming step 5's file; the restore loads step 4, which does not refer to

@@ -22,7 +22,7 @@ STEPS, EVERY, KILLED = 20, 5, 15
     ("n", "fault"),
     [
         (2, "mid-write:0:kill"),
-        (2, "mid-write:1:kill"),
+        pytest.param(2, "mid-write:1:kill", marks=pytest.mark.quick),
         (4, "mid-write:2:kill"),
         (2, "after-fsync-before-vote:1:kill"),
         (2, "after-vote-before-manifest:0:kill"),

@@ -20,6 +20,7 @@ def data_files(step_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.guarantee("no-torn-load", "resume-bit-identical")
+@pytest.mark.quick
 def test_a_rank_killed_mid_write_of_a_node_file_resumes_from_the_last_commit(tmp_path: Path):
     """4 ranks as 2 nodes, one file per node, one shard or index part per directory: rank 3
     killed while writing its regions of step 10; the resumed job ends as an uninterrupted one."""

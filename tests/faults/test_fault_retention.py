@@ -44,6 +44,7 @@ def test_kill_mid_save_with_keep_1_keeps_the_last_good_checkpoint(tmp_path, refe
     assert losses(out, N) == losses(ref, N)
 
 
+@pytest.mark.quick
 def test_kill_between_commit_and_retention_keeps_both(tmp_path, reference_runs):
     """Rank 0 dies after step 15 committed but before retention removed step 10: both remain,
     the restart loads 15 and its own retention then removes the surplus."""

@@ -59,6 +59,7 @@ def test_optimizer_step_right_after_save_does_not_race_the_copy(tmp_path, stagin
                 assert a.device == b.device and torch.equal(a, b)  # Adam's step stays on CPU
 
 
+@pytest.mark.quick
 def test_save_returns_before_the_copy_finishes(tmp_path):
     m, opt = model_and_opt(0)
     step(m, opt, torch.randn(256, 1024, device="cuda"))

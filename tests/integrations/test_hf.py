@@ -62,6 +62,7 @@ def test_a_preemption_signal_saves_once_exits_3_and_the_rerun_resumes_there(tmp_
 
 
 @pytest.mark.guarantee("reshard-bit-exact")
+@pytest.mark.quick
 def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
     """8 steps on 2 ranks, then max_steps 8 on 1: the restore of step 8 ends training at once;
     the model is the one the 2 ranks saved, bit for bit."""

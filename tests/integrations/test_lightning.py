@@ -64,6 +64,7 @@ def test_a_preemption_signal_saves_once_exits_3_and_the_rerun_resumes_there(tmp_
 
 
 @pytest.mark.guarantee("reshard-bit-exact")
+@pytest.mark.quick
 def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
     """2 epochs on 2 ranks, then the same max_epochs on 1: fit restores step 8 and stops at
     once; the model is the one the 2 ranks saved, bit for bit."""

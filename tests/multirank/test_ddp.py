@@ -50,6 +50,7 @@ def test_ddp_state_is_written_once_spread_over_the_ranks(saved):
 
 
 @pytest.mark.guarantee("reshard-bit-exact")
+@pytest.mark.quick
 def test_ddp_restores_on_two_ranks(saved):
     root, out = saved
     scenario("ddp_train.py", 2, "resume", root, out)

@@ -93,6 +93,7 @@ def named_missing(details: str, missing: str, answered: str, phase: str) -> re.M
 
 
 @pytest.mark.guarantee("no-hang")
+@pytest.mark.quick
 def test_rank_hung_mid_write_is_named_by_every_surviving_rank(tmp_path, guarantees):
     root = tmp_path / "ckpt"
     job, took = save_hang(root, "mid-write:2:hang:10")
@@ -191,6 +192,7 @@ def test_rank_killed_before_should_exit_does_not_hang_the_job(tmp_path, guarante
     [([], ""), ([7], "7"), ([1, 3, 4, 5], "1,3-5"), ([5, 4, 3, 1, 3], "1,3-5"),
      ([0, 1, 2, 3], "0-3"), ([0, 2, 4, 5, 6, 9], "0,2,4-6,9")],
 )
+@pytest.mark.quick
 def test_rank_ranges(ranks, text):
     assert rank_ranges(ranks) == text
 
@@ -202,6 +204,7 @@ def test_rank_ranges_of_a_large_scattered_set_are_cut_short():
     assert rank_ranges(range(4096), limit=4) == "0-4095"  # contiguous: one range, any N
 
 
+@pytest.mark.quick
 def test_ranks_text():
     assert ranks_text([2]) == "rank 2"
     assert ranks_text([3, 2]) == "ranks 2-3"

@@ -162,6 +162,7 @@ def test_retention_keeps_the_newest_every_kth_and_the_best(tmp_path):
         assert step in after[step]  # the newest is never deleted
 
 
+@pytest.mark.quick
 def test_values_are_restored_into_the_users_object(tmp_path):
     assert job(2, "values", tmp_path).returncode == 0
     p = job(2, "values", tmp_path, "--restore")

@@ -66,6 +66,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return trained("fsdp_train.py", tmp_path_factory)
 
 
+@pytest.mark.quick
 def test_fsdp_checkpoint_holds_each_shard_once(saved):
     root, out = saved
     ref = torch.load(out / "reference.pt", weights_only=True)

@@ -41,6 +41,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, d
     return root, found
 
 
+@pytest.mark.quick
 def test_unchanged_tensors_are_referred_to_not_written(trained):
     """Saves 1, 5 and 9 are full (every 4th); the others write only what changed, and every
     record they do not write refers to the shard its bytes were written to (no chains)."""

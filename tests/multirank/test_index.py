@@ -30,6 +30,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.quick
 def test_a_save_is_five_collectives_and_a_summary_per_rank(saved: Path):
     """The vote (an allreduce), the gather and the outcome's broadcast (each after a barrier):
     5 collectives on every rank, whatever the ranks hold; rank 0 writes a manifest of a short

@@ -113,10 +113,13 @@ LOSSES = [
     ("replicated-xor-3x2-one-node", "xor", 6, 2, 3, [0], "local", WINDOW, True),
     ("replicated-xor-6x1-two-sets", "xor", 6, 1, 3, [1, 5], "local", None, True),
 ]
+QUICK_LOSSES = ("replicated-partner-2x2-node-0", "xor-3x2-one-node")  # ./launch/test --quick
 
 
 @pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in LOSSES])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c[0], marks=[pytest.mark.quick] if c[0] in QUICK_LOSSES else [])
+    for c in LOSSES])
 def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         tmp_path: Path, reference, guarantees, case: tuple, request) -> None:
     name, redundancy, n, per_node, xor_set, wipe, level, window, replicated = case

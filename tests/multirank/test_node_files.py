@@ -38,6 +38,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.quick
 def test_four_ranks_on_two_nodes_write_two_files_that_h5py_reads(saved: Path):
     d = saved / "step-00000007"
     assert data_files(d) == ["node-00000.h5", "node-00001.h5"]

@@ -16,7 +16,7 @@ def test_every_kind_of_value_round_trips_bit_exact(tmp_path, n):
 
 
 @pytest.mark.guarantee("resume-bit-identical")
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.quick), 4])
 def test_resumed_training_matches_uninterrupted_run(tmp_path, n, reference_runs):
     root = tmp_path / "ckpt"
     first = train(n, root, 20, every=5)  # stops at step 20 with checkpoints 10, 15, 20

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 PROGRAM = (
     "from mpi4py import MPI; c = MPI.COMM_WORLD; "
     "print('rank', c.rank, 'size', c.size, 'sum', c.allreduce(c.rank), flush=True)"
 )
 
 
+@pytest.mark.quick
 def test_srun_mpi4py_three_ranks(slurm):
     out = slurm.workdir / "smoke.out"
     script = (

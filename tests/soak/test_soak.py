@@ -112,6 +112,7 @@ def test_soak_thousand_saves_keep_two_on_four_ranks(tmp_path, guarantees, capsys
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.quick
 def test_stats_jsonl_is_bounded(tmp_path, monkeypatch, guarantees):
     """stats.jsonl, a line per commit, becomes stats.jsonl.1 at STATS_MAX_BYTES: together they
     hold the newest lines, in order, and at most twice that plus a line (one process)."""
