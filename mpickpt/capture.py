@@ -1,5 +1,5 @@
 """The training thread's part of a save, and its whole cost: from the user's state to a
-:class:`~mpickpt.saver.SaveRequest` the background pipeline takes over.
+:class:`~mpickpt.request.SaveRequest` the background pipeline takes over.
 
 In order: the fault point ``before-snapshot``; the metadata checked (:mod:`mpickpt.metadata`);
 the state flattened into a JSON tree and named tensors with their placements
@@ -23,7 +23,7 @@ from . import metadata as user_metadata
 from .errors import CheckpointError, MetadataError, StateTreeError
 from .incremental import Tracker
 from .pinned_pool import HostPool
-from .saver import SaveRequest, WaitLog
+from .request import SaveRequest, WaitLog
 from .sharding import keep_mine
 from .snapshot import Snapshotter
 

@@ -33,17 +33,10 @@ from .nodefile import NodeFiles
 from .pinned_pool import HostPool
 from .protocol import Protocol, world_rank
 from .recovery import LocalRecovery
+from .request import SaveHandle, SaveRequest, SaveResult
 from .restorer import RestoreInfo, Restorer
 from .rollback import Rollback
-from .saver import (
-    DEFAULT_ALIGNMENT,
-    DEFAULT_BLOCK,
-    SaveHandle,
-    Saver,
-    SaveRequest,
-    SaveResult,
-    ShardOptions,
-)
+from .saver import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, Saver, ShardOptions
 from .topology import SCHEMES, Topology
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
@@ -360,11 +353,11 @@ class Checkpointer:
             except LocalTierFull as e:
                 why = str(e)
         with self._proto.fatal_timeouts(self.log):
-            if self._proto.all_ok(why is None, "local-room"):
-                return None
-            reasons = "; ".join(filter(None, self._proto.allgather(why, "local-room-report")))
-        request.error = request.error or reasons
-        return LocalTierFull(reasons)
+            failed = self._proto.agree(why, "local-room")
+        if failed is None:
+            return None
+        request.error = request.error or str(failed)
+        return LocalTierFull(str(failed))
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate now the host (page-locked with CUDA) and device buffers that saving
@@ -583,8 +576,8 @@ class Checkpointer:
         with self._proto.fatal_timeouts(self.log):
             if root_only:
                 value, err = self._proto.bcast((value, err), phase)
-            elif not self._proto.all_ok(err is None, phase):
-                raise CheckpointError("; ".join(filter(None, self._proto.allgather(err, phase))))
+            elif failed := self._proto.agree(err, phase, report=phase):
+                raise CheckpointError(str(failed))
         if err is not None:
             raise CheckpointError(f"{phase} failed: {err}")
         return value  # type: ignore[return-value]

@@ -26,8 +26,7 @@ import logging
 import os
 import re
 
-from . import rootdir
-from .manifest import NAME as MANIFEST
+from . import commit, rootdir
 
 LEVEL = "LEVEL.json"
 OWNER = "OWNER.json"
@@ -38,6 +37,9 @@ def node_dirname(node: str) -> str:
     '_')."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
     return "_" + name if name.startswith(".") else name
+
+
+PARITY_RE = re.compile(r"^xor-(\d{5,})\.bin$")
 
 
 def parity_name(rank: int) -> str:
@@ -91,14 +93,8 @@ class LocalTier:
     def publish(self, partial: str, step: int, manifest: bytes, level: bytes) -> str:
         """Write the layout and the manifest into ``partial`` and rename it into place (the
         node's commit)."""
-        rootdir.atomic_write(os.path.join(partial, LEVEL), level)
-        rootdir.atomic_write(os.path.join(partial, MANIFEST), manifest)
-        final = self.final(step)
-        if os.path.lexists(final):
-            rootdir.remove(final, "replaced")
-        os.rename(partial, final)
-        rootdir.fsync_path(self.dir)
-        return final
+        return commit.publish(self.dir, partial, step, manifest, side=[(LEVEL, level)],
+                              existing=lambda final: rootdir.remove(final, "replaced"))
 
     def retain(self, keep: int, run_id: str, newest: int) -> list[int]:
         """Keep ``newest`` (the step just committed, whatever its number: a rerun may save a

@@ -57,6 +57,7 @@ VERSIONS = (VERSION, SPLIT_VERSION, EXT_VERSION)
 # a shard file relative to its checkpoint directory: a rank's own, or a node's (its ranks' regions),
 # in a sub-directory when the checkpoint has more files than FANOUT
 SHARD_RE = re.compile(r"^(?:shards-\d{4,}/)?(rank|node)-(\d{5,})\.h5$")
+RANK_FILE_RE = re.compile(r"^rank-(\d{5,})\.h5$")  # a rank's own shard, by its file name alone
 SOURCE_RE = re.compile(r"^step-(\d{8,})/((?:shards-\d{4,}/)?(?:rank|node)-\d{5,}\.h5)$")
 INDEX_DIR = "index"
 INDEX_RE = re.compile(r"^index/(?:part-\d{4,}/)?(rank|node)-(\d{5,})\.json$")

@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -338,6 +339,16 @@ class Protocol:
         """The vote: True only if every rank says ok."""
         return bool(self._allreduce(int(ok), MPI.MIN, phase))
 
+    def agree(self, error: str | None, phase: str, report: str | None = None
+              ) -> Failures | None:
+        """Every rank votes on whether it did its part of ``phase`` (``error`` None if it did);
+        if one did not, every rank learns each failed rank's reason (collective ``report``,
+        ``PHASE-report`` by default). None when every rank succeeded."""
+        if self.all_ok(error is None, phase):
+            return None
+        reasons = self.allgather(error, report or f"{phase}-report")
+        return Failures({r: m for r, m in enumerate(reasons) if m})
+
     def max(self, value: int, phase: str) -> int:
         return self._allreduce(value, MPI.MAX, phase)
 
@@ -432,6 +443,21 @@ class Pending:
 
 
 _WAITER: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+@dataclass(frozen=True)
+class Failures:
+    """What :meth:`Protocol.agree` returns when a rank failed: each failed rank's reason."""
+
+    reasons: dict[int, str]
+
+    def __str__(self) -> str:
+        """The reasons as they were given (each usually names its rank), ``; ``-separated."""
+        return "; ".join(self.reasons.values())
+
+    def named(self) -> str:
+        """Each reason after its rank: ``rank 1: ...; rank 3: ...``."""
+        return "; ".join(f"rank {r}: {m}" for r, m in self.reasons.items())
 
 
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:

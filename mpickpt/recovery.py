@@ -32,9 +32,9 @@ from .blocks import verify_file
 from .errors import ManifestError, ShardError
 from .exchange import copy_over, xor_rebuild
 from .levels import LocalLevel
-from .localtier import LEVEL, parity_name
+from .localtier import LEVEL, PARITY_RE, parity_name
 from .manifest import NAME as MANIFEST
-from .manifest import Manifest, read_bytes, shard_name
+from .manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
 from .protocol import Protocol, ranks_text
 from .records import check_file, check_records
 from .rollback import NAME as ROLLBACK
@@ -94,8 +94,8 @@ class LocalRecovery:
             names = os.listdir(d)
         except OSError:
             return False, [], []
-        shards = [int(n[5:10]) for n in names if n.startswith("rank-") and n.endswith(".h5")]
-        parity = [int(n[4:9]) for n in names if n.startswith("xor-") and n.endswith(".bin")]
+        shards = [int(m.group(1)) for n in names if (m := RANK_FILE_RE.match(n))]
+        parity = [int(m.group(1)) for n in names if (m := PARITY_RE.match(n))]
         return MANIFEST in names, sorted(shards), sorted(parity)
 
     def prepare(self, step: int, verify: bool = True) -> str | None:
@@ -199,8 +199,8 @@ class LocalRecovery:
                     os.unlink(shard)
         except OSError as e:
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        if not self.proto.all_ok(err is None, "local-rebuild-start"):
-            return "; ".join(filter(None, self.proto.allgather(err, "local-rebuild-report")))
+        if failed := self.proto.agree(err, "local-rebuild-start", "local-rebuild-report"):
+            return str(failed)
         copier = ex._copier if ex is not None else ThreadPoolExecutor(4)
         try:
             received += copy_over(self.proto, [
@@ -240,9 +240,8 @@ class LocalRecovery:
                     rootdir.atomic_write(os.path.join(d, MANIFEST), text.encode())
                 except OSError as e:
                     err = f"rank {self.rank}: {e}"
-        if not self.proto.all_ok(err is None, "local-rebuild"):
-            return "rebuilding from redundancy failed: " + "; ".join(
-                filter(None, self.proto.allgather(err, "local-rebuild-report")))
+        if failed := self.proto.agree(err, "local-rebuild"):
+            return f"rebuilding from redundancy failed: {failed}"
         source = ("own" if self.rank not in self.last.rebuilt else
                   f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
         self.last.source, self.last.received = source, received

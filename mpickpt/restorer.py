@@ -248,11 +248,10 @@ class Restorer:
                 torch.cuda.synchronize()  # the host->device copies read the reused buffer
         except Exception as e:
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        if not self.proto.all_ok(err is None, "apply"):
-            reasons = "; ".join(filter(None, self.proto.allgather(err, "apply-report")))
+        if failed := self.proto.agree(err, "apply"):
             raise StateMismatchError(
                 f"loading {path} into the state failed after verification; the state is only "
-                f"partly restored, restart the job: {reasons}")
+                f"partly restored, restart the job: {failed}")
         return None, manifest.metadata
 
 

@@ -19,25 +19,24 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import checksum, faults, log, nodefile, retention, rootdir, sharding
+from . import checksum, commit, faults, log, nodefile, retention, rootdir, sharding
 from . import metadata as user_metadata
 from .checksum import DEFAULT_BLOCK
 from .codec import MIN_BYTES as MIN_COMPRESS
-from .errors import CheckpointError, SaveAborted
+from .errors import CheckpointError
 from .incremental import Decision, Tracker, size_problem
 from .manifest import FANOUT, IndexRef, Manifest, RankEntry, index_name, read_bytes, shard_name
-from .manifest import NAME as MANIFEST
 from .protocol import Protocol, ranks_text
 from .records import TensorRecord
+from .request import SaveHandle, SaveRequest, SaveResult, SkipLog
 from .shard import DEFAULT_ALIGNMENT, ShardWriter
-from .snapshot import Snapshot, Snapshotter
+from .snapshot import Snapshotter
 from .upkeep import Upkeep
 
 if TYPE_CHECKING:
@@ -45,64 +44,6 @@ if TYPE_CHECKING:
 
     from .levels import LocalLevel
     from .nodefile import NodeFiles
-
-
-@dataclass
-class SaveResult:
-    """What became of one save; the same on every rank."""
-
-    step: int
-    committed: bool
-    path: str | None = None
-    error: str | None = None
-    stats: dict[str, float] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)  # as committed in the manifest
-    level: str = "root"  # where it committed: "root", or "local" (protected on the nodes)
-    skipped: bool = False  # if_busy="skip": not taken, an earlier save was still persisting
-
-
-class SaveHandle:
-    """Returned by :meth:`Checkpointer.save`: ``done()`` polls, ``wait()`` gives the
-    :class:`SaveResult` once the checkpoint is committed or aborted on every rank."""
-
-    def __init__(self, step: int, future: Future[SaveResult], raise_on_error: bool) -> None:
-        self.step = step
-        self._future = future
-        self._raise = raise_on_error
-        self.reported = False  # whether the caller has seen the outcome through wait()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def outcome(self) -> SaveResult:
-        """The result, once there is one; never raises for an aborted save."""
-        return self._future.result()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        result = self._future.result(timeout)
-        self.reported = True
-        if self._raise and not result.committed and not result.skipped:
-            raise SaveAborted(f"checkpoint of step {result.step} aborted: {result.error}")
-        return result
-
-
-@dataclass
-class SaveRequest:
-    """What the training thread hands the pipeline: a snapshot and what describes it, or the
-    error that stopped it (the save is then aborted on every rank)."""
-
-    step: int
-    snapshot: Snapshot | None
-    tree: dict[str, Any] | None
-    placements: dict[str, sharding.Placement]
-    metadata: dict[str, Any]  # checked; CUDA scalars resolved on rank 0 at the commit
-    stats: dict[str, float]
-    error: str | None = None
-    drain: bool = False  # with a local level: drain this one to ROOT whatever persist_every says
-    busy: bool = False  # if_busy="skip" and every buffer was in flight: no snapshot taken
-    # incremental, frozen=: tensors not snapshotted, referred to (see Tracker.elide)
-    elided: dict[str, TensorRecord] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True)
@@ -433,12 +374,10 @@ class Saver:
         that every node then publishes); every rank learns the outcome."""
         step, stats = req.step, req.stats
         owner = self.local.leader if local and self.local else self.rank == 0
-        if not self.proto.all_ok(error is None, "vote"):
-            reasons = self.proto.allgather(error, "abort")
-            why = "; ".join(f"rank {r}: {m}" for r, m in enumerate(reasons) if m)
+        if failed := self.proto.agree(error, "vote", report="abort"):
             if owner:
                 self._discard(partial)
-            return SaveResult(step, False, error=why, stats=stats)
+            return SaveResult(step, False, error=failed.named(), stats=stats)
         payload: dict[str, Any] | None = None
         try:
             if self.rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
@@ -548,8 +487,8 @@ class Saver:
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
         elif lv.leader:
             self._discard(partial)
-        if not self.proto.all_ok(error is None, "local-commit"):
-            reasons = "; ".join(filter(None, self.proto.allgather(error, "local-commit-report")))
+        if failed := self.proto.agree(error, "local-commit"):
+            reasons = str(failed)
             if lv.leader:
                 self._discard(lv.tier.final(step))
                 self._discard(partial)
@@ -596,8 +535,8 @@ class Saver:
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         with self.proto.fatal_timeouts(self.log):
-            if not self.proto.all_ok(error is None, "drain"):
-                why = "; ".join(filter(None, self.proto.allgather(error, "drain-report")))
+            if failed := self.proto.agree(error, "drain"):
+                why = str(failed)
                 if self.rank == 0:
                     self._discard(partial)
                     self.log.error("the drain of step %d to ROOT failed, ROOT is unchanged and "
@@ -645,27 +584,26 @@ class Saver:
         """Publish: manifest into the partial directory, then the directory into place."""
         text = manifest.to_json().encode()
         stats["manifest_bytes"] = len(text)
-        rootdir.atomic_write(
-            os.path.join(partial, MANIFEST), text,
-            on_half=lambda: faults.hit("mid-manifest-write", 0, manifest.step),
-        )
-        final = os.path.join(self.root, rootdir.step_name(manifest.step))
-        if os.path.lexists(final):  # the same step saved again (a rerun after a restore)
-            users = self.upkeep.referrers(manifest.step)
-            if users:
-                raise CheckpointError(
-                    f"step {manifest.step} is already committed and the incremental "
-                    f"checkpoint(s) of step {', '.join(map(str, users))} refer to its files: "
-                    "saving it again would break them. Roll back past them first "
-                    "(mpickpt-restore ROOT --step N)")
-            self.log.warning(
-                "step %d was already committed; this save replaces it. The number saved is the "
-                "count of training steps done: a loop that resumes at the restored number and "
-                "saves after training a step should save step + 1", manifest.step)
-            rootdir.remove(final, self.run_id)
-        os.rename(partial, final)
-        rootdir.fsync_path(self.root)
-        return final
+        step = manifest.step
+        return commit.publish(self.root, partial, step, text,
+                              existing=lambda final: self._replace(step, final),
+                              on_half=lambda: faults.hit("mid-manifest-write", 0, step))
+
+    def _replace(self, step: int, final: str) -> None:
+        """The same step saved again (a rerun after a restore): replace it, unless incremental
+        checkpoints refer to its files."""
+        users = self.upkeep.referrers(step)
+        if users:
+            raise CheckpointError(
+                f"step {step} is already committed and the incremental "
+                f"checkpoint(s) of step {', '.join(map(str, users))} refer to its files: "
+                "saving it again would break them. Roll back past them first "
+                "(mpickpt-restore ROOT --step N)")
+        self.log.warning(
+            "step %d was already committed; this save replaces it. The number saved is the "
+            "count of training steps done: a loop that resumes at the restored number and "
+            "saves after training a step should save step + 1", step)
+        rootdir.remove(final, self.run_id)
 
     def _discard(self, partial: str) -> None:
         try:
@@ -679,48 +617,6 @@ class Saver:
 # with index parts, rank 0 reads them all to check that sharded tensors tile at the commit up to
 # this many ranks; beyond, restore checks the pieces it reads (and names any that do not tile)
 CHECK_PIECES_RANKS = 64
-
-
-class WaitLog:
-    """Rank 0 says once when saves start waiting for earlier ones, and once when they stop."""
-
-    def __init__(self, logger: logging.Logger, slots: int) -> None:
-        self.log, self.slots = logger, slots
-        self._waits: list[float] = []  # the seconds each save of a run of waits waited
-
-    def saw(self, step: int, waited: bool, seconds: float) -> None:
-        if waited:
-            if not self._waits:
-                self.log.info("save of step %d waits for an earlier save to finish persisting "
-                              "(waited %.2f s, max_in_flight=%d): saves come faster than they "
-                              "persist; the next waits are logged once they end", step,
-                              seconds, self.slots)
-            self._waits.append(seconds)
-        elif self._waits:
-            self.log.info("saves no longer wait: %d in a row waited for an earlier one, %.2f s "
-                          "in all", len(self._waits), sum(self._waits))
-            self._waits = []
-
-
-class SkipLog:
-    """if_busy="skip": rank 0 says once when saves start being skipped, and once when a save is
-    taken again (how many were skipped)."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self.log, self.skipped, self.total = logger, 0, 0
-
-    def saw(self, step: int, skipped: bool) -> None:
-        if skipped:
-            if not self.skipped and self.total == 0:
-                self.log.info("save of step %d skipped: an earlier save was still persisting "
-                              "(if_busy='skip'); skips are counted and logged when they stop",
-                              step)
-            self.skipped += 1
-            self.total += 1
-        elif self.skipped:
-            self.log.info("save of step %d taken after %d skipped (%d skipped in all)", step,
-                          self.skipped, self.total)
-            self.skipped = 0
 
 
 def _check_pieces(ranks: list[RankEntry]) -> None:
@@ -751,21 +647,11 @@ def _check_shards(partial: str, ranks: list[RankEntry]) -> None:
     """Before the commit, on rank 0: every rank's shard is in the partial directory as rank 0
     sees it, of the size its rank wrote (a ROOT that is not shared leaves them elsewhere); the
     entries of its sub-directories are made durable (the manifest's write syncs the top)."""
-    sizes: dict[str, int] = {}
-    for top, dirs, files in os.walk(partial):
-        rel = os.path.relpath(top, partial)
-        for name in files:
-            st = os.lstat(os.path.join(top, name))
-            if stat.S_ISREG(st.st_mode):
-                sizes[name if rel == "." else f"{rel}/{name}"] = st.st_size
-        for d in dirs:
-            rootdir.fsync_path(os.path.join(top, d))
-    missing = [e.rank for e in ranks if e.file not in sizes]
-    if missing:
-        raise CheckpointError(f"the shards of {ranks_text(missing)} are not in {partial} as "
-                              "rank 0 sees it, although they were written: "
+    found = commit.presence(partial, ranks)
+    if found.missing:
+        raise CheckpointError(f"the shards of {ranks_text(found.missing)} are not in {partial} "
+                              "as rank 0 sees it, although they were written: "
                               f"{rootdir.NOT_SHARED_ADVICE}")
-    wrong = [e.rank for e in ranks if sizes[e.file] != e.bytes]
-    if wrong:
-        raise CheckpointError(f"the shards of {ranks_text(wrong)} in {partial} are not of the "
-                              "size their ranks wrote")
+    if found.wrong_size:
+        raise CheckpointError(f"the shards of {ranks_text(found.wrong_size)} in {partial} are "
+                              "not of the size their ranks wrote")

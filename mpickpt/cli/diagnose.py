@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import rootdir
 from ..errors import ManifestError
 from ..log import human_bytes
-from ..manifest import Manifest, read_bytes, shard_name
+from ..manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
 from ..ranks import ranks_text
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-SHARD_RE = re.compile(r"^rank-(\d{5,})\.h5$")
 MAX_MANIFESTS = 8  # committed manifests read to find the partial directory's run
 
 
@@ -159,7 +157,7 @@ def partial_shards(path: str, run_id: str, committed: list[str]) -> PartialShard
         p.reference = {r.rank: r.bytes for r in same.ranks}
         p.reference_step = same.step
     for f in _rank_files(path):
-        m = SHARD_RE.match(os.path.basename(f))
+        m = RANK_FILE_RE.match(os.path.basename(f))
         if m:
             p.states[int(m.group(1))] = shard_state(f)
             with contextlib.suppress(OSError):
@@ -223,7 +221,7 @@ def not_shared(committed: list[tuple[str, Manifest | None]],
         names = [os.path.basename(f) for f in _rank_files(path)]
         if shard_name(0) in names:
             return None
-        ranks |= {int(m.group(1)) for n in names if (m := SHARD_RE.match(n))}
+        ranks |= {int(m.group(1)) for n in names if (m := RANK_FILE_RE.match(n))}
     if not ranks:
         return None
     return {"missing_ranks": [0], "present_ranks": sorted(ranks), "message": (

@@ -29,7 +29,7 @@ import os
 import time
 from typing import Any
 
-from .. import checksum, rootdir
+from .. import checksum, commit, rootdir
 from ..localtier import OWNER
 from ..log import human_bytes
 from ..manifest import NAME as MANIFEST
@@ -169,13 +169,13 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
         report["shards"] = [{"rank": r, "from": h.path, "node": h.node, "process": h.proc,
                              "bytes": c.nbytes} for r, (h, c) in sorted(copied.items())]
         _check(partial, manifest)
-        rootdir.atomic_write(os.path.join(partial, MANIFEST), data)
-        if os.path.lexists(final):
-            raise Refused(f"{final} appeared while step {s.step} was being drained (is the job "
+
+        def appeared(path: str) -> None:
+            raise Refused(f"{path} appeared while step {s.step} was being drained (is the job "
                           "running?); ROOT keeps that one, nothing was drained")
-        os.rename(partial, final)
+
+        commit.publish(root, partial, s.step, data, existing=appeared)
         committed = True
-        rootdir.fsync_path(root)
     finally:
         if not committed and os.path.lexists(partial):
             rootdir.remove(partial, RUN_ID)
@@ -253,12 +253,8 @@ def _copy_all(s: LocalStep, m: Manifest, partial: str, out: Out, team: Team
 def _check(partial: str, m: Manifest) -> None:
     """Rank 0: every rank's shard is in ``partial`` as it sees it, at its size (under mpiexec a
     ROOT that is not shared leaves them elsewhere)."""
-    there = {}
-    with os.scandir(partial) as it:
-        for e in it:
-            if e.is_file(follow_symlinks=False):
-                there[e.name] = e.stat(follow_symlinks=False).st_size
-    missing = [r.rank for r in m.ranks if there.get(r.file) != r.bytes]
+    found = commit.presence(partial, m.ranks)
+    missing = sorted(found.missing + found.wrong_size)
     if missing:
         raise Refused(f"the shards of ranks {rank_ranges(missing)} were copied but are not in "
                       f"{partial} at their sizes as rank 0 of this command sees it; nothing was "
