@@ -1,10 +1,10 @@
 """Where a GPU snapshot's stall goes: the training loop's extra time while another thread
-(a) makes a page-locked host buffer ready, or (b) drains a device staging buffer into it.
+(a) makes a page-locked host buffer ready, or (b) empties a device staging buffer into it.
 
 Each case runs the reference job of ``bench_gpu.py`` (one GPU) while a background thread does the
 work, and reports how long the work took and how much longer the steps that ran beside it took
 than the median step without it (the training loop's loss). Used to choose how ``pinned_pool``
-page-locks its buffers and how ``snapshot`` drains the staging buffer::
+page-locks its buffers and how ``snapshot`` empties the staging buffer::
 
     python bench/probe_snapshot.py --json bench/results/probe-snapshot.json
 """
@@ -160,7 +160,7 @@ def main() -> None:
         def work(c: int = chunk_mib << 20, d: int = depth, h: torch.Tensor = host,
                  src: torch.Tensor = staging) -> None:
             snapshot.D2H_CHUNK, snapshot.D2H_DEPTH = c, d
-            snapshot._drain(stream, src, h)
+            snapshot._unstage(stream, src, h)
         name = f"{chunk_mib} MiB x{depth}{'' if host is pinned else ' to pageable'}"
         r = beside(job, base, work)
         res["drain"][name] = r

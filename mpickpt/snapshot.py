@@ -3,12 +3,12 @@
 CUDA tensors: an event recorded on the current stream orders a dedicated copy stream after the
 work already queued; on that stream the tensors are copied into a device staging buffer (when GPU
 memory allows: a device-to-device copy at HBM speed), or straight to the host buffer otherwise.
-``take`` returns once the copies are queued. The persist thread then drains the staging buffer to
-the page-locked host buffer in :meth:`Snapshot.wait`, one 4 MiB piece at a time. Measured on an
+``take`` returns once the copies are queued. The persist thread then empties the staging buffer
+into the page-locked host buffer in :meth:`Snapshot.wait`, one 4 MiB piece at a time. Measured on an
 H200: while the copy engine always has a device-to-host transfer queued (the whole state, or even
 two 32 MiB pieces kept in flight), a device-to-host copy of the training loop (``loss.item()``)
 from another stream starves until the engine is idle (95 ms for 5.8 GB); with one piece in flight
-it gets in within 3 ms, and the drain takes 122 ms instead of 106.
+it gets in within 3 ms, and the emptying takes 122 ms instead of 106.
 
 The next mutation must not race the copies: :meth:`Snapshotter.fence` (called by an optimizer
 pre-step hook and a module forward pre-hook) makes the current stream wait for the copy out of the
@@ -41,7 +41,7 @@ import torch
 
 from .pinned_pool import HostPool, Lease, align
 
-# The staging->host drain goes in pieces of this size, at most D2H_DEPTH queued at a time.
+# The staging->host copy goes in pieces of this size, at most D2H_DEPTH queued at a time.
 D2H_CHUNK = 4 << 20
 D2H_DEPTH = 1
 # CPU tensors copied on the spot go through a temporary copy when the pool's buffer is still to
@@ -67,8 +67,8 @@ class Snapshot:
     start_events: list[torch.cuda.Event] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
     # (stream, staging range, start and end in the host buffer)
-    drains: list[tuple[torch.cuda.Stream, torch.Tensor, int, int]] = field(default_factory=list)
-    drained: threading.Event = field(default_factory=threading.Event)
+    unstage: list[tuple[torch.cuda.Stream, torch.Tensor, int, int]] = field(default_factory=list)
+    staging_free: threading.Event = field(default_factory=threading.Event)
     copy_s: float = 0.0
     lazy_s: float = 0.0  # the snapshot thread's part, when there was one
 
@@ -78,28 +78,28 @@ class Snapshot:
 
     def wait(self) -> None:
         """Block until every copy has landed in host memory; release the user's tensors.
-        Called by the persist thread; drains the staging buffers."""
+        Called by the persist thread; empties the staging buffers."""
         t0 = time.perf_counter()
         try:
             if self.ready is not None:
                 self.ready.result()
             assert self.lease.buffer is not None
-            for stream, src, lo, hi in self.drains:
-                _drain(stream, src, self.lease.buffer[lo:hi])
+            for stream, src, lo, hi in self.unstage:
+                _unstage(stream, src, self.lease.buffer[lo:hi])
         finally:
-            self.drained.set()
+            self.staging_free.set()
         for ev in self.done_events:
             ev.synchronize()
         if self.done_events:
             self.copy_s = max(s.elapsed_time(d) for s, d in zip(self.start_events, self.done_events,
                                                                 strict=True)) / 1e3
-        if self.drains:
+        if self.unstage:
             self.copy_s += time.perf_counter() - t0
         self.copy_s = max(self.copy_s, self.lazy_s)
         self.sources.clear()
 
 
-def _drain(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor) -> None:
+def _unstage(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy device ``src`` to pinned ``dst`` on ``stream``, at most D2H_DEPTH pieces queued."""
     queued: deque[torch.cuda.Event] = deque()
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
@@ -143,8 +143,8 @@ class Snapshotter:
             later = []
         later_set = set(later)
         now = [n for n in cpu if n not in later_set]
-        if self._last is not None:  # its staging buffers must be drained before reuse
-            self._last.drained.wait()
+        if self._last is not None:  # its staging buffers must be emptied before reuse
+            self._last.staging_free.wait()
         staging = {dev: self._staging_buffer(dev, hi - lo) for dev, (lo, hi) in ranges.items()
                    if dev.type == "cuda"}
         defer = (pos >= LAZY_MIN and all(b is not None for b in staging.values())
@@ -176,8 +176,8 @@ class Snapshotter:
                 torch.cuda.synchronize()  # no copy queued into it may land after its next use
             self.pool.release(lease)
             raise
-        if not snap.drains:
-            snap.drained.set()
+        if not snap.unstage:
+            snap.staging_free.set()
         self._last = snap
         snap.stall_s = time.perf_counter() - t0
         return snap
@@ -188,7 +188,7 @@ class Snapshotter:
         seconds, and the training thread waits behind it from whichever thread it runs."""
         _, _, _, ranges, pos = _layout(tensors)
         if self._last is not None:
-            self._last.drained.wait()
+            self._last.staging_free.wait()
         for dev, (lo, hi) in ranges.items():
             if dev.type == "cuda":
                 self._staging_buffer(dev, hi - lo)
@@ -223,7 +223,7 @@ class Snapshotter:
                 stage_views = [_view(staging, offsets[n] - lo, s)
                                for n, s in zip(names, srcs, strict=True)]
                 torch._foreach_copy_(stage_views, srcs, non_blocking=True)
-                snap.drains.append((stream, staging[: hi - lo], lo, hi))
+                snap.unstage.append((stream, staging[: hi - lo], lo, hi))
             else:
                 for n, s in zip(names, srcs, strict=True):
                     snap.tensors[n].copy_(s, non_blocking=True)
@@ -248,10 +248,10 @@ class Snapshotter:
 
     def release(self, snap: Snapshot) -> None:
         """The persist thread is done with ``snap``: its staging and host buffers are free
-        again (also when it failed before draining them)."""
+        again (also when it failed before emptying them)."""
         if snap.ready is not None:  # its outcome reached the save through wait()
             concurrent.futures.wait([snap.ready])
-        snap.drained.set()
+        snap.staging_free.set()
         self.pool.release(snap.lease)
 
     def guard(self, state: Any) -> dict[int, int]:
