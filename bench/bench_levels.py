@@ -253,7 +253,8 @@ class Saves:
         local directory belongs to one ROOT); nothing drained unless asked (drain=True)."""
         return mpickpt.Checkpointer(
             self.root_of(method), keep=2, on_error="raise", io_threads=self.args.io_threads,
-            local=self.local_dirs[method], redundancy=scheme, persist_every=None, keep_local=1)
+            local=mpickpt.Local(self.local_dirs[method], redundancy=scheme, persist_every=None,
+                                keep=1))
 
     def label(self, m: str) -> str:
         return {"local": f"mpickpt local, {self.scheme or 'no'} redundancy"

@@ -85,10 +85,13 @@ def main() -> None:
     start = 0
     ckpt = None
     if not args.no_checkpoint:
-        ckpt = mpickpt.Checkpointer(
-            args.root, keep=args.keep, local=args.local, persist_every=args.persist_every or None,
-            redundancy=None if args.redundancy == "none" else args.redundancy, index=args.index,
-            files=args.files, fanout=args.fanout)
+        redundancy = None if args.redundancy == "none" else args.redundancy
+        if redundancy and not args.local:
+            raise SystemExit("--redundancy protects the node-local level: give --local too")
+        local = mpickpt.Local(args.local, redundancy=redundancy,
+                              persist_every=args.persist_every or None) if args.local else None
+        ckpt = mpickpt.Checkpointer(args.root, keep=args.keep, local=local, index=args.index,
+                                    files=args.files, fanout=args.fanout)
         restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
         ckpt.prepare(state)  # the snapshot buffers now, not in the first save's steps

@@ -23,13 +23,12 @@ from typing import Any, TypeVar
 from . import codec, knobs, log, preempt, retention, rollback, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
-from .exchange import Exchange
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .incremental import frozen_matcher
-from .levels import LocalLevel
-from .localtier import LocalTier, in_memory
+from .levels import open_level
 from .manifest import FANOUT
 from .nodefile import NodeFiles
+from .options import LOCAL_KEYWORDS, UNSET, Local, local_of
 from .pinned_pool import HostPool
 from .protocol import Protocol, world_rank
 from .recovery import LocalRecovery
@@ -37,7 +36,7 @@ from .request import SaveHandle, SaveRequest, SaveResult
 from .restorer import RestoreInfo, Restorer
 from .rollback import Rollback
 from .saver import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, Saver, ShardOptions
-from .topology import SCHEMES, Topology
+from .topology import Topology
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
@@ -105,15 +104,18 @@ class Checkpointer:
     pieces that overlap its own; rank ``r`` takes the per-rank state of stored rank ``r mod N``.
     ``world_change="fail"`` refuses another number of ranks instead.
 
-    The node-local level (``local``: a directory on each node, ``/dev/shm/...`` for memory or
-    an NVMe scratch directory): every save goes there, committed on every node with the same
-    vote, and ``redundancy`` protects it from the loss of a node: ``"partner"`` (a copy of each
-    shard on another node) or ``"xor"`` (parity over sets of ``xor_set`` nodes, default 4;
-    ``1 / (xor_set - 1)`` extra space). The handle of such a save resolves once it is protected;
-    every ``persist_every``-th one (None: none), the emergency one and, at ``close()``, the newest
-    one are then drained to ROOT from the local copy, at most ``drain_bandwidth`` bytes per
-    second per rank, and committed there. ``keep_local`` protected checkpoints stay on the
-    nodes (besides the one being written), within ``local_budget`` bytes per node. ``restore``
+    The node-local level (``local``: a :class:`mpickpt.Local`, or a path for ``Local(path)``;
+    a directory on each node, ``/dev/shm/...`` for memory or an NVMe scratch directory): every
+    save goes there, committed on every node with the same vote, and ``Local.redundancy``
+    protects it from the loss of a node: ``"partner"`` (a copy of each shard on another node) or
+    ``"xor"`` (parity over sets of ``xor_set`` nodes, default 4; ``1 / (xor_set - 1)`` extra
+    space). The handle of such a save resolves once it is protected; every ``persist_every``-th
+    one (None: none), the emergency one and, at ``close()``, the newest one are then drained to
+    ROOT from the local copy, at most ``drain_bandwidth`` bytes per second per rank, and
+    committed there. ``keep`` protected checkpoints stay on the nodes (besides the one being
+    written), within ``budget`` bytes per node. The flat keywords ``redundancy``,
+    ``persist_every``, ``keep_local``, ``local_budget``, ``xor_set`` and ``drain_bandwidth`` are
+    deprecated (a DeprecationWarning says what to write). ``restore``
     takes the newest step every rank can get from the fastest level: its own local shard, else
     one rebuilt from redundancy over MPI, else ROOT. Nodes are the ranks that share memory, or
     what ``$MPICKPT_NODE`` names (tests simulate nodes with it).
@@ -165,20 +167,20 @@ class Checkpointer:
         keep_every: int | None = None,
         best: tuple[str, str] | None = None,
         keep_best: int = 0,
-        local: str | os.PathLike[str] | None = None,
-        redundancy: str | None = None,
-        persist_every: int | None = 10,
-        keep_local: int = 1,
-        local_budget: int | None = None,
-        xor_set: int | None = None,
-        drain_bandwidth: float | None = None,
+        local: str | os.PathLike[str] | Local | None = None,
         index: str = "auto",
         incremental: int | None = None,
         frozen: Sequence[str] | Callable[[str], bool] | None = None,
         compression: str | Mapping[str, str | None] | None = None,
         files: str = "per-rank",
         fanout: int = FANOUT,
+        **deprecated: Any,
     ) -> None:
+        level = local_of(local, {k: deprecated.pop(k, UNSET) for k in LOCAL_KEYWORDS},
+                         stacklevel=4)  # the caller, behind _agreed and __init__
+        if deprecated:
+            raise TypeError(f"Checkpointer() got an unexpected keyword argument "
+                            f"{next(iter(deprecated))!r}")
         self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
@@ -242,17 +244,15 @@ class Checkpointer:
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
         self._local = None
         self._recovery: LocalRecovery | None = None
-        if local is not None:
-            self._local = self._local_level(local, redundancy, persist_every, keep_local,
-                                            local_budget, xor_set, drain_bandwidth)
+        if level is not None:
+            self._local = open_level(self._proto, level, self.root, self.run_id, self.log,
+                                     self._collective)
             self._recovery = LocalRecovery(self._proto, self._local, io_threads, self.log)
             if self._root_problem is not None and self.rank == 0:
                 self.log.warning(
                     "ROOT cannot be used: %s. Restore takes what the node-local level holds; "
                     "saves are protected on the nodes, and their drains to ROOT fail (each one "
                     "says so) until ROOT is back", self._root_problem)
-        elif redundancy is not None:
-            raise ValueError("redundancy protects the node-local level: give local= too")
         self._local_checked = False
         split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
         options = ShardOptions(alignment, checksum_block, io_threads, split,
@@ -274,38 +274,6 @@ class Checkpointer:
             node = topo.node_index(self.rank)
             team = self._proto.sub(node, topo.local_index(self.rank))
         return NodeFiles(team, node, len(topo.names), fanout)
-
-    def _local_level(self, local: str | os.PathLike[str], redundancy: str | None,
-                     persist_every: int | None, keep_local: int, budget: int | None,
-                     xor_set: int | None, drain_bandwidth: float | None) -> LocalLevel:
-        """Find the nodes, check the settings, prepare this node's directory (collective)."""
-        if redundancy not in (None, *SCHEMES):
-            raise ValueError(f"redundancy must be 'partner', 'xor' or None, not {redundancy!r}")
-        if persist_every is not None and (not isinstance(persist_every, int) or persist_every < 1):
-            raise ValueError(f"persist_every must be a positive int or None, not "
-                             f"{persist_every!r}")
-        if not isinstance(keep_local, int) or keep_local < 1:
-            raise ValueError(f"keep_local must be 1 or more, not {keep_local!r}")
-        base = os.path.abspath(os.fspath(local))
-        if base == self.root or base.startswith(self.root + os.sep):
-            raise ValueError(f"local={base} is ROOT or inside it: the node-local level must be "
-                             "another directory, on each node's own storage")
-        with self._proto.fatal_timeouts(self.log):
-            nodes = self._proto.nodes(knobs.NODE.get())
-        topo = Topology(tuple(nodes))
-        teams = topo.teams(redundancy, xor_set) if redundancy else []
-        tier = LocalTier(base, nodes[self.rank], self.root)
-        leader = topo.leader(self.rank) == self.rank
-        self._collective(lambda: tier.prepare(self.run_id, self.log) if leader else None,
-                         "local")
-        with self._proto.fatal_timeouts(self.log):
-            exchange = Exchange(self._proto, teams, redundancy) if redundancy else None
-        if self.rank == 0:
-            self.log.info("local level %s on %d node(s), redundancy %s, drained to ROOT every "
-                          "%s save(s)", base, len(topo.names), redundancy,
-                          persist_every or "no")
-        return LocalLevel(tier, topo, self.rank, redundancy, teams, exchange, persist_every,
-                          keep_local, budget, drain_bandwidth, in_memory(tier.dir))
 
     # -------------------------------------------------------------------------------------- save
 

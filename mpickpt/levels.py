@@ -1,24 +1,32 @@
 """The node-local level's settings and the plain file work of its stages.
 
-A :class:`LocalLevel` is what a Checkpointer with ``local=`` hands its save pipeline: this
-node's directory (:class:`~mpickpt.localtier.LocalTier`), the redundancy (an
-:class:`~mpickpt.exchange.Exchange`, or None), how often a protected checkpoint is drained to
-ROOT, how many stay on the nodes, and the node's budget for them.
+A :class:`LocalLevel` (made by :func:`open_level` from a :class:`~mpickpt.options.Local`) is what
+a Checkpointer with ``local=`` hands its save pipeline: this node's directory
+(:class:`~mpickpt.localtier.LocalTier`), the redundancy (an :class:`~mpickpt.exchange.Exchange`,
+or None), how often a protected checkpoint is drained to ROOT, how many stay on the nodes, and
+the node's budget for them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from . import log, rootdir
+from . import knobs, log, rootdir
 from .errors import LocalTierFull
 from .exchange import Exchange
-from .localtier import LocalTier, parity_name
+from .localtier import LocalTier, in_memory, parity_name
 from .manifest import shard_name
 from .shard import DEFAULT_ALIGNMENT
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .options import Local
+    from .protocol import Protocol
 
 HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
 
@@ -83,8 +91,9 @@ class LocalLevel:
                 f"{log.human_bytes(one)} per checkpoint on this node ({self.node_ranks} ranks, "
                 f"{log.human_bytes(nbytes)} of state each, redundancy {self.scheme}), "
                 f"{log.human_bytes(one * (self.keep + 1))} for the {self.keep} kept and the one "
-                f"being written; its budget is local_budget={log.human_bytes(self.budget)}. "
-                "Raise local_budget, keep fewer (keep_local), or use another local directory")
+                f"being written; its budget is Local(budget={self.budget}) "
+                f"({log.human_bytes(self.budget)}). Raise the budget, keep fewer "
+                "(Local(keep=)), or use another local directory")
         free = self.tier.free()
         if free < need:
             raise LocalTierFull(
@@ -98,3 +107,29 @@ class LocalLevel:
         the bytes copied."""
         return rootdir.copy_file(src, dst, on_bytes=lambda _: on_chunk(),
                                  bandwidth=self.drain_bandwidth)
+
+
+def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: logging.Logger,
+               collective: Callable[[Callable[[], object], str], object]) -> LocalLevel:
+    """The node-local level ``local`` describes (it checked its own settings): find the nodes
+    and the redundancy teams, prepare this node's directory (``collective`` runs that on every
+    rank and raises on every rank if it failed on one). Collective."""
+    redundancy, persist_every = local.redundancy, local.persist_every
+    base = os.path.abspath(os.fspath(local.path))
+    if base == root or base.startswith(root + os.sep):
+        raise ValueError(f"local={base} is ROOT or inside it: the node-local level must be "
+                         "another directory, on each node's own storage")
+    with proto.fatal_timeouts(logger):
+        nodes = proto.nodes(knobs.NODE.get())
+    topo = Topology(tuple(nodes))
+    teams = topo.teams(redundancy, local.xor_set) if redundancy else []
+    tier = LocalTier(base, nodes[proto.rank], root)
+    leader = topo.leader(proto.rank) == proto.rank
+    collective(lambda: tier.prepare(run_id, logger) if leader else None, "local")
+    with proto.fatal_timeouts(logger):
+        exchange = Exchange(proto, teams, redundancy) if redundancy else None
+    if proto.rank == 0:
+        logger.info("local level %s on %d node(s), redundancy %s, drained to ROOT every %s "
+                    "save(s)", base, len(topo.names), redundancy, persist_every or "no")
+    return LocalLevel(tier, topo, proto.rank, redundancy, teams, exchange, persist_every,
+                      local.keep, local.budget, local.drain_bandwidth, in_memory(tier.dir))

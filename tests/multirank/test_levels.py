@@ -202,8 +202,8 @@ def test_a_local_level_too_small_is_refused_on_every_rank_at_the_first_save(
     assert done.returncode == 0, done.output
     for r in range(4):
         raised = reports[r]["saves"]["10"]["raised"]
-        assert raised.startswith("LocalTierFull") and "local_budget=" in raised, raised
-        assert "keep_local" in raised
+        assert raised.startswith("LocalTierFull") and "Local(budget=100000)" in raised, raised
+        assert "Local(keep=)" in raised
     for node in ("n0", "n1"):
         assert [p.name for p in (tmp_path / "local" / node).iterdir()] == ["OWNER.json"]
     assert not any(p.name.startswith("step-") for p in (tmp_path / "root").iterdir())

@@ -4,7 +4,7 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 
 * ``root``, ``local``: the directories; ``per_node``: ranks per simulated node (rank r runs on
   node ``n{r // per_node}``, through ``$MPICKPT_NODE``); ``redundancy``, ``persist_every``,
-  ``keep_local``, ``local_budget``, ``xor_set``: the Checkpointer's settings;
+  ``keep_local``, ``local_budget``, ``xor_set``: the Checkpointer's ``Local(...)`` settings;
 * ``steps``: train up to this step; ``every``: save every that many steps;
 * ``crash_after``: after the save of this step is protected, every rank SIGKILLs itself (the
   drain that would follow never runs; node loss is the test's wiping of a node's directory);
@@ -110,9 +110,10 @@ def main() -> None:
     report: dict[str, Any] = {"rank": rank, "saves": {}}
     ck = mpickpt.Checkpointer(
         plan["root"], keep=plan.get("keep"), timeout=plan.get("timeout", 60),
-        local=plan["local"], redundancy=plan.get("redundancy"),
-        persist_every=plan.get("persist_every"), keep_local=plan.get("keep_local", 1),
-        local_budget=plan.get("local_budget"), xor_set=plan.get("xor_set"),
+        local=mpickpt.Local(plan["local"], redundancy=plan.get("redundancy"),
+                            persist_every=plan.get("persist_every"),
+                            keep=plan.get("keep_local", 1), budget=plan.get("local_budget"),
+                            xor_set=plan.get("xor_set")),
         replicated=("model",) if REPLICATED else ())
     faults.configure(plan.get("fault", ""))
     state = initial(rank)

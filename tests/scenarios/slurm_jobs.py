@@ -55,9 +55,10 @@ job = os.environ.get("SLURM_JOB_ID", "-")
 restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 args.out.mkdir(parents=True, exist_ok=True)
 state = make_state(comm.rank, 64)
-ck = mpickpt.Checkpointer(args.root, keep=args.keep, local=args.local,
-                          persist_every=args.persist_every or None,
-                          redundancy=None if args.redundancy == "none" else args.redundancy)
+local = mpickpt.Local(args.local, persist_every=args.persist_every or None,
+                      redundancy=None if args.redundancy == "none" else args.redundancy
+                      ) if args.local else None
+ck = mpickpt.Checkpointer(args.root, keep=args.keep, local=local)
 start = ck.restore(state) or 0
 with open(args.out / f"starts-{comm.rank}", "a") as f:
     f.write(f"{job} {restart} {start}\n")
