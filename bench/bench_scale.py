@@ -52,7 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     state = {f"t{i}": torch.randn(args.kb * 256, generator=g) for i in range(args.tensors)}
     expected = {k: v.clone() for k, v in state.items()}
     calls, commits = [], []
-    with mpickpt.Checkpointer(args.root, keep=2, files=args.files, index=args.index) as ck:
+    files = mpickpt.Files(per=args.files.removeprefix("per-"), index=args.index)
+    with mpickpt.Checkpointer(args.root, keep=2, files=files) as ck:
         for step in range(1, args.saves + 1):
             comm.Barrier()
             t = time.perf_counter()
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--files", default="per-rank",
                     help="layouts to run, comma-separated: per-rank, per-node")
     ap.add_argument("--per-node", type=int, default=8, help="ranks per simulated node")
-    ap.add_argument("--index", default="auto", help="Checkpointer(index=...)")
+    ap.add_argument("--index", default="auto", help="Files(index=...)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default="bench/results/scale.json")

@@ -90,8 +90,8 @@ def main() -> None:
             raise SystemExit("--redundancy protects the node-local level: give --local too")
         local = mpickpt.Local(args.local, redundancy=redundancy,
                               persist_every=args.persist_every or None) if args.local else None
-        ckpt = mpickpt.Checkpointer(args.root, keep=args.keep, local=local, index=args.index,
-                                    files=args.files, fanout=args.fanout)
+        files = mpickpt.Files(per=args.files[len("per-"):], fanout=args.fanout, index=args.index)
+        ckpt = mpickpt.Checkpointer(args.root, keep=args.keep, local=local, files=files)
         restored = ckpt.restore(state)  # the number of steps the checkpoint holds, or None
         start = restored or 0
         ckpt.prepare(state)  # the snapshot buffers now, not in the first save's steps

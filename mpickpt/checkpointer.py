@@ -26,9 +26,17 @@ from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .incremental import frozen_matcher
 from .levels import open_level
-from .manifest import FANOUT
 from .nodefile import NodeFiles
-from .options import LOCAL_KEYWORDS, UNSET, Local, local_of
+from .options import (
+    FILES_KEYWORDS,
+    LOCAL_KEYWORDS,
+    UNSET,
+    Files,
+    Local,
+    check_combinations,
+    files_of,
+    local_of,
+)
 from .pinned_pool import HostPool
 from .protocol import Protocol, world_rank
 from .recovery import LocalRecovery
@@ -135,11 +143,15 @@ class Checkpointer:
     of an HDF5 dataset with the registered Zstd filter (h5py reads it after ``import
     hdf5plugin``); restore decompresses on its threads. Needs ``pip install 'mpickpt[compress]'``.
 
-    ``files="per-node"`` (ROOT only, not with ``local`` or ``compression``): the ranks of a node
-    write disjoint aligned regions of one shard, ``node-NNNNN.h5``, laid out by the node's lowest
-    rank and fsynced once (:mod:`mpickpt.nodefile`): a checkpoint is one data file per node, for
-    parallel file systems whose metadata servers are the limit. ``fanout``: no directory of a
-    checkpoint holds more than this many shards or index parts; more go into sub-directories.
+    ``files``: a :class:`mpickpt.Files`, or ``"per-rank"`` / ``"per-node"`` for
+    ``Files(per=...)``. ``Files(per="node")`` (ROOT only, not with ``local`` or ``compression``):
+    the ranks of a node write disjoint aligned regions of one shard, ``node-NNNNN.h5``, laid out
+    by the node's lowest rank and fsynced once (:mod:`mpickpt.nodefile`): a checkpoint is one
+    data file per node, for parallel file systems whose metadata servers are the limit.
+    ``Files(fanout=)``: no directory of a checkpoint holds more than this many shards or index
+    parts; more go into sub-directories. ``Files(index=)``: ``"inline"`` (every rank's records
+    in the manifest), ``"per-rank"`` (an index part per rank) or ``"auto"`` (per rank above 64
+    ranks). The flat keywords ``fanout`` and ``index`` are deprecated.
     """
 
 
@@ -168,16 +180,16 @@ class Checkpointer:
         best: tuple[str, str] | None = None,
         keep_best: int = 0,
         local: str | os.PathLike[str] | Local | None = None,
-        index: str = "auto",
         incremental: int | None = None,
         frozen: Sequence[str] | Callable[[str], bool] | None = None,
         compression: str | Mapping[str, str | None] | None = None,
-        files: str = "per-rank",
-        fanout: int = FANOUT,
+        files: str | Files = "per-rank",
         **deprecated: Any,
     ) -> None:
         level = local_of(local, {k: deprecated.pop(k, UNSET) for k in LOCAL_KEYWORDS},
                          stacklevel=4)  # the caller, behind _agreed and __init__
+        layout = files_of(files, {k: deprecated.pop(k, UNSET) for k in FILES_KEYWORDS},
+                          stacklevel=4)
         if deprecated:
             raise TypeError(f"Checkpointer() got an unexpected keyword argument "
                             f"{next(iter(deprecated))!r}")
@@ -188,30 +200,10 @@ class Checkpointer:
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         if world_change not in ("reshard", "fail"):
             raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
-        if index not in ("auto", "inline", "per-rank"):
-            raise ValueError(f"index must be 'auto', 'inline' or 'per-rank', not {index!r}")
-        if incremental is not None and local is not None:
-            raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
-                             "whole shards; give one or the other")
-        if compression is not None and local is not None:
-            raise ValueError("compression is written to ROOT only: local= keeps shards raw for "
-                             "its redundancy; give one or the other")
-        if files not in ("per-rank", "per-node"):
-            raise ValueError(f"files must be 'per-rank' or 'per-node', not {files!r}")
-        if files == "per-node" and local is not None:
-            raise ValueError("files='per-node' is for ROOT: the node-local level keeps a shard "
-                             "per rank for its redundancy; give one or the other")
-        if files == "per-node" and compression is not None:
-            raise ValueError("files='per-node' writes raw regions: compressed chunks are "
-                             "written by each shard's own HDF5 file; give one or the other")
-        if not isinstance(fanout, int) or isinstance(fanout, bool) or fanout < 1:
-            raise ValueError(f"fanout must be a positive int, not {fanout!r}")
+        check_combinations(level, layout, incremental, compression, frozen)
         pick = codec.chooser(compression)
         if pick is not None:
             codec.require()
-        if frozen and not incremental:
-            raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
-                             "hashing: give incremental=N too")
         self.root = os.path.abspath(os.fspath(root))
         self.keep, self.io_threads = keep, io_threads
         self.replicated = tuple(p.strip("/") for p in replicated)
@@ -254,15 +246,16 @@ class Checkpointer:
                     "saves are protected on the nodes, and their drains to ROOT fail (each one "
                     "says so) until ROOT is back", self._root_problem)
         self._local_checked = False
-        split = index == "per-rank" or (index == "auto" and self.world_size > SPLIT_RANKS)
+        split = layout.index == "per-rank" or (layout.index == "auto"
+                                               and self.world_size > SPLIT_RANKS)
         options = ShardOptions(alignment, checksum_block, io_threads, split,
                                incremental or None, frozen_matcher(frozen), pick,
-                               files == "per-node", fanout)
+                               layout.per_node, layout.fanout)
         self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
                             options,
                             self.retention, self.log, on_error == "raise", self._local,
                             skip=if_busy == "skip",
-                            node=self._node_files(fanout) if files == "per-node" else None)
+                            node=self._node_files(layout.fanout) if layout.per_node else None)
         self._capture.tracker = self._saver.tracker
         _OPEN.add(self._saver)
         _hook_exit()

@@ -1,11 +1,14 @@
 """Options that belong together, given to :class:`~mpickpt.Checkpointer` as one object that
-checks its own combinations.
+checks its own settings (:class:`Local`, :class:`Files`), and the check of the options that
+cannot go together (:func:`check_combinations`).
 
 ``Checkpointer(root, local=Local("/dev/shm/run", redundancy="partner", persist_every=10))``.
 A bare path (``local="/dev/shm/run"``) is ``Local(path)``, with every default. The flat
 keywords of earlier releases (``redundancy=``, ``persist_every=``, ``keep_local=``,
 ``local_budget=``, ``xor_set=``, ``drain_bandwidth=``) still work, with a
-:class:`DeprecationWarning` that shows the ``Local(...)`` to write instead.
+:class:`DeprecationWarning` that shows the ``Local(...)`` to write instead. The same for
+``Files(per="node", fanout=..., index=...)``: ``files="per-node"`` is ``Files(per="node")``, and
+``fanout=`` and ``index=`` are the deprecated flat keywords.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .manifest import FANOUT
 from .topology import SCHEMES
 
 
@@ -108,3 +112,78 @@ def local_of(local: str | os.PathLike[str] | Local | None, flat: dict[str, Any],
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+INDEXES = ("auto", "inline", "per-rank")
+# the flat keywords of Checkpointer that became fields of Files
+FILES_KEYWORDS = ("fanout", "index")
+
+
+@dataclass(frozen=True)
+class Files:
+    """How a checkpoint is laid out in ROOT: a shard per rank (``per="rank"``) or per node
+    (``per="node"``: the node's ranks write disjoint aligned regions of one file, for parallel
+    file systems whose metadata servers are the limit); no directory holds more than ``fanout``
+    shards or index parts (more go into sub-directories); ``index``: every rank's records in
+    the manifest (``"inline"``), in an index part per rank (``"per-rank"``), or ``"auto"``
+    (per rank above 64 ranks)."""
+
+    per: str = "rank"
+    fanout: int = FANOUT
+    index: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.per not in ("rank", "node"):
+            raise ValueError(f"Files(per=) must be 'rank' or 'node', not {self.per!r}")
+        if not _positive_int(self.fanout):
+            raise ValueError(f"Files(fanout=) must be a positive int, not {self.fanout!r}")
+        if self.index not in INDEXES:
+            raise ValueError(f"Files(index=) must be 'auto', 'inline' or 'per-rank', not "
+                             f"{self.index!r}")
+
+    @property
+    def per_node(self) -> bool:
+        return self.per == "node"
+
+
+def files_of(files: str | Files, flat: dict[str, Any], stacklevel: int = 3) -> Files:
+    """The file layout from Checkpointer's ``files=`` (a :class:`Files`, or ``"per-rank"`` /
+    ``"per-node"`` for ``Files(per=...)``) and its deprecated flat keywords ``fanout=`` and
+    ``index=`` (``flat``: :data:`UNSET` where not given)."""
+    given = {k: v for k, v in flat.items() if v is not UNSET}
+    if isinstance(files, Files):
+        if given:
+            raise ValueError(f"give the file layout in Files(...) only, not also as "
+                             f"Checkpointer keywords ({', '.join(given)})")
+        return files
+    if files not in ("per-rank", "per-node"):
+        raise ValueError(f"files must be 'per-rank' or 'per-node' (or a Files), not {files!r}")
+    layout = Files(per=files[len("per-"):], **given)
+    if given:
+        shown = ", ".join([*([f"per={layout.per!r}"] if layout.per_node else []),
+                           *(f"{k}={v!r}" for k, v in given.items())])
+        warnings.warn(
+            f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
+            f"Checkpointer(..., files=mpickpt.Files({shown})); the flat keywords go in a later "
+            "release", DeprecationWarning, stacklevel=stacklevel)
+    return layout
+
+
+def check_combinations(local: Local | None, files: Files, incremental: int | None,
+                       compression: object, frozen: object) -> None:
+    """Refuse options that cannot go together, naming what to change (ValueError)."""
+    if incremental is not None and local is not None:
+        raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
+                         "whole shards; give one or the other")
+    if compression is not None and local is not None:
+        raise ValueError("compression is written to ROOT only: local= keeps shards raw for "
+                         "its redundancy; give one or the other")
+    if files.per_node and local is not None:
+        raise ValueError("files='per-node' is for ROOT: the node-local level keeps a shard "
+                         "per rank for its redundancy; give one or the other")
+    if files.per_node and compression is not None:
+        raise ValueError("files='per-node' writes raw regions: compressed chunks are "
+                         "written by each shard's own HDF5 file; give one or the other")
+    if frozen and not incremental:
+        raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
+                         "hashing: give incremental=N too")

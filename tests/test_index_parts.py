@@ -22,7 +22,7 @@ def state(seed: int) -> dict:
 
 def saved(root: Path, steps=(1, 2)) -> dict[int, dict]:
     out = {}
-    with mpickpt.Checkpointer(root, index="per-rank") as ck:
+    with mpickpt.Checkpointer(root, files=mpickpt.Files(index="per-rank")) as ck:
         for s in steps:
             out[s] = state(s)
             assert ck.save(s, out[s]).wait().committed

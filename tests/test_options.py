@@ -78,3 +78,38 @@ def test_an_unknown_keyword_is_still_a_type_error(tmp_path):
     with pytest.raises(TypeError, match="unexpected keyword argument 'redundnacy'"):
         mpickpt.Checkpointer(tmp_path, local=tmp_path / "local", redundnacy="partner")
     assert not (tmp_path / "local").exists()  # refused before anything was made
+
+
+def test_files_checks_its_settings_and_the_flat_keywords_say_what_to_write(tmp_path):
+    from mpickpt.options import files_of
+
+    for given, words in (({"per": "host"}, "Files(per=) must be 'rank' or 'node'"),
+                         ({"fanout": 0}, "Files(fanout=) must be a positive int"),
+                         ({"index": "split"}, "Files(index=) must be 'auto', 'inline'")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            mpickpt.Files(**given)
+    assert files_of("per-node", {"fanout": UNSET, "index": UNSET}) == mpickpt.Files(per="node")
+    with pytest.raises(ValueError, match="'per-rank' or 'per-node'"):
+        files_of("per-host", {"fanout": UNSET, "index": UNSET})
+    with pytest.warns(DeprecationWarning) as seen:
+        layout = files_of("per-node", {"fanout": 8, "index": UNSET})
+    assert layout == mpickpt.Files(per="node", fanout=8)
+    assert "files=mpickpt.Files(per='node', fanout=8)" in str(seen[0].message)
+    with pytest.raises(ValueError, match=r"in Files\(\.\.\.\) only"):
+        files_of(mpickpt.Files(), {"fanout": UNSET, "index": "inline"})
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"incremental": 5, "local": "L"}, "incremental checkpoints are written to ROOT only"),
+    ({"compression": "zstd", "local": "L"}, "compression is written to ROOT only"),
+    ({"files": mpickpt.Files(per="node"), "local": "L"}, "is for ROOT"),
+    ({"files": "per-node", "compression": "zstd"}, "writes raw regions"),
+    ({"frozen": ["model"]}, "give incremental=N too"),
+])
+def test_options_that_cannot_go_together_are_refused_before_anything_is_made(
+        tmp_path, kwargs, words):
+    if "local" in kwargs:
+        kwargs = {**kwargs, "local": tmp_path / kwargs["local"]}
+    with pytest.raises(ValueError, match=words):
+        mpickpt.Checkpointer(tmp_path / "root", **kwargs)
+    assert not (tmp_path / "root").exists() and not (tmp_path / "L").exists()

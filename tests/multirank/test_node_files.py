@@ -93,7 +93,7 @@ def test_per_node_files_are_refused_with_what_they_cannot_serve(tmp_path: Path):
         ({"files": "per-node", "local": str(tmp_path / "l")}, "node-local level"),
         ({"files": "per-node", "compression": "zstd"}, "compressed chunks"),
         ({"files": "per-host"}, "'per-rank' or 'per-node'"),
-        ({"fanout": 0}, "fanout must be a positive int"),
+        ({"files": "per-node", "fanout": 0}, r"Files\(fanout=\) must be a positive int"),
     ):
         with pytest.raises(ValueError, match=match):
             mpickpt.Checkpointer(tmp_path / "root", **kwargs)

@@ -111,9 +111,9 @@ def main() -> None:
         os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
     ck = mpickpt.Checkpointer(args.root, keep=args.keep, checksum_block=4096, alignment=4096,
                               incremental=args.incremental or None, frozen=frozen,
-                              index=args.index, compression=args.compress,
-                              on_error="raise",
-                              files="per-node" if args.per_node else "per-rank")
+                              compression=args.compress, on_error="raise",
+                              files=mpickpt.Files(per="node" if args.per_node else "rank",
+                                                  index=args.index))
     report: dict = {"rank": rank, "world": world}
     if args.all:
         steps = comm.bcast(sorted(int(n[5:]) for n in os.listdir(args.root)

@@ -85,9 +85,10 @@ def main() -> None:
     rank, world = comm.rank, comm.size
     if args.per_node:
         os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
+    files = mpickpt.Files(per=args.files.removeprefix("per-"), fanout=args.fanout,
+                          index=args.index)
     ck = mpickpt.Checkpointer(args.root, replicated=("rep",), checksum_block=args.block,
-                              alignment=4096, index=args.index, files=args.files,
-                              fanout=args.fanout)
+                              alignment=4096, files=files)
     report: dict = {"rank": rank, "world": world}
     if args.mode == "save":
         state = make_state(rank, world, fill=True)
