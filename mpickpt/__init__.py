@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
     from .ddp import prime_ddp
     from .incremental import frozen_params
-    from .options import Files, Local
+    from .options import Files, Local, Retention
     from .restorer import RestoreInfo
     from .sharding import Piece, Shard
     from .stateful import RNGState, Values
@@ -52,6 +52,7 @@ __all__ = [
     "Piece",
     "RNGState",
     "RestoreInfo",
+    "Retention",
     "RootNotSharedError",
     "SaveAborted",
     "SaveHandle",
@@ -72,7 +73,7 @@ _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
     "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "stateful",
     "Values": "stateful", "frozen_params": "incremental", "prime_ddp": "ddp", "Local": "options",
-    "Files": "options",
+    "Files": "options", "Retention": "options",
 }
 
 preempt.hold_early()

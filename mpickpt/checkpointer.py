@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from . import codec, knobs, log, preempt, retention, rollback, rootdir, shared_root, slurm
+from . import codec, knobs, log, preempt, rollback, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
@@ -30,12 +30,15 @@ from .nodefile import NodeFiles
 from .options import (
     FILES_KEYWORDS,
     LOCAL_KEYWORDS,
+    RETENTION_KEYWORDS,
     UNSET,
     Files,
     Local,
+    Retention,
     check_combinations,
     files_of,
     local_of,
+    retention_of,
 )
 from .pinned_pool import HostPool
 from .protocol import Protocol, world_rank
@@ -80,9 +83,11 @@ class Checkpointer:
 
     Collective over ``comm`` (``MPI.COMM_WORLD`` by default): every rank constructs it, calls
     ``save`` with the same steps and ``restore`` together. ``keep`` committed checkpoints are kept
-    (all when None). A failed save is reported on every rank and training goes on
-    (``on_error="warn"``), or raises :class:`SaveAborted` from ``wait()`` and from the next
-    ``save()`` (``on_error="raise"``).
+    (all when None), or what a :class:`mpickpt.Retention` says (``keep=Retention(3,
+    keep_every=1000, best=("val_loss", "min"), keep_best=2)``; the flat ``keep_every=``,
+    ``best=`` and ``keep_best=`` keywords are deprecated). A failed save is reported on every
+    rank and training goes on (``on_error="warn"``), or raises :class:`SaveAborted` from
+    ``wait()`` and from the next ``save()`` (``on_error="raise"``).
 
     ``save`` returns once the state is snapshotted; writing, voting and committing run on a
     background thread. ``max_in_flight`` snapshots may be held at once: a save requested while
@@ -160,7 +165,7 @@ class Checkpointer:
         self,
         root: str | os.PathLike[str],
         comm: Any = None,
-        keep: int | None = None,
+        keep: int | Retention | None = None,
         *,
         timeout: float | None = None,
         io_threads: int = 8,
@@ -176,9 +181,6 @@ class Checkpointer:
         requeue: bool | None = None,
         replicated: tuple[str, ...] | list[str] = (),
         world_change: str = "reshard",
-        keep_every: int | None = None,
-        best: tuple[str, str] | None = None,
-        keep_best: int = 0,
         local: str | os.PathLike[str] | Local | None = None,
         incremental: int | None = None,
         frozen: Sequence[str] | Callable[[str], bool] | None = None,
@@ -190,10 +192,12 @@ class Checkpointer:
                          stacklevel=4)  # the caller, behind _agreed and __init__
         layout = files_of(files, {k: deprecated.pop(k, UNSET) for k in FILES_KEYWORDS},
                           stacklevel=4)
-        if deprecated:
+        kept = retention_of(keep, {k: deprecated.pop(k, UNSET) for k in RETENTION_KEYWORDS},
+                            stacklevel=4)
+        if deprecated:  # after every group took its own
             raise TypeError(f"Checkpointer() got an unexpected keyword argument "
                             f"{next(iter(deprecated))!r}")
-        self.retention = retention.Policy.of(keep, keep_every, best, keep_best)
+        self.retention = kept.policy()
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
         if if_busy not in ("wait", "skip"):
@@ -205,7 +209,7 @@ class Checkpointer:
         if pick is not None:
             codec.require()
         self.root = os.path.abspath(os.fspath(root))
-        self.keep, self.io_threads = keep, io_threads
+        self.keep, self.io_threads = kept.keep, io_threads
         self.replicated = tuple(p.strip("/") for p in replicated)
         self.world_change, self.on_error = world_change, on_error
         self._proto = Protocol(comm, timeout)

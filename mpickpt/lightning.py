@@ -24,9 +24,9 @@ How Lightning's parts map onto mpickpt's:
   coordinated restore with fallback, on any number of ranks (resharding: the replicated states,
   and rank r takes stored rank r mod N's own). The dict is rebuilt from the checkpoint, no pickle.
 * Removing a checkpoint (``save_top_k``) removes its pointer; the data is mpickpt's retention's
-  (``keep``, ``best``/``keep_best`` given to :class:`MpickptIO`). The value ``ModelCheckpoint``
-  monitors is put in each save's metadata under the monitor's name, so ``best=("val_loss",
-  "min")`` ranks them.
+  (``keep=mpickpt.Retention(1, best=..., keep_best=K)`` given to :class:`MpickptIO`). The value
+  ``ModelCheckpoint`` monitors is put in each save's metadata under the monitor's name, so
+  ``best=("val_loss", "min")`` ranks them.
 * Preemption: mpickpt's signal (SIGUSR2, ``$MPICKPT_SIGNAL``) and SIGTERM, agreed on by every rank
   at the end of a batch by :class:`Preemption`, which saves Lightning's dict as an emergency
   checkpoint, requeues once under Slurm and exits with code 3. Lightning's own Slurm requeue
@@ -67,8 +67,8 @@ class MpickptIO(CheckpointIO):
     """Lightning's checkpoint files, saved and loaded through a :class:`~mpickpt.Checkpointer`
     on ``root`` (created at the first save or load, on every rank: use it with
     :class:`DDPStrategy`, which calls it on every rank). ``kwargs`` go to the Checkpointer
-    (``keep``, ``best``, ``keep_best``, ``incremental`` ...); ``replicated`` defaults to DDP's
-    model, optimizer and scheduler states."""
+    (``keep=N`` or ``keep=mpickpt.Retention(...)``, ``incremental`` ...); ``replicated``
+    defaults to DDP's model, optimizer and scheduler states."""
 
     def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__()

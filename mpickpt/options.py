@@ -1,6 +1,6 @@
 """Options that belong together, given to :class:`~mpickpt.Checkpointer` as one object that
-checks its own settings (:class:`Local`, :class:`Files`), and the check of the options that
-cannot go together (:func:`check_combinations`).
+checks its own settings (:class:`Local`, :class:`Files`, :class:`Retention`), and the check of
+the options that cannot go together (:func:`check_combinations`).
 
 ``Checkpointer(root, local=Local("/dev/shm/run", redundancy="partner", persist_every=10))``.
 A bare path (``local="/dev/shm/run"``) is ``Local(path)``, with every default. The flat
@@ -8,7 +8,9 @@ keywords of earlier releases (``redundancy=``, ``persist_every=``, ``keep_local=
 ``local_budget=``, ``xor_set=``, ``drain_bandwidth=``) still work, with a
 :class:`DeprecationWarning` that shows the ``Local(...)`` to write instead. The same for
 ``Files(per="node", fanout=..., index=...)``: ``files="per-node"`` is ``Files(per="node")``, and
-``fanout=`` and ``index=`` are the deprecated flat keywords.
+``fanout=`` and ``index=`` are the deprecated flat keywords; and for ``keep=Retention(3,
+keep_every=1000, best=("val_loss", "min"), keep_best=2)``: ``keep=3`` is ``Retention(3)``, and
+``keep_every=``, ``best=`` and ``keep_best=`` are the deprecated flat keywords.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .manifest import FANOUT
+from .retention import Policy
 from .topology import SCHEMES
 
 
@@ -187,3 +190,47 @@ def check_combinations(local: Local | None, files: Files, incremental: int | Non
     if frozen and not incremental:
         raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
                          "hashing: give incremental=N too")
+
+
+# the flat keywords of Checkpointer that became fields of Retention
+RETENTION_KEYWORDS = ("keep_every", "best", "keep_best")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints to keep (see :mod:`mpickpt.retention`): the ``keep`` newest,
+    every ``keep_every``-th step besides, and the ``keep_best`` best by ``best`` = (metadata
+    key, ``"min"`` or ``"max"``). Without ``keep`` every checkpoint is kept. The newest is never
+    deleted, and nothing is deleted before a newer checkpoint has committed."""
+
+    keep: int | None = None
+    keep_every: int | None = None
+    best: tuple[str, str] | None = None
+    keep_best: int = 0
+
+    def __post_init__(self) -> None:
+        self.policy()  # ValueError naming the option that cannot be
+
+    def policy(self) -> Policy:
+        return Policy.of(self.keep, self.keep_every, self.best, self.keep_best)
+
+
+def retention_of(keep: int | Retention | None, flat: dict[str, Any],
+                 stacklevel: int = 3) -> Retention:
+    """The retention from Checkpointer's ``keep=`` (a :class:`Retention`, or a number for
+    ``Retention(keep)``) and its deprecated flat keywords ``keep_every=``, ``best=`` and
+    ``keep_best=`` (``flat``: :data:`UNSET` where not given)."""
+    given = {k: v for k, v in flat.items() if v is not UNSET}
+    if isinstance(keep, Retention):
+        if given:
+            raise ValueError(f"give the retention in Retention(...) only, not also as "
+                             f"Checkpointer keywords ({', '.join(given)})")
+        return keep
+    kept = Retention(keep, **given)
+    if given:
+        shown = ", ".join([repr(keep), *(f"{k}={v!r}" for k, v in given.items())])
+        warnings.warn(
+            f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
+            f"Checkpointer(..., keep=mpickpt.Retention({shown})); the flat keywords go in a "
+            "later release", DeprecationWarning, stacklevel=stacklevel)
+    return kept

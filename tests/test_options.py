@@ -113,3 +113,22 @@ def test_options_that_cannot_go_together_are_refused_before_anything_is_made(
     with pytest.raises(ValueError, match=words):
         mpickpt.Checkpointer(tmp_path / "root", **kwargs)
     assert not (tmp_path / "root").exists() and not (tmp_path / "L").exists()
+
+
+def test_retention_checks_its_rules_and_the_flat_keywords_say_what_to_write():
+    from mpickpt.options import retention_of
+
+    flat = dict.fromkeys(("keep_every", "best", "keep_best"), UNSET)
+    with pytest.raises(ValueError, match="needs best="):
+        mpickpt.Retention(3, keep_best=2)
+    with pytest.raises(ValueError, match="only matter with keep=N"):
+        mpickpt.Retention(keep_every=10)
+    assert retention_of(3, flat) == mpickpt.Retention(3)
+    with pytest.warns(DeprecationWarning) as seen:
+        kept = retention_of(3, {**flat, "best": ("val", "min"), "keep_best": 2})
+    assert kept == mpickpt.Retention(3, best=("val", "min"), keep_best=2)
+    assert kept.policy().describe() == "keep=3, best=val (min), keep_best=2"
+    assert ("keep=mpickpt.Retention(3, best=('val', 'min'), keep_best=2)"
+            in str(seen[0].message))
+    with pytest.raises(ValueError, match=r"in Retention\(\.\.\.\) only"):
+        retention_of(mpickpt.Retention(2), {**flat, "keep_every": 5})

@@ -143,7 +143,8 @@ def main() -> None:
         record(a.base, a.mode, outcomes=outcomes, calls=calls, last=last.committed)
 
     elif a.mode == "retention":
-        ckpt = mpickpt.Checkpointer(root, keep=2, keep_every=4, best=("val", "min"), keep_best=1)
+        kept = mpickpt.Retention(2, keep_every=4, best=("val", "min"), keep_best=1)
+        ckpt = mpickpt.Checkpointer(root, keep=kept)
         vals = {1: 0.9, 2: 0.8, 3: 0.3, 4: 0.7, 5: 0.6, 6: 0.5, 7: 0.4, 8: 0.35, 9: 0.5, 10: 0.6}
         after = {}
         for step in range(1, 11):

@@ -9,7 +9,7 @@ so a run is deterministic; ``ModelCheckpoint(every_n_epochs=1, save_last=True)``
 epoch's end (steps B, 2B, ...). Each rank writes OUT/rank-R.pt (the final parameters) and
 OUT/rank-R.json (the step it started from). ``--signal-at S``: rank 1 sends itself SIGUSR2 at
 the end of step S (a preemption). ``--top-k K``: ``ModelCheckpoint(monitor="train_loss",
-save_top_k=K)`` and ``MpickptIO(keep=1, best=("train_loss", "min"), keep_best=K)``.
+save_top_k=K)`` and ``MpickptIO(keep=Retention(1, best=("train_loss", "min"), keep_best=K))``.
 ``--resume last``: ``fit(ckpt_path="last")`` (the pointer ``last.ckpt``) instead of ROOT.
 
 Run by tests/integrations/test_lightning.py.
@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
+from mpickpt import Retention
 from mpickpt.lightning import DDPStrategy, MpickptIO, Preemption
 
 
@@ -77,7 +78,7 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
     keep: dict = {"keep": 3} if args.top_k is None else {
-        "keep": 1, "best": ("train_loss", "min"), "keep_best": args.top_k}
+        "keep": Retention(1, best=("train_loss", "min"), keep_best=args.top_k)}
     io = None if args.no_checkpoint else MpickptIO(args.root, **keep)
     policy: dict = {"save_top_k": -1} if args.top_k is None else {
         "save_top_k": args.top_k, "monitor": "train_loss", "mode": "min"}
