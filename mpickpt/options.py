@@ -106,11 +106,15 @@ def local_of(local: str | os.PathLike[str] | Local | None, flat: dict[str, Any],
         return local
     level = Local(local, **{LOCAL_KEYWORDS[k]: v for k, v in given.items()})
     if given:
-        warnings.warn(
-            f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
-            f"Checkpointer(..., local=mpickpt.{level!r}); the flat keywords go in a later "
-            "release", DeprecationWarning, stacklevel=stacklevel)
+        _deprecated(given, f"local=mpickpt.{level!r}", stacklevel)
     return level
+
+
+def _deprecated(given: dict[str, Any], instead: str, stacklevel: int) -> None:
+    """Warn that the flat keywords ``given`` are deprecated, showing the ``instead`` to write."""
+    warnings.warn(f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
+                  f"Checkpointer(..., {instead}); the flat keywords go in a later release",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 def _positive_int(value: object) -> bool:
@@ -165,10 +169,7 @@ def files_of(files: str | Files, flat: dict[str, Any], stacklevel: int = 3) -> F
     if given:
         shown = ", ".join([*([f"per={layout.per!r}"] if layout.per_node else []),
                            *(f"{k}={v!r}" for k, v in given.items())])
-        warnings.warn(
-            f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
-            f"Checkpointer(..., files=mpickpt.Files({shown})); the flat keywords go in a later "
-            "release", DeprecationWarning, stacklevel=stacklevel)
+        _deprecated(given, f"files=mpickpt.Files({shown})", stacklevel)
     return layout
 
 
@@ -229,8 +230,5 @@ def retention_of(keep: int | Retention | None, flat: dict[str, Any],
     kept = Retention(keep, **given)
     if given:
         shown = ", ".join([repr(keep), *(f"{k}={v!r}" for k, v in given.items())])
-        warnings.warn(
-            f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
-            f"Checkpointer(..., keep=mpickpt.Retention({shown})); the flat keywords go in a "
-            "later release", DeprecationWarning, stacklevel=stacklevel)
+        _deprecated(given, f"keep=mpickpt.Retention({shown})", stacklevel)
     return kept

@@ -61,9 +61,10 @@ def test_a_checkpointer_with_the_old_keywords_keeps_its_level_on_the_node(tmp_pa
     """``persist_every=None`` given flat: the save is protected on the node, nothing reaches
     ROOT until close() drains the newest, as with ``Local(path, persist_every=None)``."""
     state = {"w": torch.arange(8.0)}
-    with pytest.warns(DeprecationWarning, match="persist_every="):
+    with pytest.warns(DeprecationWarning, match="persist_every=") as seen:
         ck = mpickpt.Checkpointer(tmp_path / "root", local=tmp_path / "local",
                                   persist_every=None)
+    assert seen[0].filename == __file__  # the warning points at the caller's line
     with ck:
         result = ck.save(3, state).wait()
         assert result.committed and result.level == "local"
