@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from .manifest import FANOUT
 from .retention import Policy
@@ -32,14 +33,33 @@ class _Unset:
 
 UNSET: Any = _Unset()  # a flat keyword the caller did not give
 
+
+class _Group:
+    """Options that go together. Its repr is the call that makes it: the first ``POSITIONAL``
+    fields by position, the others only where they differ from their default (what the
+    deprecation warnings show the caller to write)."""
+
+    POSITIONAL = 0
+
+    def __repr__(self) -> str:
+        every = fields(self)  # type: ignore[arg-type]
+        shown = [repr(_plain(getattr(self, f.name))) for f in every[:self.POSITIONAL]]
+        shown += [f"{f.name}={getattr(self, f.name)!r}" for f in every[self.POSITIONAL:]
+                  if getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+
+def _plain(value: object) -> object:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
 # the flat keywords of Checkpointer, and the field of Local each one became
 LOCAL_KEYWORDS = {"redundancy": "redundancy", "persist_every": "persist_every",
                   "keep_local": "keep", "local_budget": "budget", "xor_set": "xor_set",
                   "drain_bandwidth": "drain_bandwidth"}
 
 
-@dataclass(frozen=True)
-class Local:
+@dataclass(frozen=True, repr=False)
+class Local(_Group):
     """The node-local level: every save is committed in ``path`` on each node first (memory,
     ``/dev/shm/...``, or an NVMe scratch directory) and protected from the loss of a node by
     ``redundancy``: ``"partner"`` (a copy of each shard on another node), ``"xor"`` (parity over
@@ -49,6 +69,7 @@ class Local:
     checkpoints stay on the nodes besides the one being written, within ``budget`` bytes per
     node."""
 
+    POSITIONAL = 1
     path: str | os.PathLike[str]
     redundancy: str | None = None
     persist_every: int | None = 10
@@ -83,38 +104,41 @@ class Local:
             raise ValueError(f"Local(drain_bandwidth=) must be bytes per second > 0 or None, "
                              f"not {self.drain_bandwidth!r}")
 
-    def __repr__(self) -> str:
-        given = [repr(os.fspath(self.path))] + [
-            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[1:]
-            if getattr(self, f.name) != f.default]
-        return f"Local({', '.join(given)})"
-
 
 def local_of(local: str | os.PathLike[str] | Local | None, flat: dict[str, Any],
              stacklevel: int = 3) -> Local | None:
     """The node-local level's settings from Checkpointer's ``local=`` and its deprecated flat
     keywords (``flat``: keyword -> value, :data:`UNSET` where not given)."""
-    given = {k: v for k, v in flat.items() if v is not UNSET}
     if local is None:
-        if given.get("redundancy") is not None:
+        if flat.get("redundancy", UNSET) not in (UNSET, None):
             raise ValueError("redundancy protects the node-local level: give local= too")
         return None
-    if isinstance(local, Local):
+    return _grouped(local, Local, "local", "the node-local level's settings", flat,
+                    lambda given: Local(local, **{LOCAL_KEYWORDS[k]: v
+                                                  for k, v in given.items()}), stacklevel)
+
+
+G = TypeVar("G", bound=_Group)
+
+
+def _grouped(value: object, cls: type[G], keyword: str, what: str, flat: dict[str, Any],
+             make: Callable[[dict[str, Any]], G], stacklevel: int) -> G:
+    """The group Checkpointer's ``keyword=`` gives: ``value`` itself when it is a ``cls`` (a
+    flat keyword given too is refused), else ``make`` of the flat keywords given (``flat``:
+    :data:`UNSET` where not), with a DeprecationWarning naming them and the ``cls(...)`` to
+    write instead, at the caller ``stacklevel`` frames up from the ``*_of`` function."""
+    given = {k: v for k, v in flat.items() if v is not UNSET}
+    if isinstance(value, cls):
         if given:
-            raise ValueError(f"give the node-local level's settings in Local(...) only, not "
-                             f"also as Checkpointer keywords ({', '.join(given)})")
-        return local
-    level = Local(local, **{LOCAL_KEYWORDS[k]: v for k, v in given.items()})
+            raise ValueError(f"give {what} in {cls.__name__}(...) only, not also as "
+                             f"Checkpointer keywords ({', '.join(given)})")
+        return value
+    group = make(given)
     if given:
-        _deprecated(given, f"local=mpickpt.{level!r}", stacklevel)
-    return level
-
-
-def _deprecated(given: dict[str, Any], instead: str, stacklevel: int) -> None:
-    """Warn that the flat keywords ``given`` are deprecated, showing the ``instead`` to write."""
-    warnings.warn(f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: write "
-                  f"Checkpointer(..., {instead}); the flat keywords go in a later release",
-                  DeprecationWarning, stacklevel=stacklevel + 1)
+        warnings.warn(f"Checkpointer({', '.join(f'{k}=' for k in given)}...) is deprecated: "
+                      f"write Checkpointer(..., {keyword}=mpickpt.{group!r}); the flat keywords "
+                      "go in a later release", DeprecationWarning, stacklevel=stacklevel + 1)
+    return group
 
 
 def _positive_int(value: object) -> bool:
@@ -126,8 +150,8 @@ INDEXES = ("auto", "inline", "per-rank")
 FILES_KEYWORDS = ("fanout", "index")
 
 
-@dataclass(frozen=True)
-class Files:
+@dataclass(frozen=True, repr=False)
+class Files(_Group):
     """How a checkpoint is laid out in ROOT: a shard per rank (``per="rank"``) or per node
     (``per="node"``: the node's ranks write disjoint aligned regions of one file, for parallel
     file systems whose metadata servers are the limit); no directory holds more than ``fanout``
@@ -157,20 +181,10 @@ def files_of(files: str | Files, flat: dict[str, Any], stacklevel: int = 3) -> F
     """The file layout from Checkpointer's ``files=`` (a :class:`Files`, or ``"per-rank"`` /
     ``"per-node"`` for ``Files(per=...)``) and its deprecated flat keywords ``fanout=`` and
     ``index=`` (``flat``: :data:`UNSET` where not given)."""
-    given = {k: v for k, v in flat.items() if v is not UNSET}
-    if isinstance(files, Files):
-        if given:
-            raise ValueError(f"give the file layout in Files(...) only, not also as "
-                             f"Checkpointer keywords ({', '.join(given)})")
-        return files
-    if files not in ("per-rank", "per-node"):
+    if not isinstance(files, Files) and files not in ("per-rank", "per-node"):
         raise ValueError(f"files must be 'per-rank' or 'per-node' (or a Files), not {files!r}")
-    layout = Files(per=files[len("per-"):], **given)
-    if given:
-        shown = ", ".join([*([f"per={layout.per!r}"] if layout.per_node else []),
-                           *(f"{k}={v!r}" for k, v in given.items())])
-        _deprecated(given, f"files=mpickpt.Files({shown})", stacklevel)
-    return layout
+    return _grouped(files, Files, "files", "the file layout", flat,
+                    lambda given: Files(per=str(files)[len("per-"):], **given), stacklevel)
 
 
 def check_combinations(local: Local | None, files: Files, incremental: int | None,
@@ -197,13 +211,14 @@ def check_combinations(local: Local | None, files: Files, incremental: int | Non
 RETENTION_KEYWORDS = ("keep_every", "best", "keep_best")
 
 
-@dataclass(frozen=True)
-class Retention:
+@dataclass(frozen=True, repr=False)
+class Retention(_Group):
     """Which committed checkpoints to keep (see :mod:`mpickpt.retention`): the ``keep`` newest,
     every ``keep_every``-th step besides, and the ``keep_best`` best by ``best`` = (metadata
     key, ``"min"`` or ``"max"``). Without ``keep`` every checkpoint is kept. The newest is never
     deleted, and nothing is deleted before a newer checkpoint has committed."""
 
+    POSITIONAL = 1
     keep: int | None = None
     keep_every: int | None = None
     best: tuple[str, str] | None = None
@@ -221,14 +236,5 @@ def retention_of(keep: int | Retention | None, flat: dict[str, Any],
     """The retention from Checkpointer's ``keep=`` (a :class:`Retention`, or a number for
     ``Retention(keep)``) and its deprecated flat keywords ``keep_every=``, ``best=`` and
     ``keep_best=`` (``flat``: :data:`UNSET` where not given)."""
-    given = {k: v for k, v in flat.items() if v is not UNSET}
-    if isinstance(keep, Retention):
-        if given:
-            raise ValueError(f"give the retention in Retention(...) only, not also as "
-                             f"Checkpointer keywords ({', '.join(given)})")
-        return keep
-    kept = Retention(keep, **given)
-    if given:
-        shown = ", ".join([repr(keep), *(f"{k}={v!r}" for k, v in given.items())])
-        _deprecated(given, f"keep=mpickpt.Retention({shown})", stacklevel)
-    return kept
+    return _grouped(keep, Retention, "keep", "the retention", flat,
+                    lambda given: Retention(keep, **given), stacklevel)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from warmstart import SOCKET_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = REPO / "tests" / "scenarios"
@@ -46,7 +47,7 @@ WARMSTART = REPO / "tests" / "warmstart.py"
 def python() -> list[str]:
     """How mpiexec starts a rank's Python: forked warm from the session's server
     (tests/warmstart.py, when conftest.py started one), else as itself."""
-    if os.environ.get("MPICKPT_WARM_SOCKET"):
+    if os.environ.get(SOCKET_ENV):
         return [sys.executable, "-S", "-E", str(WARMSTART)]
     return [sys.executable]
 

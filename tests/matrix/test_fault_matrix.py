@@ -21,6 +21,7 @@ from matrix_kit import (
     NOT_APPLICABLE,
     PHASES,
     SIZES,
+    ByGroup,
     CaseRun,
     Cell,
     cells,
@@ -75,17 +76,15 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             with capture.global_and_fixture_disabled():
                 reporter.write_line(f"\n{line}")
 
-    class Lazy(dict):
-        def __missing__(self, g: str) -> dict[str, CaseRun]:
-            t0 = time.monotonic()
-            self[g] = run_matrix([c for c in chosen if group(c) == g], base / g, WORKERS)
-            launches = {id(r.launch): r.launch for r in self[g].values()}
-            launches |= {id(r.verify_launch): r.verify_launch for r in self[g].values()}
-            say(f"{g}: {len(self[g])} cells, {len(launches)} launches, "
-                f"{time.monotonic() - t0:.0f} s")
-            return self[g]
+    def run(g: str) -> dict[str, CaseRun]:
+        t0 = time.monotonic()
+        runs = run_matrix([c for c in chosen if group(c) == g], base / g, WORKERS)
+        launches = {id(r.launch): r.launch for r in runs.values()}
+        launches |= {id(r.verify_launch): r.verify_launch for r in runs.values()}
+        say(f"{g}: {len(runs)} cells, {len(launches)} launches, {time.monotonic() - t0:.0f} s")
+        return runs
 
-    return Lazy()
+    return ByGroup(run)
 
 
 @pytest.mark.timeout(3000)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from harness import SCENARIOS, Job, run_mpi
+from matrix_kit import ByGroup
 from scheduling import matrix_group
 
 from mpickpt import rootdir
@@ -118,15 +119,13 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
               if getattr(item, "callspec", None) and isinstance(
                   item.callspec.params.get("cell"), LevelCell)]
 
-    class Lazy(dict):
-        def __missing__(self, g: str) -> dict[str, CellRun]:
-            cells = [c for c in chosen if group(c) == g]
-            with ThreadPoolExecutor(WORKERS) as pool:
-                self[g] = dict(zip([c.id for c in cells],
-                                   pool.map(lambda c: run_cell(c, base), cells), strict=True))
-            return self[g]
+    def run(g: str) -> dict[str, CellRun]:
+        cells = [c for c in chosen if group(c) == g]
+        with ThreadPoolExecutor(WORKERS) as pool:
+            return dict(zip([c.id for c in cells], pool.map(lambda c: run_cell(c, base), cells),
+                            strict=True))
 
-    return Lazy()
+    return ByGroup(run)
 
 
 def judge(cell: LevelCell, run: CellRun) -> str:
