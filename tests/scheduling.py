@@ -15,6 +15,7 @@ long ones do not come last and leave the other workers idle at the end.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 FAULT_CELL = re.compile(
@@ -43,6 +44,20 @@ def matrix_group(nodeid: str) -> str | None:
     if m:
         return f"level-matrix-{m.group(1)}-rank{m.group(2)}"
     return None
+
+
+class ByGroup(dict):
+    """A matrix fixture's runs by group of cells (:func:`matrix_group`: under pytest-xdist a
+    group's cells go to one worker): group -> {cell id: run}, made by ``run(group)`` on first
+    use, so that a worker runs only the groups it was given."""
+
+    def __init__(self, run: Callable[[str], dict]) -> None:
+        super().__init__()
+        self._run = run
+
+    def __missing__(self, group: str) -> dict:
+        self[group] = self._run(group)
+        return self[group]
 
 
 def unit(nodeid: str) -> str:

@@ -140,20 +140,6 @@ def run_batch(n: int, mode: str, dirs: list[Path], plan: Callable[[list[Path]], 
     return out
 
 
-class ByGroup(dict):
-    """A matrix fixture's runs by group of cells (scheduling.matrix_group: under pytest-xdist a
-    group's cells go to one worker): group -> {cell id: run}, made by ``run(group)`` on first
-    use, so that a worker runs only the groups it was given."""
-
-    def __init__(self, run: Callable[[str], dict]) -> None:
-        super().__init__()
-        self._run = run
-
-    def __missing__(self, group: str) -> dict:
-        self[group] = self._run(group)
-        return self[group]
-
-
 def run_matrix(todo: list[Cell], base: Path, workers: int = 1) -> dict[str, CaseRun]:
     """Run the fault jobs of ``todo`` (cells of one rank count), then verify every root in one
     launch."""

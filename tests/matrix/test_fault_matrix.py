@@ -21,14 +21,13 @@ from matrix_kit import (
     NOT_APPLICABLE,
     PHASES,
     SIZES,
-    ByGroup,
     CaseRun,
     Cell,
     cells,
     judge,
     run_matrix,
 )
-from scheduling import matrix_group
+from scheduling import ByGroup, matrix_group
 
 SUITE = "fault-matrix"
 WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))

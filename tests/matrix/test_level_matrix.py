@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 from harness import SCENARIOS, Job, run_mpi
-from matrix_kit import ByGroup
-from scheduling import matrix_group
+from scheduling import ByGroup, matrix_group
 
 from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
