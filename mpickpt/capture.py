@@ -84,7 +84,7 @@ class Capture:
                     del tensors[name]
             lazy = self.snapshotter.guard(state)
             waits = self.pool.in_flight() >= self.pool.slots
-            if waits and self.skip:  # every rank skips it: see Saver._skipped
+            if waits and self.skip:  # every rank skips it: see Pipeline._skipped
                 request.busy = True
                 request.stats["stall_s"] = time.perf_counter() - t0
                 return request, None

@@ -1,8 +1,8 @@
 """The Checkpointer: consistent global checkpoints by two-phase commit, and coordinated restore.
 
-A facade over the pieces that do the work: :mod:`mpickpt.capture` takes the state off the
-training thread's tensors (the whole stall), :mod:`mpickpt.saver` writes, votes and commits it in
-the background (:mod:`mpickpt.upkeep` then records figures and applies retention),
+A facade that assembles the pieces that do the work: :mod:`mpickpt.capture` takes the state
+off the training thread's tensors (the whole stall), :mod:`mpickpt.save.pipeline` writes, votes
+and commits it in the background into its store (ROOT, or the node-local level first),
 :mod:`mpickpt.restorer` loads the newest checkpoint every rank can load,
 :mod:`mpickpt.protocol` holds the collectives and their deadlines, :mod:`mpickpt.slurm` what
 comes from the scheduler.
@@ -24,8 +24,9 @@ from . import codec, knobs, log, preempt, rollback, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
-from .incremental import frozen_matcher
+from .incremental import Tracker, frozen_matcher
 from .levels import open_level
+from .local.nodestore import NodeStore
 from .nodefile import NodeFiles
 from .options import (
     FILES_KEYWORDS,
@@ -46,8 +47,11 @@ from .recovery import LocalRecovery
 from .request import SaveHandle, SaveRequest, SaveResult
 from .restorer import RestoreInfo, Restorer
 from .rollback import Rollback
-from .saver import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, Saver, ShardOptions
+from .save.pipeline import Pipeline
+from .save.rootstore import RootStore
+from .save.shards import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, RankShards, ShardOptions
 from .topology import Topology
+from .upkeep import Upkeep
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
@@ -57,7 +61,7 @@ SPLIT_RANKS = 64
 
 # the pipelines of Checkpointers not yet closed: their saves in flight are finished at
 # interpreter exit (a pipeline outlives its Checkpointer while a save is in flight)
-_OPEN: weakref.WeakSet[Saver] = weakref.WeakSet()
+_OPEN: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 _EXIT_HOOKED = False
 
 
@@ -250,19 +254,32 @@ class Checkpointer:
                     "saves are protected on the nodes, and their drains to ROOT fail (each one "
                     "says so) until ROOT is back", self._root_problem)
         self._local_checked = False
-        split = layout.index == "per-rank" or (layout.index == "auto"
-                                               and self.world_size > SPLIT_RANKS)
-        options = ShardOptions(alignment, checksum_block, io_threads, split,
+        options = ShardOptions(alignment, checksum_block, io_threads,
+                               layout.index == "per-rank" or (layout.index == "auto"
+                                                              and self.world_size > SPLIT_RANKS),
                                incremental or None, frozen_matcher(frozen), pick,
                                layout.per_node, layout.fanout)
-        self._saver = Saver(self._proto, self.root, self.run_id, self._capture.snapshotter,
-                            options,
-                            self.retention, self.log, on_error == "raise", self._local,
-                            skip=if_busy == "skip",
-                            node=self._node_files(layout.fanout) if layout.per_node else None)
-        self._capture.tracker = self._saver.tracker
-        _OPEN.add(self._saver)
+        self._pipeline = self._assemble(options, on_error == "raise", if_busy == "skip")
+        self._capture.tracker = self._pipeline.root.tracker
+        _OPEN.add(self._pipeline)
         _hook_exit()
+
+    def _assemble(self, options: ShardOptions, raise_on_error: bool, skip: bool) -> Pipeline:
+        """The save pipeline: its stores (ROOT's; the node store first with a local level)
+        and what they write with."""
+        tracker = Tracker(self.root, options.incremental, options.frozen) \
+            if options.incremental else None
+        shards = RankShards(self.rank, self.world_size, options, tracker, self.log)
+        root = RootStore(self._proto, self.root, self.run_id, shards,
+                         Upkeep(self.root, self.run_id, self.retention, self.log), self.log,
+                         node=self._node_files(options.fanout) if options.per_node else None)
+        lv = self._local
+        if lv is None:
+            return Pipeline(self._proto, self.run_id, self._capture.snapshotter, root, root,
+                            self.log, raise_on_error, skip=skip)
+        return Pipeline(self._proto, self.run_id, self._capture.snapshotter,
+                        NodeStore(self._proto, self.run_id, lv, shards, self.log), root,
+                        self.log, raise_on_error, lv.persist_every, lv.drain_bandwidth, skip)
 
     def _node_files(self, fanout: int) -> NodeFiles:
         """This rank's node and its ranks, for files="per-node" (collective)."""
@@ -288,7 +305,7 @@ class Checkpointer:
         self._check_open()
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        self._saver.report_finished()
+        self._pipeline.report_finished()
         # before the first save writes anything (a ROOT that was unusable at the start is not
         # written until a drain finds it back, and a drain commits only every rank's shard)
         if not self._root_shared and self._root_problem is None:
@@ -299,7 +316,7 @@ class Checkpointer:
         if self._local is not None and not self._local_checked and user_error is None:
             user_error = self._check_local_room(request)
             self._local_checked = True
-        handle = self._saver.submit(request)
+        handle = self._pipeline.submit(request)
         if user_error is not None:
             handle.outcome()  # the other ranks abort this save too
             handle.reported = True
@@ -336,7 +353,7 @@ class Checkpointer:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
-        return self._saver.wait()
+        return self._pipeline.wait()
 
     def wait_snapshot(self) -> None:
         """Block until the last snapshot no longer reads the state's tensors.
@@ -350,7 +367,7 @@ class Checkpointer:
     def drained(self) -> int | None:
         """With a local level: the last step this Checkpointer drained to ROOT (after
         :meth:`wait`, the drains that were due are done), or None."""
-        return self._saver.drained
+        return self._pipeline.drained
 
     @property
     def pinned_bytes(self) -> int:
@@ -370,8 +387,8 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
-        if self._saver.tracker is not None:  # the state changes: the next save is full
-            self._saver.tracker.forget()
+        if self._pipeline.root.tracker is not None:  # the state changes: the next save is full
+            self._pipeline.root.tracker.forget()
         t0 = time.perf_counter()
         candidates, undo, unlisted = self._collective(self._list_root, "list", root_only=True)
         if unlisted is not None and self._recovery is None:
@@ -406,7 +423,7 @@ class Checkpointer:
                 f"no step of the node-local level can be restored, and ROOT cannot be listed "
                 f"({unlisted}): refusing to start afresh while ROOT may hold checkpoints; make "
                 "ROOT readable, or give another ROOT for a fresh start")
-        tracker = self._saver.tracker
+        tracker = self._pipeline.root.tracker
         if tracker is not None and info.step is not None and restorer.manifest is not None \
                 and info.level == "root" and info.world_size == self.world_size:
             tracker.resume(info.step, restorer.manifest.ranks[self.rank])
@@ -466,10 +483,10 @@ class Checkpointer:
         return True
 
     def _emergency_save(self, step: int, state: dict[str, Any]) -> None:
-        last = self._saver.last
+        last = self._pipeline.last
         if last is not None and last.step == step:
-            self._saver.scavenge()  # committed; with a local level, make sure ROOT has it
-            self._saver.wait()
+            self._pipeline.scavenge()  # committed; with a local level, make sure ROOT has it
+            self._pipeline.wait()
             return
         need = None
         if last is not None:
@@ -487,9 +504,9 @@ class Checkpointer:
                                step, need, left, last.step if last else None)
             return
         result = self.save(step, state, drain=True).wait()
-        self._saver.wait()  # and its drain to ROOT, with a local level
+        self._pipeline.wait()  # and its drain to ROOT, with a local level
         if self.rank == 0 and result.committed:
-            if self._local is None or self._saver.drained == step:
+            if self._local is None or self._pipeline.drained == step:
                 self.log.info("emergency checkpoint of step %d committed", step)
             else:
                 self.log.warning("emergency checkpoint of step %d committed on the nodes only: "
@@ -503,15 +520,15 @@ class Checkpointer:
         the others miss the deadline of the 'close' barrier and abort the job, rather than hang
         in MPI_Finalize."""
         if not self._closed:
-            self._saver.scavenge()  # the newest local checkpoint reaches ROOT
+            self._pipeline.scavenge()  # the newest local checkpoint reaches ROOT
             self.wait()
-            self._saver.shutdown()
+            self._pipeline.shutdown()
             if self._local is not None and self._local.exchange is not None:
                 self._local.exchange.free()
-            if self._saver.node is not None:
-                self._saver.node.proto.free()
+            if self._pipeline.root.node is not None:
+                self._pipeline.root.node.proto.free()
             self._closed = True
-            _OPEN.discard(self._saver)
+            _OPEN.discard(self._pipeline)
             with self._proto.fatal_timeouts(self.log):
                 self._exit_vote.free()
                 self._proto.barrier("close")
@@ -585,8 +602,8 @@ def finish_saves(why: str) -> bool:
     committed. Called at interpreter exit (and by :mod:`mpickpt.run` when the program returns):
     a forgotten ``close()`` must not drop the last checkpoint."""
     ok = True
-    for saver in list(_OPEN):
-        ok = saver.finish(why) and ok
+    for pipeline in list(_OPEN):
+        ok = pipeline.finish(why) and ok
     return ok
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import knobs, log, rootdir
+from . import knobs, log
 from .errors import LocalTierFull
 from .exchange import Exchange
 from .localtier import LocalTier, in_memory, parity_name
@@ -101,12 +101,6 @@ class LocalLevel:
                 f"and this rank's part of the checkpoint needs about "
                 f"{log.human_bytes(need)}: free space there, or keep fewer "
                 "local checkpoints (keep_local)")
-
-    def drain_copy(self, src: str, dst: str, on_chunk: Callable[[], None]) -> int:
-        """Copy ``src`` to ``dst`` (fsynced), at most ``drain_bandwidth`` bytes per second;
-        the bytes copied."""
-        return rootdir.copy_file(src, dst, on_bytes=lambda _: on_chunk(),
-                                 bandwidth=self.drain_bandwidth)
 
 
 def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: logging.Logger,

@@ -147,7 +147,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     ck.close()
     report["final"] = digest(state)
-    report["drained"] = ck._saver.drained
+    report["drained"] = ck.drained
     _write(plan, rank, report)
 
 

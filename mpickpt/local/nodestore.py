@@ -1,0 +1,128 @@
+"""The node store: checkpoints in each node's own directory, protected across nodes.
+
+The same steps as ROOT's store, on the node-local level (:class:`~mpickpt.levels.LocalLevel`):
+``write`` checks that the node has room and writes the rank's shard flat (``rank-RRRRR.h5``,
+through memory maps on a tmpfs); ``protect`` runs the redundancy exchange once every rank has
+its shard (partner copies or XOR parity, :mod:`mpickpt.exchange`); ``publish`` sends rank 0's
+manifest to every node, whose leader commits it there with ``LEVEL.json`` beside it
+(:meth:`~mpickpt.localtier.LocalTier.publish`), and the step is protected once every node did;
+``retain`` keeps the newest ``Local(keep=)`` steps on each node. Its recovery
+(:mod:`mpickpt.recovery`) runs these steps backwards: find the newest step every rank can
+rebuild, rebuild what a lost node held from the survivors, read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import faults, log
+from ..levels import LocalLevel
+from ..manifest import Manifest, RankEntry, read_bytes, shard_name
+from ..protocol import Protocol
+from ..request import SaveRequest, SaveResult
+from ..save.shards import RankShards, error_text
+from ..save.store import Published, discard
+
+
+class NodeStore:
+    """The node-local level, as one destination of the save pipeline (see
+    :class:`~mpickpt.save.store.Store`)."""
+
+    level = "local"
+    extended = False  # flat, a shard per rank: every tool reads it like a version 2 one
+
+    def __init__(self, proto: Protocol, run_id: str, level: LocalLevel, shards: RankShards,
+                 logger: logging.Logger) -> None:
+        self.proto, self.run_id, self.lv = proto, run_id, level
+        self.rank, self.shards, self.log = proto.rank, shards, logger
+
+    def partial(self, step: int) -> str:
+        return self.lv.tier.partial(step, self.run_id)
+
+    def final(self, step: int) -> str:
+        return self.lv.tier.final(step)
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of committed step ``step`` on this node."""
+        return Manifest.from_json(read_bytes(self.final(step)).decode(), self.final(step))
+
+    def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
+        entry, error = None, req.error
+        try:
+            if req.snapshot is not None and req.tree is not None:
+                self.lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
+                entry = self.shards.write(req, partial, shard_name(self.rank),
+                                          mapped=self.lv.mapped)
+        except Exception as e:
+            error = error_text(e)
+        return entry, error
+
+    def protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
+                error: str | None) -> str | None:
+        """The redundancy exchange, once every rank has its shard (a rank that could not write
+        must not leave its partner waiting)."""
+        lv = self.lv
+        if lv.exchange is None:
+            return error
+        if not self.proto.all_ok(error is None, "local-write"):
+            return error or "the save aborted: another rank could not write its shard"
+        assert entry is not None
+        t = time.perf_counter()
+        try:
+            moved = lv.exchange.protect(
+                partial, f"{partial}/{entry.file}", entry.bytes, lv.names,
+                on_window=lambda: faults.hit("mid-exchange", self.rank, req.step))
+            faults.hit("after-exchange-before-vote", self.rank, req.step)
+        except Exception as e:
+            return f"the {lv.scheme} exchange failed: {error_text(e)}"
+        req.stats.update(protect_s=time.perf_counter() - t, sent_bytes=moved.sent)
+        return None
+
+    def publish(self, step: int, partial: str, manifest: Manifest | None, error: str | None,
+                stats: dict[str, float], started: float = 0.0) -> Published:
+        """Every node's leader writes rank 0's manifest into its partial directory and renames
+        it into place; the step is protected once every node did."""
+        lv, text = self.lv, None
+        if manifest is not None:
+            try:
+                text = manifest.to_json()
+            except Exception as e:
+                error = f"rank 0: commit failed: {error_text(e)}"
+        text, error, metadata = self.proto.bcast(
+            (text, error, manifest.metadata if manifest is not None else {}), "commit")
+        if error is None:
+            try:
+                faults.hit("mid-local-commit", self.rank, step)
+                if lv.leader:
+                    assert text is not None
+                    lv.tier.publish(partial, step, text.encode(), lv.level_record())
+            except Exception as e:
+                error = f"rank {self.rank}: {error_text(e)}"
+        elif lv.leader:
+            self.discard(partial)
+        if failed := self.proto.agree(error, "local-commit"):
+            if lv.leader:
+                self.discard(self.final(step))
+                self.discard(partial)
+            return Published(None, str(failed), {})
+        stats["protected_s"] = time.perf_counter() - started
+        return Published(self.final(step), None, metadata)
+
+    def discard(self, partial: str) -> None:
+        if self.lv.leader:
+            discard(partial, self.run_id, self.log)
+
+    def retain(self, result: SaveResult, entry: RankEntry | None) -> None:
+        """Say so (rank 0) and keep the newest local steps (leaders)."""
+        lv, s = self.lv, result.stats
+        if self.rank == 0:
+            self.log.info("checkpoint step %d protected on the nodes (%s) %.2f s after save(): "
+                          "%s", result.step, lv.scheme or "no redundancy",
+                          s.get("protected_s", 0.0), log.human_bytes(int(s.get("bytes", 0))))
+        if lv.leader:
+            try:
+                lv.tier.retain(lv.keep, self.run_id, result.step)
+            except OSError as e:
+                self.log.warning("rank %d: could not remove an old local checkpoint: %s",
+                                 self.rank, e)

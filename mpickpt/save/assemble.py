@@ -1,0 +1,90 @@
+"""Stage 3's first half: every rank's entry goes to rank 0, which makes the manifest.
+
+The ranks' entries become the :class:`~mpickpt.manifest.Manifest` by the rules a parsed one
+obeys; the pieces of every sharded tensor must tile it (:func:`check_pieces`), and the older
+shards an incremental checkpoint refers to must still be there (:func:`check_sources`). A rank
+that failed after its yes vote is named, and the save aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .. import faults, sharding
+from .. import metadata as user_metadata
+from ..errors import CheckpointError
+from ..incremental import size_problem
+from ..manifest import Manifest, RankEntry
+from ..protocol import Protocol
+from ..request import SaveRequest
+from .shards import error_text
+
+# with index parts, rank 0 reads them all to check that sharded tensors tile at the commit up to
+# this many ranks; beyond, restore checks the pieces it reads (and names any that do not tile)
+CHECK_PIECES_RANKS = 64
+
+
+def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
+             entry: RankEntry | None, block: int, extended: bool, logger: logging.Logger
+             ) -> tuple[Manifest | None, str | None]:
+    """Collective: rank 0's manifest of step ``req.step`` from every rank's ``entry`` (None
+    elsewhere), or why it cannot be made (on rank 0). Rank 0's time for it is
+    ``req.stats["commit_s"]`` (the store's publish adds its own)."""
+    step, rank = req.step, proto.rank
+    payload: dict[str, Any] | None = None
+    try:
+        if rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
+            faults.hit("after-vote-before-manifest", rank, step)
+        payload = None if entry is None else (
+            entry.summary() if entry.index is not None else entry.to_dict())
+    except Exception as e:  # rank 0 aborts the commit, naming this rank
+        payload = {"error": f"rank {rank}: {error_text(e)}"}
+    entries = proto.gather(payload, "gather")
+    if rank != 0:  # rank 0 commits while this rank waits for the outcome
+        try:
+            faults.hit("mid-manifest-write", rank, step)
+        except Exception as e:  # rank 0 decides alone now: wait for its outcome
+            logger.error("rank %d: %s while rank 0 commits step %d", rank, error_text(e), step)
+        return None, None
+    t = time.perf_counter()
+    try:
+        faults.hit("after-vote-before-manifest", 0, step)
+        failed = [e["error"] for e in entries or [] if e and "error" in e]
+        if failed:
+            raise CheckpointError("; ".join(failed))
+        metadata = user_metadata.resolve(req.metadata)
+        manifest = Manifest.assemble(step, proto.size, run_id, entries or [],
+                                     metadata, block, directory=partial, extended=extended)
+        if not manifest.split or proto.size <= CHECK_PIECES_RANKS:
+            check_pieces(manifest.ranks)  # with index parts: reads them all
+            check_sources(partial, manifest.ranks)
+    except Exception as e:
+        return None, f"rank 0: commit failed: {error_text(e)}"
+    req.stats.update(bytes=manifest.total_bytes, commit_s=time.perf_counter() - t)
+    return manifest, None
+
+
+def check_pieces(ranks: list[RankEntry]) -> None:
+    """Before the commit: the written pieces of every sharded or replicated tensor must tile it
+    exactly (ValueError, which aborts the save, otherwise)."""
+    pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], str]]]
+    pieces = {}
+    for e in ranks:
+        for r in e.tensors:
+            if r.global_shape is not None and r.offsets is not None:
+                pieces.setdefault(r.name, []).append(
+                    (e.rank, tuple(r.global_shape), tuple(r.offsets), tuple(r.shape), r.dtype))
+    sharding.check_coverage(pieces)
+
+
+def check_sources(partial: str, ranks: list[RankEntry]) -> None:
+    """Before the commit of an incremental checkpoint, on rank 0: the older shards its records
+    refer to are still there, of the sizes they were written with (a prune while it was
+    written would leave it unloadable)."""
+    for e in ranks:
+        for f in e.files(partial)[1:]:
+            why = size_problem(f.path, f.bytes)
+            if why is not None:
+                raise CheckpointError(f"rank {e.rank} refers to an older shard: {why}")
