@@ -209,10 +209,15 @@ class Mpickpt(Method):
     def __init__(self, b: Bench, work: str, kw: dict[str, Any]) -> None:
         super().__init__(b, work)
         import mpickpt
+        from mpickpt.options import SNAPSHOTS_KEYWORDS
 
         self.kw = {"keep": 2, "replicated": ("model", "optim"), **kw}
         if isinstance(self.kw["replicated"], list):
             self.kw["replicated"] = tuple(self.kw["replicated"])
+        # --mpickpt '{"max_in_flight": 2}': the Snapshots fields, given flat on the command line
+        snap = {k: self.kw.pop(k) for k in SNAPSHOTS_KEYWORDS if k in self.kw}
+        if snap:
+            self.kw["snapshots"] = mpickpt.Snapshots(**snap)
         self.ck = mpickpt.Checkpointer(work, **self.kw)
         self.handles: list[tuple[int, Any, float]] = []  # step, handle, when save() was called
         self.seen: dict[int, float] = {}  # step -> seconds from save() to first seen done

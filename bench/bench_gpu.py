@@ -60,7 +60,7 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
 # mpickpt first: DCP's process group and async machinery stay up for the rest of the run
 METHODS = ("dd", "mpickpt", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+pinned")
-# run only when --methods names them: mpickpt with compression="zstd" (needs zstandard)
+# run only when --methods names them: mpickpt with Encoding(compression="zstd") (needs zstandard)
 OPT_IN = ("mpickpt+zstd",)
 DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the reference job, 5.84 GB
             "cpu": {"layers": 16, "width": 2048, "batch": 64}}   # the CPU reference, 0.81 GB
@@ -471,7 +471,8 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
 
     def new_ck() -> mpickpt.Checkpointer:
         return mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads,
-                                    compression="zstd" if m == "mpickpt+zstd" else None)
+                                    encoding=mpickpt.Encoding(
+                                        compression="zstd" if m == "mpickpt+zstd" else None))
 
     if m.startswith("mpickpt"):
         remove_shared(path)

@@ -8,9 +8,9 @@ after the other, in an order that rotates each round:
   torch.save+fsync          torch.save of the state dicts, then fsync of the file
   dcp.save                  torch.distributed.checkpoint.save, one process, no process group
   mpickpt full              Checkpointer(): every tensor written
-  mpickpt incremental       Checkpointer(incremental=1000): unchanged tensors referred to
+  mpickpt incremental       Encoding(incremental=1000): unchanged tensors referred to
   mpickpt inc.+frozen       the same with frozen=mpickpt.frozen_params(model) (LoRA only)
-  mpickpt zstd[+shuffle]    Checkpointer(compression=...) (full fine-tune only: --codecs)
+  mpickpt zstd[+shuffle]    Encoding(compression=...) (full fine-tune only: --codecs)
 
 Per method: bytes written per checkpoint (the new files), the time until the checkpoint is durable
 (``save().wait()`` for mpickpt), the training thread's stall (``save()`` returning), and, after
@@ -150,12 +150,15 @@ def run(label: str, make: Callable[[], tuple[torch.nn.Module, torch.optim.Optimi
     methods: list[Method] = [
         TorchSave(os.path.join(work, "torch")), DCP(os.path.join(work, "dcp")),
         Mpickpt(os.path.join(work, "full"), "mpickpt full"),
-        Mpickpt(os.path.join(work, "inc"), "mpickpt incremental", incremental=1000)]
+        Mpickpt(os.path.join(work, "inc"), "mpickpt incremental",
+                encoding=mpickpt.Encoding(incremental=1000))]
     if lora:
         methods.append(Mpickpt(os.path.join(work, "frozen"), "mpickpt inc.+frozen",
-                               incremental=1000, frozen=mpickpt.frozen_params(model)))
+                               encoding=mpickpt.Encoding(
+                                   incremental=1000, frozen=mpickpt.frozen_params(model))))
     else:  # compression's effect on a trained state: persist and restore time, bytes
-        methods += [Mpickpt(os.path.join(work, c), f"mpickpt {c}", compression=c)
+        methods += [Mpickpt(os.path.join(work, c), f"mpickpt {c}",
+                            encoding=mpickpt.Encoding(compression=c))
                     for c in args.codecs.split(",") if c]
     rounds: dict[str, list[dict[str, float]]] = {m.name: [] for m in methods}
     for i in range(args.rounds):

@@ -69,7 +69,8 @@ def save_windows(job: Job, base: float, trace: str) -> dict[str, Any]:
     for staging in (True, False):
         root = "/tmp/probe-snapshot-ck"
         shutil.rmtree(root, ignore_errors=True)
-        with mpickpt.Checkpointer(root, keep=1, device_staging=staging) as ck:
+        with mpickpt.Checkpointer(root, keep=1,
+                                  snapshots=mpickpt.Snapshots(device_staging=staging)) as ck:
             ck.save(0, state).wait()
             rows = []
             for i in range(1, 4):

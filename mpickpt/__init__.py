@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
     from .ddp import prime_ddp
     from .incremental import frozen_params
-    from .options import Files, Local, Retention
+    from .options import Encoding, Files, Local, Preemption, Retention, Snapshots
     from .restorer import RestoreInfo
     from .sharding import Piece, Shard
     from .stateful import RNGState, Values
@@ -44,12 +44,14 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CollectiveTimeout",
+    "Encoding",
     "Files",
     "Local",
     "LocalTierFull",
     "ManifestError",
     "MetadataError",
     "Piece",
+    "Preemption",
     "RNGState",
     "RestoreInfo",
     "Retention",
@@ -59,6 +61,7 @@ __all__ = [
     "SaveResult",
     "Shard",
     "ShardError",
+    "Snapshots",
     "StateMismatchError",
     "StateTreeError",
     "Values",
@@ -73,7 +76,8 @@ _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
     "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "stateful",
     "Values": "stateful", "frozen_params": "incremental", "prime_ddp": "ddp", "Local": "options",
-    "Files": "options", "Retention": "options",
+    "Files": "options", "Retention": "options", "Encoding": "options", "Snapshots": "options",
+    "Preemption": "options",
 }
 
 preempt.hold_early()

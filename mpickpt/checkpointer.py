@@ -17,30 +17,18 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import codec, knobs, log, preempt, rollback, rootdir, shared_root, slurm
 from .capture import Capture
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
-from .incremental import Tracker, frozen_matcher
-from .levels import open_level
+from .incremental import Tracker
+from .levels import LocalLevel, open_level
 from .local.nodestore import NodeStore
 from .nodefile import NodeFiles
-from .options import (
-    FILES_KEYWORDS,
-    LOCAL_KEYWORDS,
-    RETENTION_KEYWORDS,
-    UNSET,
-    Files,
-    Local,
-    Retention,
-    check_combinations,
-    files_of,
-    local_of,
-    retention_of,
-)
+from .options import Encoding, Files, Local, Preemption, Retention, Snapshots, gather
 from .pinned_pool import HostPool
 from .protocol import Protocol, world_rank
 from .recovery import LocalRecovery
@@ -49,7 +37,7 @@ from .restorer import RestoreInfo, Restorer
 from .rollback import Rollback
 from .save.pipeline import Pipeline
 from .save.rootstore import RootStore
-from .save.shards import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, RankShards, ShardOptions
+from .save.shards import RankShards, ShardOptions
 from .topology import Topology
 from .upkeep import Upkeep
 
@@ -88,30 +76,21 @@ class Checkpointer:
     Collective over ``comm`` (``MPI.COMM_WORLD`` by default): every rank constructs it, calls
     ``save`` with the same steps and ``restore`` together. ``keep`` committed checkpoints are kept
     (all when None), or what a :class:`mpickpt.Retention` says (``keep=Retention(3,
-    keep_every=1000, best=("val_loss", "min"), keep_best=2)``; the flat ``keep_every=``,
-    ``best=`` and ``keep_best=`` keywords are deprecated). A failed save is reported on every
-    rank and training goes on (``on_error="warn"``), or raises :class:`SaveAborted` from
-    ``wait()`` and from the next ``save()`` (``on_error="raise"``).
+    keep_every=1000, best=("val_loss", "min"), keep_best=2)``). A failed save is reported on
+    every rank and training goes on (``on_error="warn"``), or raises :class:`SaveAborted` from
+    ``wait()`` and from the next ``save()`` (``on_error="raise"``). Collectives that miss
+    ``timeout`` seconds abort the job; ``io_threads`` write and read each rank's shard.
 
     ``save`` returns once the state is snapshotted; writing, voting and committing run on a
-    background thread. ``max_in_flight`` snapshots may be held at once: a save requested while
-    that many are still persisting waits for the oldest (``if_busy="wait"``), or is skipped on
-    every rank (``if_busy="skip"``, for saves more frequent than the storage can take: its
-    result says ``skipped``, and the log says once that saves are being skipped). Snapshots
-    live in host buffers allocated once (off the training thread) and reused, page-locked when
-    CUDA is present, within ``pinned_budget`` bytes per node (shared by the node's ranks; half
-    the node's memory by default). The CPU tensors only an optimizer in the state changes are
-    copied while forward and backward run; its ``step()`` waits for that copy.
-    ``device_staging`` lets a CUDA snapshot go through a GPU staging buffer when GPU memory
-    allows, so the next optimizer step waits only for a device-to-device copy.
+    background thread. How snapshots are held is a :class:`mpickpt.Snapshots`
+    (``max_in_flight``, ``if_busy="wait"`` or ``"skip"``, ``pinned_budget``,
+    ``device_staging``). The CPU tensors only an optimizer in the state changes are copied
+    while forward and backward run; its ``step()`` waits for that copy.
 
-    ``preemption`` installs handlers for SIGUSR2 (``MPICKPT_SIGNAL`` names another) and SIGTERM
-    that only raise a flag, which :meth:`should_exit` agrees on. ``deadline`` (Unix time; default
-    ``$MPICKPT_DEADLINE`` or ``$SLURM_JOB_END_TIME``) is when the job will be killed: an emergency
-    save that cannot finish before it is skipped, and the log says so. ``requeue`` (default: when
-    ``$SLURM_JOB_ID`` is set and ``$MPICKPT_REQUEUE`` is not 0) makes rank 0 requeue the job
-    with ``scontrol requeue`` once, after the emergency save, when the preemption signal came
-    (SIGTERM alone checkpoints and exits but does not requeue: ``scancel`` sends it too).
+    ``preemption`` (a bool, or a :class:`mpickpt.Preemption` with a ``deadline`` and
+    ``requeue``) installs handlers for SIGUSR2 and SIGTERM that only raise a flag, which
+    :meth:`should_exit` agrees on; under Slurm the deadline is the job's end time and the job
+    is requeued once after the emergency save.
 
     Sharding (see :mod:`mpickpt.sharding`): a ``DTensor`` (FSDP2, tensor parallel) or a
     :class:`mpickpt.Piece` in the state is saved as a piece of its global tensor; ``replicated``
@@ -123,44 +102,27 @@ class Checkpointer:
 
     The node-local level (``local``: a :class:`mpickpt.Local`, or a path for ``Local(path)``;
     a directory on each node, ``/dev/shm/...`` for memory or an NVMe scratch directory): every
-    save goes there, committed on every node with the same vote, and ``Local.redundancy``
-    protects it from the loss of a node: ``"partner"`` (a copy of each shard on another node) or
-    ``"xor"`` (parity over sets of ``xor_set`` nodes, default 4; ``1 / (xor_set - 1)`` extra
-    space). The handle of such a save resolves once it is protected; every ``persist_every``-th
-    one (None: none), the emergency one and, at ``close()``, the newest one are then drained to
-    ROOT from the local copy, at most ``drain_bandwidth`` bytes per second per rank, and
-    committed there. ``keep`` protected checkpoints stay on the nodes (besides the one being
-    written), within ``budget`` bytes per node. The flat keywords ``redundancy``,
-    ``persist_every``, ``keep_local``, ``local_budget``, ``xor_set`` and ``drain_bandwidth`` are
-    deprecated (a DeprecationWarning says what to write). ``restore``
-    takes the newest step every rank can get from the fastest level: its own local shard, else
-    one rebuilt from redundancy over MPI, else ROOT. Nodes are the ranks that share memory, or
-    what ``$MPICKPT_NODE`` names (tests simulate nodes with it).
+    save goes there, committed on every node with the same vote, protected from the loss of a
+    node by ``Local.redundancy`` (``"partner"`` or ``"xor"``), and every ``persist_every``-th
+    one, the emergency one and, at ``close()``, the newest one are then drained to ROOT.
+    ``restore`` takes the newest step every rank can get from the fastest level: its own local
+    shard, else one rebuilt from redundancy over MPI, else ROOT. Nodes are the ranks that share
+    memory, or what ``$MPICKPT_NODE`` names (tests simulate nodes with it).
 
-    ``incremental=N`` (ROOT only, not with ``local``): a tensor whose every block hashes as in
-    the last committed checkpoint is not written again; the new checkpoint's record refers to
-    the older shard its bytes lie in, and retention keeps what a kept checkpoint refers to.
-    Every ``N``-th save is full, and the first of a job that restored nothing or resharded (after
-    a restore on as many ranks, the restored checkpoint is referred to). ``frozen`` names key
-    paths (``"model/base_model"``, or :func:`mpickpt.frozen_params`) referred to without copying
-    them into the snapshot or hashing them, until the next full save: name only tensors that
-    truly never change.
-
-    ``compression`` (ROOT only): ``"zstd"`` or ``"zstd+shuffle"`` for every tensor of 64 KiB or
-    more, or key paths to codecs (``{"optim": "zstd+shuffle"}``, the longest prefix wins). Each
-    checksum block becomes one zstd frame, compressed on the I/O threads and written as a chunk
-    of an HDF5 dataset with the registered Zstd filter (h5py reads it after ``import
-    hdf5plugin``); restore decompresses on its threads. Needs ``pip install 'mpickpt[compress]'``.
+    ``encoding`` (ROOT only, not with ``local``): a :class:`mpickpt.Encoding` with
+    ``incremental=N`` (unchanged tensors referred to, not written again; every ``N``-th save is
+    full), ``frozen`` (key paths referred to without copying or hashing) and ``compression``
+    (zstd per checksum block, as HDF5's Zstd filter reads it; needs ``pip install
+    'mpickpt[compress]'``).
 
     ``files``: a :class:`mpickpt.Files`, or ``"per-rank"`` / ``"per-node"`` for
-    ``Files(per=...)``. ``Files(per="node")`` (ROOT only, not with ``local`` or ``compression``):
-    the ranks of a node write disjoint aligned regions of one shard, ``node-NNNNN.h5``, laid out
-    by the node's lowest rank and fsynced once (:mod:`mpickpt.nodefile`): a checkpoint is one
-    data file per node, for parallel file systems whose metadata servers are the limit.
-    ``Files(fanout=)``: no directory of a checkpoint holds more than this many shards or index
-    parts; more go into sub-directories. ``Files(index=)``: ``"inline"`` (every rank's records
-    in the manifest), ``"per-rank"`` (an index part per rank) or ``"auto"`` (per rank above 64
-    ranks). The flat keywords ``fanout`` and ``index`` are deprecated.
+    ``Files(per=...)``: one file per node (ROOT only, for parallel file systems whose metadata
+    servers are the limit), the ``fanout`` of sub-directories, the ``index`` parts, and every
+    shard's ``alignment`` and ``checksum_block``.
+
+    The flat keywords of earlier releases (``redundancy=``, ``fanout=``, ``keep_every=``,
+    ``incremental=``, ``max_in_flight=``, ``deadline=`` and the others each group took in)
+    still work, with a DeprecationWarning that shows the group to write instead.
     """
 
 
@@ -173,96 +135,89 @@ class Checkpointer:
         *,
         timeout: float | None = None,
         io_threads: int = 8,
-        alignment: int = DEFAULT_ALIGNMENT,
-        checksum_block: int = DEFAULT_BLOCK,
         on_error: str = "warn",
-        max_in_flight: int = 1,
-        if_busy: str = "wait",
-        pinned_budget: int | None = None,
-        device_staging: bool = True,
-        preemption: bool = True,
-        deadline: float | None = None,
-        requeue: bool | None = None,
         replicated: tuple[str, ...] | list[str] = (),
         world_change: str = "reshard",
         local: str | os.PathLike[str] | Local | None = None,
-        incremental: int | None = None,
-        frozen: Sequence[str] | Callable[[str], bool] | None = None,
-        compression: str | Mapping[str, str | None] | None = None,
         files: str | Files = "per-rank",
+        encoding: Encoding | None = None,
+        snapshots: Snapshots | None = None,
+        preemption: bool | Preemption = True,
         **deprecated: Any,
     ) -> None:
-        level = local_of(local, {k: deprecated.pop(k, UNSET) for k in LOCAL_KEYWORDS},
-                         stacklevel=4)  # the caller, behind _agreed and __init__
-        layout = files_of(files, {k: deprecated.pop(k, UNSET) for k in FILES_KEYWORDS},
-                          stacklevel=4)
-        kept = retention_of(keep, {k: deprecated.pop(k, UNSET) for k in RETENTION_KEYWORDS},
-                            stacklevel=4)
-        if deprecated:  # after every group took its own
-            raise TypeError(f"Checkpointer() got an unexpected keyword argument "
-                            f"{next(iter(deprecated))!r}")
-        self.retention = kept.policy()
+        o = gather(local, files, keep, encoding, snapshots, preemption, deprecated,
+                   stacklevel=3)  # the caller, behind _agreed and __init__
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         if world_change not in ("reshard", "fail"):
             raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
-        check_combinations(level, layout, incremental, compression, frozen)
-        pick = codec.chooser(compression)
+        pick = o.encoding.chooser()
         if pick is not None:
             codec.require()
         self.root = os.path.abspath(os.fspath(root))
-        self.keep, self.io_threads = kept.keep, io_threads
+        self.retention, self.keep, self.io_threads = o.retention.policy(), o.retention.keep, \
+            io_threads
         self.replicated = tuple(p.strip("/") for p in replicated)
         self.world_change, self.on_error = world_change, on_error
         self._proto = Protocol(comm, timeout)
         self.rank, self.world_size = self._proto.rank, self._proto.size
         self.log = log.setup(self.rank)
-        if pinned_budget is None:
-            pinned_budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-        self.pinned_budget = pinned_budget
-        self._pool = HostPool(pinned_budget // self._proto.local_size(), max_in_flight)
-        self._capture = Capture(self._pool, device_staging, self.replicated, self.rank,
-                                self.world_size, self.log, skip=if_busy == "skip")
+        self.pinned_budget = o.snapshots.budget()
+        self._pool = HostPool(self.pinned_budget // self._proto.local_size(),
+                              o.snapshots.max_in_flight)
+        self._capture = Capture(self._pool, o.snapshots.device_staging, self.replicated,
+                                self.rank, self.world_size, self.log,
+                                skip=o.snapshots.if_busy == "skip")
         self._exit_vote = self._proto.exit_vote()
-        self.preemption = preemption
-        if preemption and not preempt.install():
-            self.log.warning("preemption signals are not watched: Checkpointer was created "
-                             "outside the main thread")
-        self.deadline = deadline if deadline is not None else slurm.job_end()
-        self.requeue = requeue if requeue is not None else slurm.requeues()
-        self.preempted = False
+        self._watch(o.preemption)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
         self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
         # why ROOT cannot be used now (None: it can); fatal without a local level
         self._root_problem: str | None = self._collective(self._prepare_root, "init",
                                                           root_only=True)
-        if self._root_problem is not None and local is None:
+        if self._root_problem is not None and o.local is None:
             raise CheckpointError(f"init failed: rank 0: {self._root_problem}")
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
-        self._local = None
-        self._recovery: LocalRecovery | None = None
-        if level is not None:
-            self._local = open_level(self._proto, level, self.root, self.run_id, self.log,
-                                     self._collective)
-            self._recovery = LocalRecovery(self._proto, self._local, io_threads, self.log)
-            if self._root_problem is not None and self.rank == 0:
-                self.log.warning(
-                    "ROOT cannot be used: %s. Restore takes what the node-local level holds; "
-                    "saves are protected on the nodes, and their drains to ROOT fail (each one "
-                    "says so) until ROOT is back", self._root_problem)
+        self._local, self._recovery = self._open_local(o.local)
         self._local_checked = False
-        options = ShardOptions(alignment, checksum_block, io_threads,
+        layout = o.files
+        options = ShardOptions(layout.alignment, layout.checksum_block, io_threads,
                                layout.index == "per-rank" or (layout.index == "auto"
                                                               and self.world_size > SPLIT_RANKS),
-                               incremental or None, frozen_matcher(frozen), pick,
+                               o.encoding.incremental, o.encoding.matcher(), pick,
                                layout.per_node, layout.fanout)
-        self._pipeline = self._assemble(options, on_error == "raise", if_busy == "skip")
+        self._pipeline = self._assemble(options, on_error == "raise",
+                                        o.snapshots.if_busy == "skip")
         self._capture.tracker = self._pipeline.root.tracker
         _OPEN.add(self._pipeline)
         _hook_exit()
+
+    def _watch(self, preemption: Preemption) -> None:
+        """Install the preemption handlers; the deadline and requeue, from Slurm unless
+        given."""
+        self.preemption = preemption.signals
+        if preemption.signals and not preempt.install():
+            self.log.warning("preemption signals are not watched: Checkpointer was created "
+                             "outside the main thread")
+        self.deadline = preemption.deadline if preemption.deadline is not None \
+            else slurm.job_end()
+        self.requeue = preemption.requeue if preemption.requeue is not None \
+            else slurm.requeues()
+        self.preempted = False
+
+    def _open_local(self, level: Local | None
+                    ) -> tuple[LocalLevel | None, LocalRecovery | None]:
+        """The node-local level and its recovery, when there is one (collective)."""
+        if level is None:
+            return None, None
+        lv = open_level(self._proto, level, self.root, self.run_id, self.log, self._collective)
+        if self._root_problem is not None and self.rank == 0:
+            self.log.warning(
+                "ROOT cannot be used: %s. Restore takes what the node-local level holds; "
+                "saves are protected on the nodes, and their drains to ROOT fail (each one "
+                "says so) until ROOT is back", self._root_problem)
+        return lv, LocalRecovery(self._proto, lv, self.io_threads, self.log)
 
     def _assemble(self, options: ShardOptions, raise_on_error: bool, skip: bool) -> Pipeline:
         """The save pipeline: its stores (ROOT's; the node store first with a local level)

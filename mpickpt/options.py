@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from . import codec
+from .checksum import DEFAULT_BLOCK
+from .incremental import frozen_matcher
 from .manifest import FANOUT
 from .retention import Policy
+from .shard import DEFAULT_ALIGNMENT
 from .topology import SCHEMES
 
 
@@ -147,7 +151,7 @@ def _positive_int(value: object) -> bool:
 
 INDEXES = ("auto", "inline", "per-rank")
 # the flat keywords of Checkpointer that became fields of Files
-FILES_KEYWORDS = ("fanout", "index")
+FILES_KEYWORDS = ("fanout", "index", "alignment", "checksum_block")
 
 
 @dataclass(frozen=True, repr=False)
@@ -157,11 +161,15 @@ class Files(_Group):
     file systems whose metadata servers are the limit); no directory holds more than ``fanout``
     shards or index parts (more go into sub-directories); ``index``: every rank's records in
     the manifest (``"inline"``), in an index part per rank (``"per-rank"``), or ``"auto"``
-    (per rank above 64 ranks)."""
+    (per rank above 64 ranks). In every shard, in ROOT and on the nodes: tensors of
+    ``alignment`` bytes or more start on an ``alignment`` boundary (for direct and parallel
+    I/O), and a checksum covers each ``checksum_block`` bytes."""
 
     per: str = "rank"
     fanout: int = FANOUT
     index: str = "auto"
+    alignment: int = DEFAULT_ALIGNMENT
+    checksum_block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         if self.per not in ("rank", "node"):
@@ -171,6 +179,10 @@ class Files(_Group):
         if self.index not in INDEXES:
             raise ValueError(f"Files(index=) must be 'auto', 'inline' or 'per-rank', not "
                              f"{self.index!r}")
+        for name in ("alignment", "checksum_block"):
+            value = getattr(self, name)
+            if not _positive_int(value) or value & (value - 1):
+                raise ValueError(f"Files({name}=) must be a power of two, not {value!r}")
 
     @property
     def per_node(self) -> bool:
@@ -179,32 +191,147 @@ class Files(_Group):
 
 def files_of(files: str | Files, flat: dict[str, Any], stacklevel: int = 3) -> Files:
     """The file layout from Checkpointer's ``files=`` (a :class:`Files`, or ``"per-rank"`` /
-    ``"per-node"`` for ``Files(per=...)``) and its deprecated flat keywords ``fanout=`` and
-    ``index=`` (``flat``: :data:`UNSET` where not given)."""
+    ``"per-node"`` for ``Files(per=...)``) and its deprecated flat keywords ``fanout=``,
+    ``index=``, ``alignment=`` and ``checksum_block=`` (``flat``: :data:`UNSET` where not
+    given)."""
     if not isinstance(files, Files) and files not in ("per-rank", "per-node"):
         raise ValueError(f"files must be 'per-rank' or 'per-node' (or a Files), not {files!r}")
     return _grouped(files, Files, "files", "the file layout", flat,
                     lambda given: Files(per=str(files)[len("per-"):], **given), stacklevel)
 
 
-def check_combinations(local: Local | None, files: Files, incremental: int | None,
-                       compression: object, frozen: object) -> None:
+def check_combinations(local: Local | None, files: Files, encoding: Encoding) -> None:
     """Refuse options that cannot go together, naming what to change (ValueError)."""
-    if incremental is not None and local is not None:
+    if encoding.incremental is not None and local is not None:
         raise ValueError("incremental checkpoints are written to ROOT only: local= drains "
                          "whole shards; give one or the other")
-    if compression is not None and local is not None:
+    if encoding.compression is not None and local is not None:
         raise ValueError("compression is written to ROOT only: local= keeps shards raw for "
                          "its redundancy; give one or the other")
     if files.per_node and local is not None:
         raise ValueError("files='per-node' is for ROOT: the node-local level keeps a shard "
                          "per rank for its redundancy; give one or the other")
-    if files.per_node and compression is not None:
+    if files.per_node and encoding.compression is not None:
         raise ValueError("files='per-node' writes raw regions: compressed chunks are "
                          "written by each shard's own HDF5 file; give one or the other")
-    if frozen and not incremental:
-        raise ValueError("frozen= names tensors an incremental checkpoint refers to without "
-                         "hashing: give incremental=N too")
+
+
+# the flat keywords of Checkpointer that became fields of Encoding
+ENCODING_KEYWORDS = ("incremental", "frozen", "compression")
+
+
+@dataclass(frozen=True, repr=False)
+class Encoding(_Group):
+    """How tensors are written to ROOT (not with ``local=``). ``incremental=N``: a tensor
+    whose every block hashes as in the last committed checkpoint is referred to, not written
+    again; every ``N``-th save is full. ``frozen``: key paths (or a predicate of tensor names)
+    referred to without copying or hashing them until the next full save. ``compression``:
+    ``"zstd"`` or ``"zstd+shuffle"`` for every tensor of 64 KiB or more, or key paths to
+    codecs (``{"optim": "zstd+shuffle"}``, the longest prefix wins)."""
+
+    incremental: int | None = None
+    frozen: Sequence[str] | Callable[[str], bool] | None = None
+    compression: str | Mapping[str, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.incremental is not None and (not _positive_int(self.incremental)
+                                             or self.incremental < 2):
+            raise ValueError(f"Encoding(incremental=) must be an int of at least 2 (a full "
+                             f"checkpoint every N saves) or None, not {self.incremental!r}")
+        if self.frozen and not self.incremental:
+            raise ValueError("frozen= names tensors an incremental checkpoint refers to "
+                             "without hashing: give incremental=N too")
+        self.matcher()  # TypeError for a lone string
+        self.chooser()  # ValueError naming an unknown codec
+
+    def matcher(self) -> Callable[[str], bool] | None:
+        """``frozen`` as a predicate of tensor names."""
+        return frozen_matcher(self.frozen)
+
+    def chooser(self) -> Callable[[str], str | None] | None:
+        """``compression`` as tensor name -> codec (None: not compressed)."""
+        return codec.chooser(self.compression)
+
+
+def encoding_of(encoding: Encoding | None, flat: dict[str, Any],
+                stacklevel: int = 3) -> Encoding:
+    """The encoding from Checkpointer's ``encoding=`` and its deprecated flat keywords
+    ``incremental=``, ``frozen=`` and ``compression=``."""
+    return _grouped(encoding, Encoding, "encoding", "the encoding", flat,
+                    lambda given: Encoding(**given), stacklevel)
+
+
+# the flat keywords of Checkpointer that became fields of Snapshots
+SNAPSHOTS_KEYWORDS = ("max_in_flight", "if_busy", "pinned_budget", "device_staging")
+
+
+@dataclass(frozen=True, repr=False)
+class Snapshots(_Group):
+    """The snapshots of the state, taken on the training thread: ``max_in_flight`` may be held
+    at once; a save asked for while that many still persist waits for the oldest
+    (``if_busy="wait"``) or is skipped on every rank (``"skip"``). They live in host buffers
+    allocated once and reused, page-locked with CUDA, within ``pinned_budget`` bytes per node
+    (half the node's memory by default); ``device_staging`` lets a CUDA snapshot go through a
+    GPU staging buffer when GPU memory allows."""
+
+    max_in_flight: int = 1
+    if_busy: str = "wait"
+    pinned_budget: int | None = None
+    device_staging: bool = True
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.max_in_flight):
+            raise ValueError(f"Snapshots(max_in_flight=) must be 1 or more, not "
+                             f"{self.max_in_flight!r}")
+        if self.if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
+        if self.pinned_budget is not None and not _positive_int(self.pinned_budget):
+            raise ValueError(f"Snapshots(pinned_budget=) must be a positive number of bytes "
+                             f"or None, not {self.pinned_budget!r}")
+
+    def budget(self) -> int:
+        """``pinned_budget``, or half of this node's memory."""
+        if self.pinned_budget is not None:
+            return self.pinned_budget
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def snapshots_of(snapshots: Snapshots | None, flat: dict[str, Any],
+                 stacklevel: int = 3) -> Snapshots:
+    """The snapshots' settings from Checkpointer's ``snapshots=`` and its deprecated flat
+    keywords ``max_in_flight=``, ``if_busy=``, ``pinned_budget=`` and ``device_staging=``."""
+    return _grouped(snapshots, Snapshots, "snapshots", "the snapshots' settings", flat,
+                    lambda given: Snapshots(**given), stacklevel)
+
+
+# the flat keywords of Checkpointer that became fields of Preemption
+PREEMPTION_KEYWORDS = ("deadline", "requeue")
+
+
+@dataclass(frozen=True, repr=False)
+class Preemption(_Group):
+    """What a preemption does. ``signals``: handlers for SIGUSR2 (``MPICKPT_SIGNAL`` names
+    another) and SIGTERM that only raise a flag, which ``should_exit`` agrees on. ``deadline``
+    (Unix time; default ``$MPICKPT_DEADLINE`` or ``$SLURM_JOB_END_TIME``): when the job will be
+    killed; an emergency save that cannot finish before it is skipped. ``requeue`` (default:
+    under Slurm unless ``$MPICKPT_REQUEUE`` is 0): rank 0 requeues the job once after the
+    emergency save when the preemption signal came."""
+
+    POSITIONAL = 1
+    signals: bool = True
+    deadline: float | None = None
+    requeue: bool | None = None
+
+
+def preemption_of(preemption: bool | Preemption, flat: dict[str, Any],
+                  stacklevel: int = 3) -> Preemption:
+    """The preemption settings from Checkpointer's ``preemption=`` (a :class:`Preemption`, or
+    a bool for ``Preemption(signals)``) and its deprecated flat keywords ``deadline=`` and
+    ``requeue=``."""
+    if not isinstance(preemption, (bool, Preemption)):
+        raise ValueError(f"preemption must be a bool or a Preemption, not {preemption!r}")
+    return _grouped(preemption, Preemption, "preemption", "the preemption settings", flat,
+                    lambda given: Preemption(bool(preemption), **given), stacklevel)
 
 
 # the flat keywords of Checkpointer that became fields of Retention
@@ -238,3 +365,39 @@ def retention_of(keep: int | Retention | None, flat: dict[str, Any],
     ``keep_best=`` (``flat``: :data:`UNSET` where not given)."""
     return _grouped(keep, Retention, "keep", "the retention", flat,
                     lambda given: Retention(keep, **given), stacklevel)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every group of a Checkpointer's options, each checked, and checked together."""
+
+    local: Local | None
+    files: Files
+    retention: Retention
+    encoding: Encoding
+    snapshots: Snapshots
+    preemption: Preemption
+
+
+def gather(local: str | os.PathLike[str] | Local | None, files: str | Files,
+           keep: int | Retention | None, encoding: Encoding | None,
+           snapshots: Snapshots | None, preemption: bool | Preemption,
+           deprecated: dict[str, Any], stacklevel: int = 2) -> Options:
+    """The groups from Checkpointer's keywords and its deprecated flat ones (``deprecated``:
+    every keyword it did not name; one that no group takes is a TypeError), with the
+    DeprecationWarnings pointing ``stacklevel`` frames up from here."""
+    def flat(keys: Iterable[str]) -> dict[str, Any]:
+        return {k: deprecated.pop(k, UNSET) for k in keys}
+
+    up = stacklevel + 2  # _grouped warns from two frames below here
+    options = Options(local_of(local, flat(LOCAL_KEYWORDS), up),
+                      files_of(files, flat(FILES_KEYWORDS), up),
+                      retention_of(keep, flat(RETENTION_KEYWORDS), up),
+                      encoding_of(encoding, flat(ENCODING_KEYWORDS), up),
+                      snapshots_of(snapshots, flat(SNAPSHOTS_KEYWORDS), up),
+                      preemption_of(preemption, flat(PREEMPTION_KEYWORDS), up))
+    if deprecated:  # after every group took its own
+        raise TypeError(f"Checkpointer() got an unexpected keyword argument "
+                        f"{next(iter(deprecated))!r}")
+    check_combinations(options.local, options.files, options.encoding)
+    return options

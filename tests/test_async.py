@@ -51,7 +51,7 @@ def test_mutating_right_after_save_does_not_reach_the_checkpoint(tmp_path, fault
 def test_one_in_flight_makes_the_next_save_wait_and_says_so(tmp_path, fault, caplog):
     fault("after-fsync-before-vote:0:delay")
     caplog.set_level(logging.INFO, logger="mpickpt")
-    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(max_in_flight=1)) as ck:
         ck.save(1, big_state())
         h2 = ck.save(2, big_state())
         assert h2.wait().stats["waited_for_buffer_s"] > 0.5
@@ -61,7 +61,7 @@ def test_one_in_flight_makes_the_next_save_wait_and_says_so(tmp_path, fault, cap
 
 def test_two_in_flight_use_a_second_buffer_without_waiting(tmp_path, fault):
     fault("after-fsync-before-vote:0:delay")
-    with mpickpt.Checkpointer(tmp_path, max_in_flight=2) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(max_in_flight=2)) as ck:
         h1 = ck.save(1, big_state())
         h2 = ck.save(2, big_state())
         assert not h1.done()
@@ -78,7 +78,7 @@ def test_buffers_are_reused_not_grown(tmp_path):
 
 
 def test_snapshot_over_the_budget_aborts_with_a_clear_error(tmp_path):
-    with mpickpt.Checkpointer(tmp_path, pinned_budget=1 << 20) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(pinned_budget=1 << 20)) as ck:
         r = ck.save(1, big_state(4)).wait()
     assert not r.committed
     assert "does not fit this rank's host buffer budget" in r.error
@@ -128,7 +128,7 @@ def test_a_snapshot_that_fails_gives_its_buffer_back(tmp_path, monkeypatch):
     def failing(*args):
         raise RuntimeError("out of memory")
 
-    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(max_in_flight=1)) as ck:
         monkeypatch.setattr(snapshot, "_view", failing)
         result = ck.save(1, big_state(1)).wait()
         assert not result.committed and "out of memory" in result.error

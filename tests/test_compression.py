@@ -43,7 +43,8 @@ def every_dtype() -> dict[str, torch.Tensor]:
 
 
 def save(root: Path, state: dict, **kw) -> mpickpt.SaveResult:
-    with mpickpt.Checkpointer(root, checksum_block=BLOCK, alignment=4096, **kw) as ck:
+    files = mpickpt.Files(checksum_block=BLOCK, alignment=4096)
+    with mpickpt.Checkpointer(root, files=files, encoding=mpickpt.Encoding(**kw)) as ck:
         return ck.save(1, state).wait()
 
 
@@ -159,8 +160,8 @@ def test_compression_by_key_path_and_small_tensors_stay_raw(tmp_path: Path):
 
 def test_compressed_and_incremental_together(tmp_path: Path):
     frozen = torch.randn(256, 256)
-    with mpickpt.Checkpointer(tmp_path, checksum_block=BLOCK, incremental=4,
-                              compression="zstd") as ck:
+    with mpickpt.Checkpointer(tmp_path, files=mpickpt.Files(checksum_block=BLOCK),
+                              encoding=mpickpt.Encoding(incremental=4, compression="zstd")) as ck:
         for s in (1, 2, 3):
             r = ck.save(s, {"frozen": frozen, "step": torch.full((20000,), float(s))}).wait()
             assert r.committed
@@ -175,11 +176,13 @@ def test_compressed_and_incremental_together(tmp_path: Path):
 
 def test_options_that_cannot_work_are_refused_at_once(tmp_path: Path):
     with pytest.raises(ValueError, match="unknown codec 'lz5'"):
-        mpickpt.Checkpointer(tmp_path / "r", compression="lz5")
+        mpickpt.Checkpointer(tmp_path / "r", encoding=mpickpt.Encoding(compression="lz5"))
     with pytest.raises(ValueError, match="unknown codec"):
-        mpickpt.Checkpointer(tmp_path / "r", compression={"model": "gzip"})
+        mpickpt.Checkpointer(tmp_path / "r",
+                             encoding=mpickpt.Encoding(compression={"model": "gzip"}))
     with pytest.raises(ValueError, match="compression is written to ROOT only"):
-        mpickpt.Checkpointer(tmp_path / "r", compression="zstd", local=tmp_path / "local")
+        mpickpt.Checkpointer(tmp_path / "r", local=tmp_path / "local",
+                             encoding=mpickpt.Encoding(compression="zstd"))
 
 
 def test_a_chunk_is_one_checksum_block_or_the_whole_smaller_tensor():

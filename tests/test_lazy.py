@@ -190,7 +190,7 @@ def test_a_deferred_buffer_holds_its_slot(tmp_path, slow_copy):
     the first one's buffer was not allocated yet."""
     model, opt = model_and_adam()
     state = {"model": model, "optim": opt}
-    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(max_in_flight=1)) as ck:
         first = ck.save(1, state)
         second = ck.save(2, state)  # waits for the first one's (slow) copy and write
         assert second.wait().stats["waited_for_buffer_s"] > 0.5
@@ -209,7 +209,7 @@ def test_a_failed_allocation_aborts_the_save_and_gives_the_slot_back(tmp_path, m
         return real(self, nbytes)
 
     monkeypatch.setattr(snapshot.HostPool, "_new", failing)
-    with mpickpt.Checkpointer(tmp_path, max_in_flight=1) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(max_in_flight=1)) as ck:
         result = ck.save(1, {"model": model, "optim": opt}).wait()
         assert not result.committed and "no pinned memory left" in result.error
         train_step(model, opt)  # the step's pre-hook does not raise for the failed copy

@@ -101,11 +101,14 @@ def test_files_checks_its_settings_and_the_flat_keywords_say_what_to_write(tmp_p
 
 
 @pytest.mark.parametrize(("kwargs", "words"), [
-    ({"incremental": 5, "local": "L"}, "incremental checkpoints are written to ROOT only"),
-    ({"compression": "zstd", "local": "L"}, "compression is written to ROOT only"),
+    ({"encoding": mpickpt.Encoding(incremental=5), "local": "L"},
+     "incremental checkpoints are written to ROOT only"),
+    ({"encoding": mpickpt.Encoding(compression="zstd"), "local": "L"},
+     "compression is written to ROOT only"),
     ({"files": mpickpt.Files(per="node"), "local": "L"}, "is for ROOT"),
-    ({"files": "per-node", "compression": "zstd"}, "writes raw regions"),
-    ({"frozen": ["model"]}, "give incremental=N too"),
+    ({"files": "per-node", "encoding": mpickpt.Encoding(compression="zstd")},
+     "writes raw regions"),
+    ({"frozen": ["model"]}, "give incremental=N too"),  # a flat keyword, refused alike
 ])
 def test_options_that_cannot_go_together_are_refused_before_anything_is_made(
         tmp_path, kwargs, words):
@@ -133,3 +136,49 @@ def test_retention_checks_its_rules_and_the_flat_keywords_say_what_to_write():
             in str(seen[0].message))
     with pytest.raises(ValueError, match=r"in Retention\(\.\.\.\) only"):
         retention_of(mpickpt.Retention(2), {**flat, "keep_every": 5})
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda: mpickpt.Encoding(incremental=1),
+     "Encoding(incremental=) must be an int of at least 2"),
+    (lambda: mpickpt.Encoding(frozen=["model"]), "give incremental=N too"),
+    (lambda: mpickpt.Encoding(compression="lz5"), "unknown codec 'lz5'"),
+    (lambda: mpickpt.Snapshots(max_in_flight=0), "Snapshots(max_in_flight=) must be 1 or more"),
+    (lambda: mpickpt.Snapshots(if_busy="drop"), "if_busy must be 'wait' or 'skip'"),
+    (lambda: mpickpt.Snapshots(pinned_budget=-1),
+     "Snapshots(pinned_budget=) must be a positive"),
+    (lambda: mpickpt.Files(alignment=3000), "Files(alignment=) must be a power of two"),
+    (lambda: mpickpt.Files(checksum_block=0), "Files(checksum_block=) must be a power of two"),
+])
+def test_encoding_snapshots_and_files_refuse_a_setting_that_cannot_work(make, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        make()
+
+
+def test_the_flat_keywords_of_every_group_still_work_and_say_what_to_write(tmp_path):
+    """A Checkpointer built with the flat keywords of earlier releases behaves as the groups
+    say: an incremental second save refers to the first, two snapshots may be in flight, the
+    deadline and requeue are the ones given, shards are aligned as asked; each keyword's
+    warning names the group to write and points at this file."""
+    with pytest.warns(DeprecationWarning) as seen:
+        ck = mpickpt.Checkpointer(tmp_path, incremental=3, max_in_flight=2, deadline=4e9,
+                                  requeue=False, alignment=8192, preemption=False)
+    try:
+        said = {str(w.message): w.filename for w in seen}
+        assert len(said) == 4 and set(said.values()) == {__file__}
+        for flat, group in (
+                ("incremental=", "encoding=mpickpt.Encoding(incremental=3)"),
+                ("max_in_flight=", "snapshots=mpickpt.Snapshots(max_in_flight=2)"),
+                ("deadline=, requeue=",
+                 "preemption=mpickpt.Preemption(False, deadline=4000000000.0, requeue=False)"),
+                ("alignment=", "files=mpickpt.Files(alignment=8192)")):
+            assert any(m.startswith(f"Checkpointer({flat}...) is deprecated: write "
+                                    f"Checkpointer(..., {group})") for m in said), (flat, said)
+        assert (ck.deadline, ck.requeue, ck.preemption) == (4e9, False, False)
+        assert ck._pool.slots == 2
+        w = torch.arange(4096, dtype=torch.float32)
+        assert ck.save(1, {"w": w, "v": torch.zeros(8)}).wait().committed
+        second = ck.save(2, {"w": w, "v": torch.ones(8)}).wait()
+        assert second.committed and second.stats["reused_bytes"] == w.numel() * 4
+    finally:
+        ck.close()

@@ -27,8 +27,9 @@ def state(step: int) -> dict:
 
 def train(root: Path, steps, **kw) -> list[mpickpt.SaveResult]:
     out = []
-    with mpickpt.Checkpointer(root, incremental=kw.pop("incremental", 3), alignment=4096,
-                              checksum_block=4096, **kw) as ck:
+    enc = mpickpt.Encoding(incremental=kw.pop("incremental", 3), frozen=kw.pop("frozen", None))
+    with mpickpt.Checkpointer(root, encoding=enc,
+                              files=mpickpt.Files(alignment=4096, checksum_block=4096), **kw) as ck:
         for s in steps:
             out.append(ck.save(s, state(s)).wait())
     return out
@@ -100,7 +101,8 @@ def test_a_reference_to_a_missing_file_falls_back_naming_it(tmp_path: Path):
 
 
 def test_a_missing_base_file_makes_the_next_save_full(tmp_path: Path, caplog):
-    with mpickpt.Checkpointer(tmp_path, incremental=5, alignment=4096) as ck:
+    with mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(incremental=5),
+                              files=mpickpt.Files(alignment=4096)) as ck:
         assert ck.save(1, state(1)).wait().committed
         os.truncate(tmp_path / "step-00000001" / "rank-00000.h5", 10)
         r = ck.save(2, state(2)).wait()
@@ -115,7 +117,7 @@ def test_a_missing_base_file_makes_the_next_save_full(tmp_path: Path, caplog):
 def test_saving_a_referred_to_step_again_is_refused(tmp_path: Path):
     train(tmp_path, [1, 2, 3])
     before = (tmp_path / "step-00000001" / "rank-00000.h5").read_bytes()
-    with mpickpt.Checkpointer(tmp_path, incremental=3) as ck:
+    with mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(incremental=3)) as ck:
         r = ck.save(1, state(1)).wait()
     assert not r.committed and "step 1 is already committed" in r.error
     assert "of step 2, 3 refer to its files" in r.error, r.error
@@ -125,13 +127,14 @@ def test_saving_a_referred_to_step_again_is_refused(tmp_path: Path):
 
 def test_options_that_cannot_work_are_refused_at_once(tmp_path: Path):
     with pytest.raises(ValueError, match="at least 2"):
-        mpickpt.Checkpointer(tmp_path, incremental=1)
+        mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(incremental=1))
     with pytest.raises(ValueError, match="give incremental=N too"):
-        mpickpt.Checkpointer(tmp_path, frozen=["model"])
+        mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(frozen=["model"]))
     with pytest.raises(ValueError, match="local= drains whole shards"):
-        mpickpt.Checkpointer(tmp_path, incremental=4, local=tmp_path / "local")
+        mpickpt.Checkpointer(tmp_path, local=tmp_path / "local",
+                             encoding=mpickpt.Encoding(incremental=4))
     with pytest.raises(TypeError, match="not one string"):
-        mpickpt.Checkpointer(tmp_path, incremental=4, frozen="model")
+        mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(incremental=4, frozen="model"))
 
 
 def test_frozen_params_names_the_parameters_that_do_not_require_grad():
@@ -154,8 +157,8 @@ def test_a_restarted_job_refers_to_the_checkpoint_it_restored(tmp_path: Path):
     step 1's) count towards the next full save; its save of step 3 refers to step 1's frozen
     tensor, and the one after that is full."""
     train(tmp_path, [1, 2])
-    with mpickpt.Checkpointer(tmp_path, incremental=3, alignment=4096,
-                              checksum_block=4096) as ck:
+    with mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(incremental=3),
+                              files=mpickpt.Files(alignment=4096, checksum_block=4096)) as ck:
         fresh = {"frozen": torch.zeros(128, 64), "lora": torch.zeros(8, 8), "step": -1}
         assert ck.restore(fresh) == 2
         r3 = ck.save(3, state(3)).wait()
@@ -187,7 +190,8 @@ def test_tensors_that_keep_changing_stop_being_compared_for_a_while(tmp_path: Pa
     """A full fine-tune: every tensor changes at every save (so each save is in effect full).
     Saves 2 and 3 compare and find nothing to refer to, 4 writes without comparing; the 5th
     save (incremental=5) forgets that, so 5 and 6 compare again, and 7 and 8 do not."""
-    with mpickpt.Checkpointer(tmp_path, incremental=5, alignment=4096) as ck:
+    with mpickpt.Checkpointer(tmp_path, encoding=mpickpt.Encoding(incremental=5),
+                              files=mpickpt.Files(alignment=4096)) as ck:
         hashed = [ck.save(s, {"w": torch.full((64, 64), float(s))}).wait().stats["hashed_bytes"]
                   for s in range(1, 9)]
     n = 64 * 64 * 4

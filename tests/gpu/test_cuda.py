@@ -42,7 +42,7 @@ def test_optimizer_step_right_after_save_does_not_race_the_copy(tmp_path, stagin
     m, opt = model_and_opt(0, dtype)
     x = torch.randn(4096, 1024, device="cuda", dtype=dtype)
     step(m, opt, x)
-    with mpickpt.Checkpointer(tmp_path, device_staging=staging) as ck:
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(device_staging=staging)) as ck:
         state = {"model": m, "optim": opt}
         for i in range(3):
             expected = values(m, opt)
@@ -139,8 +139,9 @@ def test_incremental_saves_of_a_partly_frozen_cuda_model_restore_bit_exact(tmp_p
     x = torch.randn(1024, 1024, device="cuda")
     step(m, opt, x)
     saved = {}
-    with mpickpt.Checkpointer(tmp_path, incremental=3, compression=compression,
-                              frozen=mpickpt.frozen_params(m)) as ck:
+    enc = mpickpt.Encoding(incremental=3, compression=compression,
+                           frozen=mpickpt.frozen_params(m))
+    with mpickpt.Checkpointer(tmp_path, encoding=enc) as ck:
         state = {"model": m, "optim": opt}
         for i in range(1, 6):
             step(m, opt, x)

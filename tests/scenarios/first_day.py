@@ -129,7 +129,8 @@ def main() -> None:
         record(a.base, a.mode)
 
     elif a.mode == "skip":
-        ckpt = mpickpt.Checkpointer(root, keep=10, if_busy="skip", on_error="raise")
+        ckpt = mpickpt.Checkpointer(root, keep=10, on_error="raise",
+                                    snapshots=mpickpt.Snapshots(if_busy="skip"))
         handles, calls = [], []
         for step in range(1, 7):
             t = time.perf_counter()
@@ -158,7 +159,7 @@ def main() -> None:
         if rank == 1:
             os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.2)
-        ckpt = mpickpt.Checkpointer(root, requeue=False)
+        ckpt = mpickpt.Checkpointer(root, preemption=mpickpt.Preemption(requeue=False))
         for step in range(3):
             record(a.base, a.mode, last=step)
             ckpt.should_exit(step + 1, st)

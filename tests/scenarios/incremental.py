@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=None)
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--index", default="auto")
-    ap.add_argument("--compress", default=None, help="Checkpointer(compression=...)")
+    ap.add_argument("--compress", default=None, help="Encoding(compression=...)")
     ap.add_argument("--per-node", type=int, default=0,
                     help="files='per-node', nodes of this many ranks ($MPICKPT_NODE)")
     ap.add_argument("--step", type=int, default=None)
@@ -109,11 +109,13 @@ def main() -> None:
     frozen = ["model/base.weight", "model/base.bias", "embed"] if args.frozen else None
     if args.per_node:
         os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
-    ck = mpickpt.Checkpointer(args.root, keep=args.keep, checksum_block=4096, alignment=4096,
-                              incremental=args.incremental or None, frozen=frozen,
-                              compression=args.compress, on_error="raise",
+    ck = mpickpt.Checkpointer(args.root, keep=args.keep, on_error="raise",
+                              encoding=mpickpt.Encoding(incremental=args.incremental or None,
+                                                        frozen=frozen,
+                                                        compression=args.compress),
                               files=mpickpt.Files(per="node" if args.per_node else "rank",
-                                                  index=args.index))
+                                                  index=args.index, checksum_block=4096,
+                                                  alignment=4096))
     report: dict = {"rank": rank, "world": world}
     if args.all:
         steps = comm.bcast(sorted(int(n[5:]) for n in os.listdir(args.root)

@@ -86,9 +86,8 @@ def main() -> None:
     if args.per_node:
         os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
     files = mpickpt.Files(per=args.files.removeprefix("per-"), fanout=args.fanout,
-                          index=args.index)
-    ck = mpickpt.Checkpointer(args.root, replicated=("rep",), checksum_block=args.block,
-                              alignment=4096, files=files)
+                          index=args.index, checksum_block=args.block, alignment=4096)
+    ck = mpickpt.Checkpointer(args.root, replicated=("rep",), files=files)
     report: dict = {"rank": rank, "world": world}
     if args.mode == "save":
         state = make_state(rank, world, fill=True)
