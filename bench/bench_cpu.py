@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from mpickpt.rootdir import fsync_path
+from mpickpt.format.rootdir import fsync_path
 
 HERE = Path(__file__).resolve().parent
 TAG = "BENCH-WORKER "

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpickpt.rootdir import fsync_path
+from mpickpt.format.rootdir import fsync_path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

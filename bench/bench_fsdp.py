@@ -58,7 +58,7 @@ def digests(state: dict) -> dict[str, str]:
     import torch
     import torch.distributed as dist
 
-    from mpickpt import checksum
+    from mpickpt.format import checksum
 
     out = {}
 

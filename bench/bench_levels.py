@@ -67,10 +67,10 @@ import bench_cpu
 import bench_gpu
 
 import mpickpt
-from mpickpt.localtier import node_dirname
-from mpickpt.manifest import NAME as MANIFEST
-from mpickpt.manifest import shard_name
-from mpickpt.rootdir import fsync_path, step_name
+from mpickpt.format.manifest import NAME as MANIFEST
+from mpickpt.format.manifest import shard_name
+from mpickpt.format.rootdir import fsync_path, step_name
+from mpickpt.local.nodedir import node_dirname
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu import Job
 
-from mpickpt import pinned_pool, snapshot
+from mpickpt.save import pinned_pool, snapshot
 
 
 def beside(job: Job, base: float, work: Callable[[], Any]) -> dict[str, float]:

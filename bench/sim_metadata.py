@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cpu import columns
 
-from mpickpt import checksum
-from mpickpt.manifest import (
+from mpickpt.format import checksum
+from mpickpt.format.manifest import (
     INDEX_DIR,
     NAME,
     IndexRef,
@@ -41,7 +41,7 @@ from mpickpt.manifest import (
     index_name,
     shard_name,
 )
-from mpickpt.records import TensorRecord
+from mpickpt.format.records import TensorRecord
 
 
 def entry(rank: int, ranks: int, tensors: int) -> RankEntry:

@@ -33,9 +33,9 @@ from .errors import (
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
     from .ddp import prime_ddp
-    from .incremental import frozen_params
     from .options import Encoding, Files, Local, Preemption, Retention, Snapshots
-    from .restorer import RestoreInfo
+    from .restore.restorer import RestoreInfo
+    from .save.incremental import frozen_params
     from .sharding import Piece, Shard
     from .stateful import RNGState, Values
 
@@ -74,18 +74,18 @@ __all__ = [
 # name -> the submodule that defines it, imported on first access
 _LAZY = {
     "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "SaveResult": "checkpointer",
-    "RestoreInfo": "restorer", "Piece": "sharding", "Shard": "sharding", "RNGState": "stateful",
-    "Values": "stateful", "frozen_params": "incremental", "prime_ddp": "ddp", "Local": "options",
-    "Files": "options", "Retention": "options", "Encoding": "options", "Snapshots": "options",
-    "Preemption": "options",
+    "RestoreInfo": "restore.restorer", "Piece": "sharding", "Shard": "sharding",
+    "RNGState": "stateful", "Values": "stateful", "frozen_params": "save.incremental",
+    "prime_ddp": "ddp", "Local": "options", "Files": "options", "Retention": "options",
+    "Encoding": "options", "Snapshots": "options", "Preemption": "options",
 }
 
 preempt.hold_early()
 
 
 def __getattr__(name: str) -> Any:
-    """The lazy names, and the submodules (``mpickpt.state_tree`` after ``import mpickpt``, as
-    when this module imported them all)."""
+    """The lazy names, and the submodules (``mpickpt.format.state_tree`` after ``import mpickpt``,
+    as when this module imported them all)."""
     module = _LAZY.get(name)
     if module is None:
         if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):

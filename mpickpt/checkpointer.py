@@ -1,10 +1,10 @@
 """The Checkpointer: consistent global checkpoints by two-phase commit, and coordinated restore.
 
-A facade that assembles the pieces that do the work: :mod:`mpickpt.capture` takes the state
+A facade that assembles the pieces that do the work: :mod:`mpickpt.save.capture` takes the state
 off the training thread's tensors (the whole stall), :mod:`mpickpt.save.pipeline` writes, votes
 and commits it in the background into its store (ROOT, or the node-local level first),
-:mod:`mpickpt.restorer` loads the newest checkpoint every rank can load,
-:mod:`mpickpt.protocol` holds the collectives and their deadlines, :mod:`mpickpt.slurm` what
+:mod:`mpickpt.restore.restorer` loads the newest checkpoint every rank can load,
+:mod:`mpickpt.mpi.protocol` holds the collectives and their deadlines, :mod:`mpickpt.slurm` what
 comes from the scheduler.
 """
 
@@ -20,26 +20,28 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import codec, knobs, log, preempt, rollback, rootdir, shared_root, slurm
-from .capture import Capture
+from . import knobs, log, preempt, slurm
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
-from .incremental import Tracker
-from .levels import LocalLevel, open_level
+from .format import codec, rollback, rootdir
+from .format.nodefile import NodeFiles
+from .format.rollback import Rollback
+from .local.level import LocalLevel, open_level
 from .local.nodestore import NodeStore
-from .nodefile import NodeFiles
+from .local.recovery import LocalRecovery
+from .local.topology import Topology
+from .mpi.protocol import Protocol, world_rank
 from .options import Encoding, Files, Local, Preemption, Retention, Snapshots, gather
-from .pinned_pool import HostPool
-from .protocol import Protocol, world_rank
-from .recovery import LocalRecovery
-from .request import SaveHandle, SaveRequest, SaveResult
-from .restorer import RestoreInfo, Restorer
-from .rollback import Rollback
+from .restore.restorer import RestoreInfo, Restorer
+from .save import shared_root
+from .save.capture import Capture
+from .save.incremental import Tracker
+from .save.pinned_pool import HostPool
 from .save.pipeline import Pipeline
+from .save.request import SaveHandle, SaveRequest, SaveResult
 from .save.rootstore import RootStore
 from .save.shards import RankShards, ShardOptions
-from .topology import Topology
-from .upkeep import Upkeep
+from .save.upkeep import Upkeep
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
@@ -251,7 +253,7 @@ class Checkpointer:
         """Checkpoint ``state`` as ``step`` on every rank, all or nothing; collective.
 
         ``step`` is the number of training steps completed: ``restore`` returns it, and the loop
-        resumes there. ``metadata`` (JSON values, see :mod:`mpickpt.metadata`) goes into the
+        resumes there. ``metadata`` (JSON values, see :mod:`mpickpt.save.metadata`) goes into the
         manifest. Returns once the state is snapshotted (the training thread's whole cost); the
         write, the vote and the commit go on in the background. A state or metadata mpickpt
         cannot save raises :class:`StateTreeError` or :class:`MetadataError` here, after every
@@ -407,7 +409,7 @@ class Checkpointer:
                     exit: bool = True) -> bool:
         """Call once per step on every rank: whether a preemption signal reached any rank.
 
-        Costs one non-blocking allreduce per call (see :class:`mpickpt.protocol.ExitVote`); all
+        Costs one non-blocking allreduce per call (see :class:`mpickpt.mpi.protocol.ExitVote`); all
         ranks see the answer at the same call. When it is yes: the saves in flight finish, then
         ``state`` is saved as ``step`` and committed (unless that step is already committed or
         the deadline leaves too little time), rank 0 requeues the job under Slurm, and, with

@@ -48,9 +48,9 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("mpickpt.hf needs Hugging Face transformers: pip install "
                       "'mpickpt[hf]'") from e
 
-from . import rootdir
 from .checkpointer import Checkpointer
 from .exitcodes import EXIT_PREEMPTED
+from .format import rootdir
 
 REPLICATED = ("model", "optimizer")
 STATE_FILE = "trainer_state.json"

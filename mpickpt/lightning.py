@@ -53,8 +53,8 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("mpickpt.lightning needs PyTorch Lightning: pip install "
                       "'mpickpt[lightning]'") from e
 
-from . import rootdir
 from .checkpointer import Checkpointer
+from .format import rootdir
 
 POINTER_FORMAT = "mpickpt-lightning-pointer"
 STATE_KEY = "lightning"

@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from . import codec
-from .checksum import DEFAULT_BLOCK
-from .incremental import frozen_matcher
-from .manifest import FANOUT
-from .retention import Policy
-from .shard import DEFAULT_ALIGNMENT
-from .topology import SCHEMES
+from .format import codec
+from .format.checksum import DEFAULT_BLOCK
+from .format.manifest import FANOUT
+from .format.shard import DEFAULT_ALIGNMENT
+from .local.topology import SCHEMES
+from .save.incremental import frozen_matcher
+from .save.retention import Policy
 
 
 class _Unset:
@@ -340,7 +340,7 @@ RETENTION_KEYWORDS = ("keep_every", "best", "keep_best")
 
 @dataclass(frozen=True, repr=False)
 class Retention(_Group):
-    """Which committed checkpoints to keep (see :mod:`mpickpt.retention`): the ``keep`` newest,
+    """Which committed checkpoints to keep (see :mod:`mpickpt.save.retention`): the ``keep`` newest,
     every ``keep_every``-th step besides, and the ``keep_best`` best by ``best`` = (metadata
     key, ``"min"`` or ``"max"``). Without ``keep`` every checkpoint is kept. The newest is never
     deleted, and nothing is deleted before a newer checkpoint has committed."""

@@ -13,7 +13,7 @@ A tensor in the state is one of:
 
 Identical pieces held by several ranks are written once, spread over their holders by size
 (:func:`writers`). A restore assembles each rank's new piece from the stored pieces that overlap
-it, whatever the number of ranks or the sharding was (:mod:`mpickpt.reshard`).
+it, whatever the number of ranks or the sharding was (:mod:`mpickpt.restore.reshard`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Objects to put in a state when what must be saved is not already an object with
 ``state_dict()``: :class:`RNGState` (the process-wide random generators) and :class:`Values`
-(plain values restored in place). :mod:`mpickpt.state_tree` saves them like any stateful object.
+(plain values restored in place). :mod:`mpickpt.format.state_tree` saves them like any stateful
+object.
 """
 
 from __future__ import annotations

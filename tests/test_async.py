@@ -121,7 +121,7 @@ def test_the_users_mistake_is_what_save_raises_also_with_on_error_raise(tmp_path
 def test_a_snapshot_that_fails_gives_its_buffer_back(tmp_path, monkeypatch):
     """A failure after the buffer was taken (a GPU out of memory for staging, say) must not keep
     it: with max_in_flight=1 the next save would wait for it forever."""
-    from mpickpt import snapshot
+    from mpickpt.save import snapshot
 
     real = snapshot._view
 

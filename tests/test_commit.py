@@ -1,4 +1,4 @@
-"""mpickpt/commit.py, the one commit: what a published checkpoint looks like on disk, what a
+"""mpickpt/format/commit.py, the one commit: what a published checkpoint looks like on disk, what a
 commit stopped half-way leaves, and the presence check before it (real files, no MPI)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mpickpt import commit, rootdir
-from mpickpt.manifest import NAME as MANIFEST
-from mpickpt.manifest import RankEntry
+from mpickpt.format import commit, rootdir
+from mpickpt.format.manifest import NAME as MANIFEST
+from mpickpt.format.manifest import RankEntry
 
 
 class Stop(Exception):

@@ -16,12 +16,12 @@ import torch
 import xxhash
 
 import mpickpt
-from mpickpt import dtypes
 from mpickpt.cli import EXIT_OK
 from mpickpt.cli import main as cli_main
 from mpickpt.errors import ShardError
-from mpickpt.manifest import CHECKSUM_FIELD, Manifest, read_bytes
-from mpickpt.records import DTYPES, check_records
+from mpickpt.format import dtypes
+from mpickpt.format.manifest import CHECKSUM_FIELD, Manifest, read_bytes
+from mpickpt.format.records import DTYPES, check_records
 
 hdf5plugin = pytest.importorskip("hdf5plugin")
 BLOCK = 16384
@@ -186,7 +186,7 @@ def test_options_that_cannot_work_are_refused_at_once(tmp_path: Path):
 
 
 def test_a_chunk_is_one_checksum_block_or_the_whole_smaller_tensor():
-    from mpickpt import codec
+    from mpickpt.format import codec
 
     assert codec.chunk_elements(10 * BLOCK, 4, BLOCK) == BLOCK // 4
     assert codec.chunk_elements(100, 4, BLOCK) == 25

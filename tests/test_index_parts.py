@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mpickpt
-from mpickpt import manifest
 from mpickpt.errors import ManifestError
+from mpickpt.format import manifest
 
 
 def state(seed: int) -> dict:
@@ -45,7 +45,7 @@ def test_the_manifest_names_the_part_by_size_and_checksum(tmp_path):
     assert m["version"] == 2 and "tensors" not in m["ranks"][0]
     part = (step / "index" / "rank-00000.json").read_bytes()
     assert m["ranks"][0]["index"] == {"file": "index/rank-00000.json", "bytes": len(part),
-                                      "xxh3": mpickpt.checksum.digest(part)}
+                                      "xxh3": mpickpt.format.checksum.digest(part)}
     parsed = manifest.Manifest.from_json((step / "MANIFEST.json").read_text(),
                                          str(step / "MANIFEST.json"))
     before = manifest.parts_read()
@@ -90,7 +90,7 @@ def test_a_part_of_another_rank_or_shard_is_refused(tmp_path):
     data = json.dumps(d).encode()
     part.write_bytes(data)
     m = json.loads(text)
-    m["ranks"][0]["index"].update(bytes=len(data), xxh3=mpickpt.checksum.digest(data))
+    m["ranks"][0]["index"].update(bytes=len(data), xxh3=mpickpt.format.checksum.digest(data))
     del m["manifest_checksum"]
     m["manifest_checksum"] = manifest._digest(m)
     parsed = manifest.Manifest.from_json(json.dumps(m), str(step / "MANIFEST.json"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mpickpt
-from mpickpt import snapshot
+from mpickpt.save import snapshot
 
 
 @pytest.fixture(autouse=True)
@@ -219,7 +219,7 @@ def test_a_failed_allocation_aborts_the_save_and_gives_the_slot_back(tmp_path, m
 
 def pretend_pinned(ck: mpickpt.Checkpointer, monkeypatch) -> None:
     """Make ``ck``'s pool claim to page-lock (as with CUDA) while allocating plain memory."""
-    from mpickpt.pinned_pool import HostPool
+    from mpickpt.save.pinned_pool import HostPool
 
     plain = HostPool(ck._pool.budget, pin=False)
     monkeypatch.setattr(ck._pool, "_new", plain._new)
@@ -229,7 +229,7 @@ def pretend_pinned(ck: mpickpt.Checkpointer, monkeypatch) -> None:
 def test_a_save_that_page_locks_a_large_buffer_says_to_call_prepare(tmp_path, monkeypatch,
                                                                   caplog):
     """Rank 0 says once that prepare() page-locks before the loop (the threshold is lowered)."""
-    from mpickpt import capture
+    from mpickpt.save import capture
 
     monkeypatch.setattr(capture, "HINT_BYTES", 1)
     caplog.set_level(logging.INFO, logger="mpickpt")
@@ -243,7 +243,7 @@ def test_a_save_that_page_locks_a_large_buffer_says_to_call_prepare(tmp_path, mo
 
 
 def test_no_prepare_hint_after_prepare_or_without_page_locking(tmp_path, monkeypatch, caplog):
-    from mpickpt import capture
+    from mpickpt.save import capture
 
     monkeypatch.setattr(capture, "HINT_BYTES", 1)
     caplog.set_level(logging.INFO, logger="mpickpt")

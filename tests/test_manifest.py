@@ -1,4 +1,4 @@
-"""mpickpt.manifest: JSON schema, version and path rules."""
+"""mpickpt.format.manifest: JSON schema, version and path rules."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ import pytest
 import xxhash
 
 from mpickpt.errors import ManifestError
-from mpickpt.manifest import MAX_BYTES, MAX_TREE_DEPTH, Manifest, RankEntry, read_bytes, shard_name
-from mpickpt.shard import TensorRecord
+from mpickpt.format.manifest import (
+    MAX_BYTES,
+    MAX_TREE_DEPTH,
+    Manifest,
+    RankEntry,
+    read_bytes,
+    shard_name,
+)
+from mpickpt.format.shard import TensorRecord
 
 
 def sample() -> Manifest:

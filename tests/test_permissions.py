@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from harness import SCENARIOS, Job, flip_data_byte, run_mpi, train
 
-from mpickpt import rootdir
 from mpickpt.cli import main as cli_main
 from mpickpt.cli import restore as cli_restore
+from mpickpt.format import rootdir
 
 pytestmark = pytest.mark.guarantee("umask-honoured")
 

@@ -1,4 +1,4 @@
-"""mpickpt.records: the torch-free half of the shard format, and the dtype table it holds."""
+"""mpickpt.format.records: the torch-free half of the shard format, and the dtype table it holds."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpickpt import dtypes, records, shard
 from mpickpt.errors import ShardError
+from mpickpt.format import dtypes, records, shard
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -29,7 +29,7 @@ def test_the_old_import_paths_are_the_same_objects():
     for name in ("TensorRecord", "check_records", "check_file", "FORMAT", "VERSION",
                  "TENSORS_GROUP"):
         assert getattr(shard, name) is getattr(records, name), name
-    from mpickpt.manifest import TensorRecord
+    from mpickpt.format.manifest import TensorRecord
 
     assert TensorRecord is records.TensorRecord
 
@@ -41,7 +41,7 @@ def test_check_records_refuses_an_unknown_dtype(tmp_path):
 
 
 def test_records_and_manifest_import_without_torch_numpy_or_h5py():
-    code = ("import sys, mpickpt.records, mpickpt.manifest, mpickpt.rootdir; "
+    code = ("import sys, mpickpt.format.records, mpickpt.format.manifest, mpickpt.format.rootdir; "
             "print(sorted(m for m in ('torch', 'numpy', 'h5py', 'mpi4py') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -51,7 +51,7 @@ def test_records_and_manifest_import_without_torch_numpy_or_h5py():
 
 
 def test_the_block_reader_imports_without_torch_numpy_or_h5py():
-    code = ("import sys, mpickpt.blocks; "
+    code = ("import sys, mpickpt.format.blocks; "
             "print(sorted(m for m in ('torch', 'numpy', 'h5py', 'mpi4py', 'ctypes') "
             "if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
@@ -67,7 +67,7 @@ def test_one_block_reader_streams_or_reads_in_place_with_the_same_verdict(tmp_pa
     the same bytes verified, the same sentence at a mismatch."""
     import mmap
 
-    from mpickpt.blocks import BlockFile
+    from mpickpt.format.blocks import BlockFile
 
     block = 1 << 16
     t = {"big": torch.arange(100_000, dtype=torch.float32), "empty": torch.empty(0)}

@@ -14,7 +14,7 @@ import xxhash
 
 import mpickpt
 from mpickpt.errors import ManifestError
-from mpickpt.manifest import CHECKSUM_FIELD, Manifest, read_bytes
+from mpickpt.format.manifest import CHECKSUM_FIELD, Manifest, read_bytes
 
 pytestmark = pytest.mark.guarantee("incremental")
 

@@ -1,10 +1,10 @@
-"""mpickpt.retention: which committed checkpoints a policy keeps, and why."""
+"""mpickpt.save.retention: which committed checkpoints a policy keeps, and why."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpickpt.retention import Policy, plan
+from mpickpt.save.retention import Policy, plan
 
 
 def cps(*steps: int, **metric: float) -> list[tuple[int, dict[str, float]]]:

@@ -1,4 +1,4 @@
-"""mpickpt.rootdir: names, listing, atomic writes, removal."""
+"""mpickpt.format.rootdir: names, listing, atomic writes, removal."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from mpickpt import rootdir
+from mpickpt.format import rootdir
 
 
 def test_listing_orders_newest_first_and_ignores_partials_and_links(tmp_path):

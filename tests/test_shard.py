@@ -1,4 +1,4 @@
-"""mpickpt.shard: layout with h5py, positional writes, verification on read."""
+"""mpickpt.format.shard: layout with h5py, positional writes, verification on read."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpickpt import shard
 from mpickpt.errors import ShardError
+from mpickpt.format import shard
 
 BLOCK = 1 << 16
 
@@ -112,7 +112,7 @@ def test_symlinked_shard_is_refused(tmp_path, tensors):
 
 
 def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
-    from mpickpt.pinned_pool import HostPool
+    from mpickpt.save.pinned_pool import HostPool
 
     pool = HostPool(64 << 20, slots=2)
     src = pool.acquire(16 << 20)
@@ -212,7 +212,7 @@ def test_attributes_are_what_h5py_writes(tmp_path):
     import h5py
     import numpy as np
 
-    from mpickpt.shard import ShardWriter, _dataset_path
+    from mpickpt.format.shard import ShardWriter, _dataset_path
 
     tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "s": torch.tensor(7)}
     path = str(tmp_path / "x.h5")

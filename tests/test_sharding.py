@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mpickpt import Piece, sharding
-from mpickpt.reshard import Target
-from mpickpt.shard import TensorRecord
+from mpickpt.format.shard import TensorRecord
+from mpickpt.restore.reshard import Target
 
 
 def test_overlap_of_boxes():

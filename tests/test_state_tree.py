@@ -1,4 +1,4 @@
-"""mpickpt.state_tree: flatten to JSON + tensors, and apply back in place."""
+"""mpickpt.format.state_tree: flatten to JSON + tensors, and apply back in place."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from mpickpt import RNGState, state_tree
+from mpickpt import RNGState
 from mpickpt.errors import StateMismatchError, StateTreeError
-from mpickpt.manifest import Manifest, RankEntry
+from mpickpt.format import state_tree
+from mpickpt.format.manifest import Manifest, RankEntry
 
 
 def roundtrip(saved: dict, into: dict) -> dict:

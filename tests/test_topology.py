@@ -1,11 +1,11 @@
-"""mpickpt/topology.py: nodes, redundancy sets and teams, partner rings, XOR chunks."""
+"""mpickpt/local/topology.py: nodes, redundancy sets and teams, partner rings, XOR chunks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mpickpt.topology import (
+from mpickpt.local.topology import (
     Topology,
     TopologyError,
     partner_holder,

@@ -1,8 +1,8 @@
 """What lies under ROOT, as the tools see it: one :class:`Entry` per directory that matters.
 
 * ``step-XXXXXXXX/``: a committed checkpoint, what ``Checkpointer.restore()`` considers (the same
-  listing, :func:`mpickpt.rootdir.committed` with directories whose manifest is missing). Its status
-  is ``committed`` until a check fails, then ``corrupt``.
+  listing, :func:`mpickpt.format.rootdir.committed` with directories whose manifest is missing).
+  Its status is ``committed`` until a check fails, then ``corrupt``.
 * ``step-XXXXXXXX.partial-<run>/`` (a save that never committed: its note says which ranks'
   shards are incomplete or missing, see :mod:`.diagnose`) and ``*.deleting-<run>`` or
   ``*.replaced-<run>`` (a removal that was interrupted): status ``partial``. Restore never loads
@@ -20,10 +20,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import rootdir
 from ..errors import ManifestError
-from ..manifest import FORMAT, VERSIONS, Manifest, read_bytes
-from ..manifest import NAME as MANIFEST
+from ..format import rootdir
+from ..format.manifest import FORMAT, VERSIONS, Manifest, read_bytes
+from ..format.manifest import NAME as MANIFEST
 from . import diagnose
 from .render import iso_utc
 
@@ -210,7 +210,7 @@ def _other_version(text: bytes) -> bool:
 
 def read_manifest(path: str) -> Manifest:
     """Read and validate ``path``/MANIFEST.json the way restore does (no symbolic link, at most
-    :data:`mpickpt.manifest.MAX_BYTES`, strict JSON with its checksum)."""
+    :data:`mpickpt.format.manifest.MAX_BYTES`, strict JSON with its checksum)."""
     mpath = os.path.join(path, MANIFEST)
     try:
         text = read_bytes(path)

@@ -4,7 +4,8 @@
   rename, both directories fsynced) and a line saying what, from where, why, when and by whom is
   appended to ``ROOT/quarantine/QUARANTINE.jsonl``. Restore lists only ``ROOT/step-*``, so a
   quarantined checkpoint is never loaded; moving it back by hand undoes the quarantine.
-* **delete** (``--delete``, and ``--prune``): :func:`mpickpt.rootdir.remove`, which renames to
+* **delete** (``--delete``, and ``--prune``): :func:`mpickpt.format.rootdir.remove`, which renames
+to
   ``*.deleting-<id>`` before removing files, so no crash leaves a half-deleted checkpoint looking
   committed.
 * **rollback** (``--step N``): the committed checkpoints newer than N are quarantined, so N is the
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import rollback, rootdir
+from ..format import rollback, rootdir
 from .catalog import QUARANTINE, QUARANTINE_LOG, ROLLBACK, Entry
 from .render import iso_utc
 
@@ -155,8 +156,9 @@ class Changes:
 
 
 def active_rollback(root: str) -> dict[str, Any] | None:
-    """ROOT/ROLLBACK.json while the rollback it records is in effect (:mod:`mpickpt.rollback`),
-    with ``undone``: the steps moved back into ROOT by hand since (the documented undo, ``mv``
-    from the quarantine); None when there is none, or when every checkpoint it moved is back."""
+    """ROOT/ROLLBACK.json while the rollback it records is in effect
+    (:mod:`mpickpt.format.rollback`), with ``undone``: the steps moved back into ROOT by hand since
+    (the documented undo, ``mv`` from the quarantine); None when there is none, or when every
+    checkpoint it moved is back."""
     rb = rollback.active(root)
     return None if rb is None else {**rb.record, "undone": rb.undone}

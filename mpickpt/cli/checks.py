@@ -2,19 +2,19 @@
 
 quick: the manifest parses and validates (strict JSON, its own checksum), every rank's shard opens
 (no symbolic link), has exactly the size the manifest records, and every tensor record fits in it
-(:func:`mpickpt.records.check_records`). Reads a few hundred bytes per shard.
+(:func:`mpickpt.format.records.check_records`). Reads a few hundred bytes per shard.
 
 full: quick, then every block of every tensor is read and its xxh3-64 compared with the manifest's
 (the check restore makes before it touches the state, by the same reader:
-:meth:`mpickpt.blocks.BlockFile.read_block`). Blocks are read by a few threads in pieces of at
-most :data:`CHUNK` bytes into reused buffers, so memory stays at ``threads`` pieces whatever the
+:meth:`mpickpt.format.blocks.BlockFile.read_block`). Blocks are read by a few threads in pieces of
+at most :data:`CHUNK` bytes into reused buffers, so memory stays at ``threads`` pieces whatever the
 manifest says the block size is. Every shard and every block is checked (no early stop), so
 the verdict is the same whichever process checks which shard, and the first problem reported is
 the one of the lowest rank, tensor and block. Then the shard's HDF5 metadata is read and compared
 with the manifest (:mod:`.h5meta`): restore does not need it, h5py and h5dump do.
 
 A shard that fails because it is another rank's, or another checkpoint's, is named as such
-(:func:`mpickpt.provenance.explain`, the sentence restore logs).
+(:func:`mpickpt.restore.provenance.explain`, the sentence restore logs).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import checksum, provenance
-from ..blocks import BlockFile
 from ..errors import ShardError
-from ..manifest import Manifest, RankEntry
-from ..records import TensorRecord, check_file, check_records
+from ..format import checksum
+from ..format.blocks import BlockFile
+from ..format.manifest import Manifest, RankEntry
+from ..format.records import TensorRecord, check_file, check_records
+from ..restore import provenance
 from . import EXIT_ERROR, EXIT_NO_CHECKPOINT
 from .catalog import (
     MANIFEST,

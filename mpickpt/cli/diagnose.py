@@ -11,7 +11,8 @@ from every checkpoint.
 * A ROOT that was not one directory shared by every rank: rank 0 commits checkpoints whose
   manifest lists every rank, but only the shards written on rank 0's node are there, the same
   ranks missing from every checkpoint; on the other nodes the path holds only partial directories
-  without rank 0's shard. :func:`not_shared` names it with :func:`mpickpt.rootdir.not_shared_hint`.
+  without rank 0's shard. :func:`not_shared` names it with
+  :func:`mpickpt.format.rootdir.not_shared_hint`.
 
 Reads sizes and the first bytes of each shard (its superblock), never the data, never h5py.
 """
@@ -23,10 +24,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import rootdir
 from ..errors import ManifestError
+from ..format import rootdir
+from ..format.manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
 from ..log import human_bytes
-from ..manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
 from ..ranks import ranks_text
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"

@@ -29,11 +29,11 @@ import os
 import time
 from typing import Any
 
-from .. import checksum, commit, rootdir
-from ..localtier import OWNER
+from ..format import checksum, commit, rootdir
+from ..format.manifest import NAME as MANIFEST
+from ..format.manifest import Manifest
+from ..local.nodedir import OWNER
 from ..log import human_bytes
-from ..manifest import NAME as MANIFEST
-from ..manifest import Manifest
 from ..ranks import rank_ranges, ranks_text
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, local
 from .changes import RUN_ID

@@ -25,10 +25,10 @@ import os
 import time
 from typing import Any
 
-from .. import rootdir
 from ..errors import ShardError
+from ..format import rootdir
+from ..format.records import TensorRecord
 from ..log import human_bytes
-from ..records import TensorRecord
 from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from .checks import Unusable, pick
 from .render import Out
@@ -79,7 +79,7 @@ def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
     import torch
     from safetensors.torch import save
 
-    from .. import dtypes
+    from ..format import dtypes
 
     bad = []
     for dt in sorted(set(names_dtypes.values())):
@@ -93,8 +93,8 @@ def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     import torch
 
-    from ..pinned_pool import available_memory
-    from ..shard import read_shard
+    from ..format.shard import read_shard
+    from ..save.pinned_pool import available_memory
 
     t0 = time.monotonic()
 

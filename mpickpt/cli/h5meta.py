@@ -21,8 +21,8 @@ from typing import Any
 
 import h5py
 
-from ..manifest import Manifest, RankEntry
-from ..records import FORMAT, TENSORS_GROUP, TensorRecord, itemsize, rank_group
+from ..format.manifest import Manifest, RankEntry
+from ..format.records import FORMAT, TENSORS_GROUP, TensorRecord, itemsize, rank_group
 
 
 def _int(x: Any) -> int | None:

@@ -25,15 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import checksum, rootdir
-from ..blocks import verify_file
 from ..errors import ManifestError, ShardError
-from ..localtier import LEVEL, OWNER, node_dirname
+from ..format import checksum, rootdir
+from ..format.blocks import verify_file
+from ..format.manifest import NAME as MANIFEST
+from ..format.manifest import Manifest, read_bytes, shard_name
+from ..format.rollback import Rollback
+from ..local.nodedir import LEVEL, OWNER, node_dirname
 from ..log import human_bytes
-from ..manifest import NAME as MANIFEST
-from ..manifest import Manifest, read_bytes, shard_name
 from ..ranks import ranks_text
-from ..rollback import Rollback
 from .render import Cell, Out, human_age, iso_utc, local_time
 
 MAX_NAMES = 8  # node names listed in a sentence before the rest is counted
@@ -235,7 +235,7 @@ class LocalStep:
     def rebuildable(self) -> bool:
         """Complete, or (XOR) each missing shard alone in its team, whose other members' shards
         and parities are seen: what a restart of the job can rebuild (as
-        :class:`mpickpt.recovery.LocalRecovery` plans it)."""
+        :class:`mpickpt.local.recovery.LocalRecovery` plans it)."""
         if self.first is None:
             return False
         missing = set(self.missing)

@@ -9,7 +9,7 @@
 3. ``--step N`` rolls back: every committed checkpoint newer than N is quarantined, so N is the
    newest and the next ``Checkpointer.restore()`` loads it; ``ROOT/ROLLBACK.json`` records it.
 4. ``--prune --keep N`` removes the good committed checkpoints that no rule of the retention
-   policy keeps (:mod:`mpickpt.retention`, the Checkpointer's own): the N newest, with
+   policy keeps (:mod:`mpickpt.save.retention`, the Checkpointer's own): the N newest, with
    ``--keep-every K`` every step divisible by K, with ``--best METRIC[:min|max] --keep-best M``
    the M best by that number in the checkpoints' metadata; the chosen one always stays. The report
    says why each one is kept.
@@ -28,9 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__, retention, rollback, rootdir
+from .. import __version__
+from ..format import rollback, rootdir
 from ..log import human_bytes
 from ..ranks import ranks_text
+from ..save import retention
 from . import (
     EXIT_DAMAGED,
     EXIT_ERROR,

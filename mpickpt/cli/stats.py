@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import rootdir
+from ..format import rootdir
 from ..log import human_bytes
 from . import EXIT_ERROR, EXIT_OK
 from .catalog import root_problem

@@ -6,7 +6,7 @@ ranks wait for work. Full verification is shared: rank 0 splits the shards to ch
 gathers everyone's verdicts. So is the node-local level (:mod:`.local`), of which each rank may
 see only its own node's directory: every rank sends what it sees there (:class:`LookLocal`), and
 ``mpickpt drain`` has each shard verified and copied into ROOT by a rank that holds it
-(:class:`CopyShards`). All communication goes through :class:`mpickpt.protocol.Protocol`
+(:class:`CopyShards`). All communication goes through :class:`mpickpt.mpi.protocol.Protocol`
 (deadlines included); payloads are the small frozen records below and in :mod:`.local`
 (:class:`Job`, :class:`Verdict`, :class:`View` and the orders :class:`LookAt`, :class:`Check`,
 :class:`LookLocal`, :class:`ReadManifest`, :class:`CopyShards`, :class:`Stop`), of paths, numbers
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import checksum, rootdir
 from ..errors import CollectiveTimeout, ManifestError
-from ..manifest import Manifest, read_bytes
+from ..format import checksum, rootdir
+from ..format.manifest import Manifest, read_bytes
 from ..ranks import ranks_text
 from . import EXIT_ERROR
 from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
@@ -40,7 +40,7 @@ from .local import Copied, CopyJob, LocalView, copy_share, look
 from .render import Out, Progress
 
 if TYPE_CHECKING:
-    from ..protocol import Protocol
+    from ..mpi.protocol import Protocol
 
 
 
@@ -180,7 +180,7 @@ class Team:
         self.threads = threads
         self.proto: Protocol | None = None  # when several ranks run the command
         if launched():
-            from ..protocol import Protocol  # initialises MPI
+            from ..mpi.protocol import Protocol  # initialises MPI
 
             proto = Protocol(None, timeout)
             self.rank, self.size = proto.rank, proto.size

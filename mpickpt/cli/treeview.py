@@ -1,4 +1,4 @@
-"""A rank's state tree (:mod:`mpickpt.state_tree`'s JSON) as indented lines for a person.
+"""A rank's state tree (:mod:`mpickpt.format.state_tree`'s JSON) as indented lines for a person.
 
 One line per key: ``key: what``, where ``what`` is a scalar's value, a tensor's dtype and shape
 (from the manifest's records; a piece of a sharded tensor says where it lies in the whole), or a
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..records import TensorRecord
+from ..format.records import TensorRecord
 
 INDENT = "  "
 MAX_INLINE = 8  # a list or tuple of at most this many plain values is written on one line

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import rollback
+from ..format import rollback
+from ..format.rollback import Rollback
 from ..log import human_bytes
-from ..rollback import Rollback
 from . import (
     EXIT_DAMAGED,
     EXIT_ERROR,

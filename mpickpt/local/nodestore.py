@@ -1,13 +1,13 @@
 """The node store: checkpoints in each node's own directory, protected across nodes.
 
-The same steps as ROOT's store, on the node-local level (:class:`~mpickpt.levels.LocalLevel`):
+The same steps as ROOT's store, on the node-local level (:class:`~mpickpt.local.level.LocalLevel`):
 ``write`` checks that the node has room and writes the rank's shard flat (``rank-RRRRR.h5``,
 through memory maps on a tmpfs); ``protect`` runs the redundancy exchange once every rank has
-its shard (partner copies or XOR parity, :mod:`mpickpt.exchange`); ``publish`` sends rank 0's
+its shard (partner copies or XOR parity, :mod:`mpickpt.local.exchange`); ``publish`` sends rank 0's
 manifest to every node, whose leader commits it there with ``LEVEL.json`` beside it
-(:meth:`~mpickpt.localtier.LocalTier.publish`), and the step is protected once every node did;
+(:meth:`~mpickpt.local.nodedir.NodeDir.publish`), and the step is protected once every node did;
 ``retain`` keeps the newest ``Local(keep=)`` steps on each node. Its recovery
-(:mod:`mpickpt.recovery`) runs these steps backwards: find the newest step every rank can
+(:mod:`mpickpt.local.recovery`) runs these steps backwards: find the newest step every rank can
 rebuild, rebuild what a lost node held from the survivors, read.
 """
 
@@ -17,12 +17,12 @@ import logging
 import time
 
 from .. import faults, log
-from ..levels import LocalLevel
-from ..manifest import Manifest, RankEntry, read_bytes, shard_name
-from ..protocol import Protocol
-from ..request import SaveRequest, SaveResult
+from ..format.manifest import Manifest, RankEntry, read_bytes, shard_name
+from ..mpi.protocol import Protocol
+from ..save.request import SaveRequest, SaveResult
 from ..save.shards import RankShards, error_text
 from ..save.store import Published, discard
+from .level import LocalLevel
 
 
 class NodeStore:
@@ -38,10 +38,10 @@ class NodeStore:
         self.rank, self.shards, self.log = proto.rank, shards, logger
 
     def partial(self, step: int) -> str:
-        return self.lv.tier.partial(step, self.run_id)
+        return self.lv.nodedir.partial(step, self.run_id)
 
     def final(self, step: int) -> str:
-        return self.lv.tier.final(step)
+        return self.lv.nodedir.final(step)
 
     def manifest(self, step: int) -> Manifest:
         """The manifest of committed step ``step`` on this node."""
@@ -96,7 +96,7 @@ class NodeStore:
                 faults.hit("mid-local-commit", self.rank, step)
                 if lv.leader:
                     assert text is not None
-                    lv.tier.publish(partial, step, text.encode(), lv.level_record())
+                    lv.nodedir.publish(partial, step, text.encode(), lv.level_record())
             except Exception as e:
                 error = f"rank {self.rank}: {error_text(e)}"
         elif lv.leader:
@@ -122,7 +122,7 @@ class NodeStore:
                           s.get("protected_s", 0.0), log.human_bytes(int(s.get("bytes", 0))))
         if lv.leader:
             try:
-                lv.tier.retain(lv.keep, self.run_id, result.step)
+                lv.nodedir.retain(lv.keep, self.run_id, result.step)
             except OSError as e:
                 self.log.warning("rank %d: could not remove an old local checkpoint: %s",
                                  self.rank, e)

@@ -1,6 +1,6 @@
 """Stage 3's first half: every rank's entry goes to rank 0, which makes the manifest.
 
-The ranks' entries become the :class:`~mpickpt.manifest.Manifest` by the rules a parsed one
+The ranks' entries become the :class:`~mpickpt.format.manifest.Manifest` by the rules a parsed one
 obeys; the pieces of every sharded tensor must tile it (:func:`check_pieces`), and the older
 shards an incremental checkpoint refers to must still be there (:func:`check_sources`). A rank
 that failed after its yes vote is named, and the save aborts.
@@ -13,12 +13,12 @@ import time
 from typing import Any
 
 from .. import faults, sharding
-from .. import metadata as user_metadata
 from ..errors import CheckpointError
-from ..incremental import size_problem
-from ..manifest import Manifest, RankEntry
-from ..protocol import Protocol
-from ..request import SaveRequest
+from ..format.manifest import Manifest, RankEntry
+from ..mpi.protocol import Protocol
+from . import metadata as user_metadata
+from .incremental import size_problem
+from .request import SaveRequest
 from .shards import error_text
 
 # with index parts, rank 0 reads them all to check that sharded tensors tile at the commit up to

@@ -1,7 +1,7 @@
 """The save pipeline, on one background thread per Checkpointer: one sequence, any store.
 
-The training thread hands over a :class:`~mpickpt.request.SaveRequest` (the snapshot and what
-describes it) and gets a :class:`~mpickpt.request.SaveHandle` at once. The background thread
+The training thread hands over a :class:`~mpickpt.save.request.SaveRequest` (the snapshot and what
+describes it) and gets a :class:`~mpickpt.save.request.SaveHandle` at once. The background thread
 then runs, for the save's store (:mod:`mpickpt.save.store`: ROOT, or the node-local level):
 
 1. **write**: the rank's shard into the store's partial directory, fsynced;
@@ -9,7 +9,7 @@ then runs, for the save's store (:mod:`mpickpt.save.store`: ROOT, or the node-lo
 3. **vote**: any failure aborts on every rank, naming the ranks and reasons, and the partial
    directory goes;
 4. **assemble** (rank 0, :mod:`mpickpt.save.assemble`) and **publish**: the store's commit,
-   whose outcome every rank learns as a :class:`~mpickpt.request.SaveResult`;
+   whose outcome every rank learns as a :class:`~mpickpt.save.request.SaveResult`;
 5. **retain**: what follows a commit (figures, retention), or the abort logged.
 
 With a node-local level, every ``persist_every``-th committed save (and the emergency one, and
@@ -24,12 +24,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
-from ..protocol import Protocol
-from ..request import SaveHandle, SaveRequest, SaveResult, SkipLog
-from ..snapshot import Snapshotter
+from ..mpi.protocol import Protocol
 from .assemble import assemble
+from .request import SaveHandle, SaveRequest, SaveResult, SkipLog
 from .rootstore import RootStore
 from .shards import error_text
+from .snapshot import Snapshotter
 from .store import Store
 
 

@@ -4,9 +4,10 @@
 rank's regions of its node's file (``Files(per="node")``, collective over the node), and with
 ``split_index`` an index part per rank. ``protect``: nothing (the shared file system is the
 redundancy). ``publish``: rank 0 checks that every shard is where it sees it, at its size, and
-commits (:func:`mpickpt.commit.publish`); a step committed before is replaced, unless
-incremental checkpoints refer to its files. ``retain``: rank 0's :class:`~mpickpt.upkeep.Upkeep`
-(the log line, the figures, retention); the incremental tracker learns the committed entry.
+commits (:func:`mpickpt.format.commit.publish`); a step committed before is replaced, unless
+incremental checkpoints refer to its files. ``retain``: rank 0's
+:class:`~mpickpt.save.upkeep.Upkeep` (the log line, the figures, retention); the incremental
+tracker learns the committed entry.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import logging
 import os
 import time
 
-from .. import commit, faults, nodefile, rootdir
+from .. import faults
 from ..errors import CheckpointError
-from ..incremental import Tracker
-from ..manifest import Manifest, RankEntry, read_bytes, shard_name
-from ..nodefile import NodeFiles
-from ..protocol import Protocol, ranks_text
-from ..request import SaveRequest, SaveResult
-from ..upkeep import Upkeep
+from ..format import commit, nodefile, rootdir
+from ..format.manifest import Manifest, RankEntry, read_bytes, shard_name
+from ..format.nodefile import NodeFiles
+from ..mpi.protocol import Protocol, ranks_text
+from .incremental import Tracker
+from .request import SaveRequest, SaveResult
 from .shards import RankShards, error_text
 from .store import Published, discard
+from .upkeep import Upkeep
 
 
 class RootStore:

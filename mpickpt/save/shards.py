@@ -2,8 +2,9 @@
 
 :class:`RankShards` holds what every store's write shares: the snapshot's tensors once copied
 (less those an incremental save refers to), the shard's attributes, the write through
-:class:`~mpickpt.shard.ShardWriter` (one file per rank) or :mod:`mpickpt.nodefile` (this rank's
-regions of its node's file), and the :class:`~mpickpt.manifest.RankEntry` that describes it.
+:class:`~mpickpt.format.shard.ShardWriter` (one file per rank) or :mod:`mpickpt.format.nodefile`
+(this rank's regions of its node's file), and the :class:`~mpickpt.format.manifest.RankEntry` that
+describes it.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import checksum, faults, nodefile, rootdir
-from ..checksum import DEFAULT_BLOCK
-from ..codec import MIN_BYTES as MIN_COMPRESS
-from ..incremental import Decision, Tracker
-from ..manifest import FANOUT, IndexRef, RankEntry, index_name
-from ..records import TensorRecord
-from ..request import SaveRequest
-from ..shard import DEFAULT_ALIGNMENT, ShardWriter
+from .. import faults
+from ..format import checksum, nodefile, rootdir
+from ..format.checksum import DEFAULT_BLOCK
+from ..format.codec import MIN_BYTES as MIN_COMPRESS
+from ..format.manifest import FANOUT, IndexRef, RankEntry, index_name
+from ..format.records import TensorRecord
+from ..format.shard import DEFAULT_ALIGNMENT, ShardWriter
+from .incremental import Decision, Tracker
+from .request import SaveRequest
 
 if TYPE_CHECKING:
     import torch
 
-    from ..nodefile import NodeFiles
-    from ..protocol import Protocol
+    from ..format.nodefile import NodeFiles
+    from ..mpi.protocol import Protocol
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ShardOptions:
     incremental: int | None = None  # refer to unchanged tensors; a full checkpoint every N saves
     frozen: Callable[[str], bool] | None = None  # tensor names referred to without hashing
     compression: Callable[[str], str | None] | None = None  # tensor name -> codec, or None
-    per_node: bool = False  # one file per node (mpickpt.nodefile)
+    per_node: bool = False  # one file per node (mpickpt.format.nodefile)
     fanout: int = FANOUT  # shards (and index parts) per directory, at most
 
     def extended(self, world_size: int) -> bool:

@@ -3,8 +3,8 @@
 The pipeline (:mod:`mpickpt.save.pipeline`) runs the same sequence for every save, whatever its
 destination: ``write`` (this rank's shard into the store's partial directory), ``protect``
 (redundancy, where the store has any), a vote, the assembly of the manifest, ``publish`` (the
-commit, :mod:`mpickpt.commit`), then ``retain`` (what follows a commit) or ``discard`` (what an
-abort leaves). Two stores do it: :class:`~mpickpt.save.rootstore.RootStore` (ROOT, a file per
+commit, :mod:`mpickpt.format.commit`), then ``retain`` (what follows a commit) or ``discard`` (what
+an abort leaves). Two stores do it: :class:`~mpickpt.save.rootstore.RootStore` (ROOT, a file per
 rank or per node) and :class:`~mpickpt.local.nodestore.NodeStore` (the node-local level, with
 partner copies or XOR parity). A drain is the same sequence from the node store into ROOT.
 """
@@ -15,9 +15,10 @@ import logging
 import os
 from typing import Any, NamedTuple, Protocol
 
-from .. import log, rootdir
-from ..manifest import Manifest, RankEntry
-from ..request import SaveRequest, SaveResult
+from .. import log
+from ..format import rootdir
+from ..format.manifest import Manifest, RankEntry
+from .request import SaveRequest, SaveResult
 
 
 class Published(NamedTuple):

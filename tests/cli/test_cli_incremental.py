@@ -17,7 +17,7 @@ from clikit import cli, cli_json
 from harness import SCENARIOS, run_mpi
 
 from mpickpt.cli import EXIT_OK
-from mpickpt.manifest import Manifest, read_bytes
+from mpickpt.format.manifest import Manifest, read_bytes
 
 SCENARIO = str(SCENARIOS / "incremental.py")
 pytestmark = pytest.mark.guarantee("incremental")

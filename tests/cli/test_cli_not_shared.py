@@ -19,8 +19,8 @@ import pytest
 from clikit import COMMITTED, cli, cli_json, copy_tree, listing, partial_dirs
 from harness import mpiexec, shard, step_dir
 
-from mpickpt import rootdir
 from mpickpt.cli import EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
+from mpickpt.format import rootdir
 
 HINT = rootdir.not_shared_hint()
 

@@ -2,7 +2,7 @@
 
 examples/train.py (2 ranks) checkpoints every 5 steps up to 40 and keeps them all; each manifest
 holds the training loss of its step in the user metadata. The expected outcome is worked out here
-from those manifests, independently of mpickpt.retention.
+from those manifests, independently of mpickpt.save.retention.
 """
 
 from __future__ import annotations

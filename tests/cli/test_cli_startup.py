@@ -90,17 +90,17 @@ before = "torch" in sys.modules
 listed = set(dir(mpickpt))
 from mpickpt import *  # noqa
 from mpickpt import Checkpointer, Piece, RNGState, RestoreInfo, SaveHandle, SaveResult, Shard
-import mpickpt.checkpointer, mpickpt.restorer, mpickpt.sharding, mpickpt.stateful
+import mpickpt.checkpointer, mpickpt.restore.restorer, mpickpt.sharding, mpickpt.stateful
 print(json.dumps({
     "before": before, "after": "torch" in sys.modules,
     "missing_from_dir": sorted(set(mpickpt.__all__) - listed),
     "same": [getattr(mpickpt, n) is getattr(m, n) for n, m in [
         ("Checkpointer", mpickpt.checkpointer), ("SaveHandle", mpickpt.checkpointer),
-        ("SaveResult", mpickpt.checkpointer), ("RestoreInfo", mpickpt.restorer),
+        ("SaveResult", mpickpt.checkpointer), ("RestoreInfo", mpickpt.restore.restorer),
         ("Piece", mpickpt.sharding), ("Shard", mpickpt.sharding),
         ("RNGState", mpickpt.stateful), ("Values", mpickpt.stateful)]],
     "star": sorted(n for n in mpickpt.__all__ if n not in globals()),
-    "submodule": mpickpt.rootdir.__name__, "version": mpickpt.__version__}))
+    "submodule": mpickpt.format.rootdir.__name__, "version": mpickpt.__version__}))
 """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -109,6 +109,6 @@ print(json.dumps({
     got = json.loads(p.stdout)
     assert got["before"] is False and got["after"] is True
     assert got["missing_from_dir"] == [] and got["star"] == []
-    assert all(got["same"]) and got["submodule"] == "mpickpt.rootdir"
+    assert all(got["same"]) and got["submodule"] == "mpickpt.format.rootdir"
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         _ = mpickpt.nothing_here

@@ -15,7 +15,7 @@ import pytest
 from faultkit import committed_steps, step_dirs
 from harness import SCENARIOS, Job, run_mpi
 
-from mpickpt.manifest import Manifest, read_bytes
+from mpickpt.format.manifest import Manifest, read_bytes
 
 SCENARIO = str(SCENARIOS / "incremental.py")
 STEPS, KILLED = 8, 6

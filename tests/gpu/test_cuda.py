@@ -99,7 +99,7 @@ def test_rng_state_with_cuda_round_trips(tmp_path):
 def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, monkeypatch):
     import threading
 
-    from mpickpt import pinned_pool
+    from mpickpt.save import pinned_pool
 
     threads: list[str] = []
     real = pinned_pool.HostPool._new

@@ -65,7 +65,7 @@ def cells(n: int) -> list[Cell]:
 
 
 # Cells that cannot be run meaningfully, with the reason (none: every phase exists on every rank,
-# see the faults.hit calls of mpickpt/save/ and mpickpt/upkeep.py).
+# see the faults.hit calls of mpickpt/save/ and mpickpt/save/upkeep.py).
 NOT_APPLICABLE: dict[str, str] = {}
 
 

@@ -28,9 +28,9 @@ import pytest
 from harness import SCENARIOS, Job, run_mpi
 from scheduling import ByGroup, matrix_group
 
-from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from mpickpt.faults import LEVEL_PHASES
+from mpickpt.format import rootdir
 
 JOB = SCENARIOS / "levels.py"
 SUITE = "level-fault-matrix"

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from harness import SCENARIOS, Job, run_mpi
 
-from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
-from mpickpt.protocol import DEFAULT_TIMEOUT, resolve_timeout
+from mpickpt.format import rootdir
+from mpickpt.mpi.protocol import DEFAULT_TIMEOUT, resolve_timeout
 from mpickpt.ranks import rank_ranges, ranks_text
 
 N, DEADLINE, GRACE = 4, 3, 3

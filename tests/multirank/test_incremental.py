@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from harness import SCENARIOS, run_mpi
 
-from mpickpt.manifest import Manifest, read_bytes
+from mpickpt.format.manifest import Manifest, read_bytes
 
 SCENARIO = str(SCENARIOS / "incremental.py")
 pytestmark = pytest.mark.guarantee("incremental")

@@ -76,7 +76,7 @@ def test_the_ranks_of_one_node_file_must_agree_on_its_size(saved: Path, tmp_path
     """A manifest whose ranks of one node file disagree on its size is refused (they read it
     as one file of one size)."""
     from mpickpt.errors import ManifestError
-    from mpickpt.manifest import Manifest
+    from mpickpt.format.manifest import Manifest
 
     d = json.loads((saved / "step-00000007" / "MANIFEST.json").read_text())
     d["ranks"][1]["bytes"] += 1

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from harness import SCENARIOS, assert_same_final, mpiexec, python, train
 
-from mpickpt import rootdir
 from mpickpt.exitcodes import EXIT_PREEMPTED
+from mpickpt.format import rootdir
 
 N, STEPS = 4, 60
 

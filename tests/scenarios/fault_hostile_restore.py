@@ -7,9 +7,9 @@ For each case every rank builds a fresh state, restores ROOT into it (``step`` g
 only) and writes DIR/rank-R.json: the restored step (null when none), restore_info.skipped, the
 error restore raised (if any), whether the state is still bit-identical to its initial values
 ("untouched"), what the state holds afterwards ("arrays": name -> [dtype, shape, xxh3-64 of the
-bytes], "tree": the state tree, both as mpickpt.state_tree.flatten names them, so that a test can
-compare them with what h5py reads from a shard), and by how much the rank's peak resident memory
-grew during the case.
+bytes], "tree": the state tree, both as mpickpt.format.state_tree.flatten names them, so that a
+test can compare them with what h5py reads from a shard), and by how much the rank's peak resident
+memory grew during the case.
 
 ``--limit-as-mb MB``: after start-up the address space of every rank is limited to what it uses
 plus MB, so an allocation sized by a lying manifest fails instead of passing unnoticed.
@@ -31,7 +31,7 @@ import xxhash
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import state_tree
+from mpickpt.format import state_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

@@ -33,7 +33,8 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import faults, rootdir
+from mpickpt import faults
+from mpickpt.format import rootdir
 
 SAVES = (10, 20, 30)
 FAULT_STEP = 30          # the save-path phases fire in the save of this step

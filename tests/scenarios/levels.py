@@ -41,7 +41,9 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import exchange, faults, rootdir
+from mpickpt import faults
+from mpickpt.format import rootdir
+from mpickpt.local import exchange
 
 NAMES = ("w1", "w2", "b")
 

@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
-from mpickpt import dtypes
+from mpickpt.format import dtypes
 
 rank = MPI.COMM_WORLD.rank
 warnings.filterwarnings("ignore", "ComplexHalf support is experimental")

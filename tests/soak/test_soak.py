@@ -23,7 +23,7 @@ import torch
 from harness import SCENARIOS, run_mpi
 
 import mpickpt
-from mpickpt import upkeep
+from mpickpt.save import upkeep
 
 N, KEEP = 4, 2
 SAVES = int(os.environ.get("MPICKPT_SOAK_SAVES", "1000"))

@@ -12,9 +12,11 @@ import os
 import time
 from typing import Any
 
-from . import faults, log, retention, rootdir
-from .errors import ManifestError
-from .manifest import Manifest, read_bytes
+from .. import faults, log
+from ..errors import ManifestError
+from ..format import rootdir
+from ..format.manifest import Manifest, read_bytes
+from . import retention
 
 STATS = "stats.jsonl"
 # ROOT/stats.jsonl grows by a line (about 400 bytes) per commit; at this size it becomes

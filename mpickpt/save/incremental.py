@@ -20,7 +20,7 @@ that keep it safe:
 * **Checked before use.** A base file whose size is not what its record says (removed, replaced
   by a save of the same step again) is not referred to: that rank writes in full.
 * **Committed or nothing.** A checkpoint that refers to older ones is committed by the same vote;
-  retention (:func:`mpickpt.retention.plan`) keeps every step a kept one refers to.
+  retention (:func:`mpickpt.save.retention.plan`) keeps every step a kept one refers to.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checksum, rootdir, sharding
-from .manifest import RankEntry
-from .records import TensorRecord
-from .shard import _run, byte_view
+from .. import sharding
+from ..format import checksum, rootdir
+from ..format.manifest import RankEntry
+from ..format.records import TensorRecord
+from ..format.shard import _run, byte_view
 
 CHANGED_STREAK = 2
 
@@ -161,7 +162,7 @@ class Tracker:
     def _size_of(self, source: str) -> int:
         """The size of an older shard an elided tensor refers to; CheckpointError if it is gone
         (the save aborts: the tensor was not snapshotted)."""
-        from .errors import CheckpointError
+        from ..errors import CheckpointError
 
         path = os.path.join(self.root, source)
         expected = self.base.sources.get(source) if self.base is not None else None
@@ -270,7 +271,7 @@ def size_problem(path: str, size: int) -> str | None:
 
 def _same_layout(r: TensorRecord, t: torch.Tensor, p: sharding.Placement | None) -> bool:
     """Whether record ``r`` could hold tensor ``t`` (placed as ``p``) unchanged."""
-    from . import dtypes
+    from ..format import dtypes
 
     if r.dtype != dtypes.name_of(t.dtype) or list(r.shape) != list(t.shape):
         return False

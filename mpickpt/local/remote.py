@@ -1,7 +1,7 @@
 """Restore from the node-local level: the bytes of shards on other nodes, sent by their ranks.
 
-Once :class:`~mpickpt.recovery.LocalRecovery` has made a local step whole, every rank's own shard
-lies in its node's directory. A rank that needs bytes of a shard written on another node (the
+Once :class:`~mpickpt.local.recovery.LocalRecovery` has made a local step whole, every rank's own
+shard lies in its node's directory. A rank that needs bytes of a shard written on another node (the
 replicated tensors of a DDP job, whose writers are spread over every rank; the pieces of a
 sharded tensor) asks that shard's rank for them. Collective over every rank:
 
@@ -21,10 +21,10 @@ import os
 
 import torch
 
-from .errors import ShardError
-from .manifest import Manifest
-from .protocol import Protocol
-from .shard import Span, read_spans
+from ..errors import ShardError
+from ..format.manifest import Manifest
+from ..format.shard import Span, read_spans
+from ..mpi.protocol import Protocol
 
 WINDOW = 256 << 20  # bytes per message at most
 

@@ -9,7 +9,7 @@ and ``xxh3_64`` on each dataset and the JSON tree on the root.
 Reading never goes through HDF5: the manifest's records (offset, size, checksums) drive positional
 reads, checked against the real file size first, so a hostile file cannot make the reader allocate
 more than it holds. Each checksum block is read and verified straight into its place in the
-tensor by :class:`mpickpt.blocks.BlockFile`, the reader the operator's tools share.
+tensor by :class:`mpickpt.format.blocks.BlockFile`, the reader the operator's tools share.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import h5py
 import numpy as np
 import torch
 
+from ..errors import ShardError
+from ..save.pinned_pool import align
 from . import checksum, dtypes, rootdir
 from .blocks import DIRECT_ALIGN, BlockFile, _direct_len, _open_direct
-from .errors import ShardError
-from .pinned_pool import align
-from .records import (  # the torch-free half, re-exported: mpickpt.shard.TensorRecord etc.
+from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT,
     TENSORS_GROUP,
     VERSION,
@@ -153,7 +153,7 @@ class ShardWriter:
         block: int = checksum.DEFAULT_BLOCK,
     ) -> None:
         self.path = path
-        self._codecs = dict(codecs or {})  # tensor name -> codec: compressed (mpickpt.codec)
+        self._codecs = dict(codecs or {})  # tensor name -> codec: compressed (mpickpt.format.codec)
         self._block = block
         self.records: list[TensorRecord] = []
         self._datasets: list[h5py.h5d.DatasetID] = []  # of the records, for their checksums
@@ -265,7 +265,7 @@ class ShardWriter:
 
     def _compressed_dataset(self, path: str, tid: h5py.h5t.TypeID, t: torch.Tensor, c: str,
                             lcpl: h5py.h5p.PropLCID) -> h5py.h5d.DatasetID:
-        """A chunked dataset with the filters that read what :func:`mpickpt.codec.compress`
+        """A chunked dataset with the filters that read what :func:`mpickpt.format.codec.compress`
         makes (HDF5 runs none of them here: the chunks are written directly)."""
         from . import codec
 
@@ -469,7 +469,7 @@ def read_spans(
 ) -> None:
     """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
     on one or at the record's end) into its ``dest``, verifying every block
-    (:meth:`mpickpt.blocks.BlockFile.read_block`, straight into place);
+    (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place);
     :class:`ShardError` naming the file, tensor and block at the first mismatch.
 
     The file is opened without following symbolic links and must be exactly ``file_bytes`` long;

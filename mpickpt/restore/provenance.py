@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 
-from . import checksum, rootdir
-from .errors import ManifestError
-from .manifest import Manifest, RankEntry, read_bytes
+from ..errors import ManifestError
+from ..format import checksum, rootdir
+from ..format.manifest import Manifest, RankEntry, read_bytes
 
 PROBES = 64
 PROBE_BYTES = 4 << 20

@@ -1,11 +1,11 @@
 """The training thread's part of a save, and its whole cost: from the user's state to a
-:class:`~mpickpt.request.SaveRequest` the background pipeline takes over.
+:class:`~mpickpt.save.request.SaveRequest` the background pipeline takes over.
 
-In order: the fault point ``before-snapshot``; the metadata checked (:mod:`mpickpt.metadata`);
+In order: the fault point ``before-snapshot``; the metadata checked (:mod:`mpickpt.save.metadata`);
 the state flattened into a JSON tree and named tensors with their placements
-(:mod:`mpickpt.state_tree`); the replicated pieces another rank writes dropped
+(:mod:`mpickpt.format.state_tree`); the replicated pieces another rank writes dropped
 (:func:`mpickpt.sharding.keep_mine`); the optimizers and modules fenced; the tensors snapshotted
-into a host buffer (:mod:`mpickpt.snapshot`: those only an optimizer in the state changes are
+into a host buffer (:mod:`mpickpt.save.snapshot`: those only an optimizer in the state changes are
 copied while forward and backward run), unless every buffer is in flight and the Checkpointer
 skips such saves (``if_busy="skip"``). A failure does not raise here: it travels in the
 request, so that every rank aborts the save together; a mistake of the user's (a state or
@@ -18,13 +18,14 @@ import logging
 import time
 from typing import Any
 
-from . import faults, state_tree
+from .. import faults
+from ..errors import CheckpointError, MetadataError, StateTreeError
+from ..format import state_tree
+from ..sharding import keep_mine
 from . import metadata as user_metadata
-from .errors import CheckpointError, MetadataError, StateTreeError
 from .incremental import Tracker
 from .pinned_pool import HostPool
 from .request import SaveRequest, WaitLog
-from .sharding import keep_mine
 from .snapshot import Snapshotter
 
 # a first save that page-locks this many bytes or more logs the prepare() hint

@@ -14,8 +14,8 @@ For a step that some node committed locally, collectively:
    manifest and written into the node's directory (with the manifest, so the node is whole
    again); an allreduce says whether every rank now has its verified shard.
 
-Nothing is loaded into the state here: :class:`mpickpt.restorer.Restorer` then loads the step
-from each rank's own node directory, as it loads one from ROOT.
+Nothing is loaded into the state here: :class:`mpickpt.restore.restorer.Restorer` then loads the
+step from each rank's own node directory, as it loads one from ROOT.
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import log, rootdir
-from .blocks import verify_file
-from .errors import ManifestError, ShardError
+from .. import log
+from ..errors import ManifestError, ShardError
+from ..format import rootdir
+from ..format.blocks import verify_file
+from ..format.manifest import NAME as MANIFEST
+from ..format.manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
+from ..format.records import check_file, check_records
+from ..format.rollback import NAME as ROLLBACK
+from ..format.rollback import Rollback
+from ..mpi.protocol import Protocol, ranks_text
 from .exchange import copy_over, xor_rebuild
-from .levels import LocalLevel
-from .localtier import LEVEL, PARITY_RE, parity_name
-from .manifest import NAME as MANIFEST
-from .manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
-from .protocol import Protocol, ranks_text
-from .records import check_file, check_records
-from .rollback import NAME as ROLLBACK
-from .rollback import Rollback
+from .level import LocalLevel
+from .nodedir import LEVEL, PARITY_RE, parity_name
 from .topology import partner_holder, team_of, xor_chunk_bytes
 
 
@@ -61,15 +62,15 @@ class LocalRecovery:
         self.last = Recovered()
 
     def path(self, step: int) -> str:
-        return self.level.tier.final(step)
+        return self.level.nodedir.final(step)
 
     def steps(self, undo: Rollback | None = None) -> list[int]:
         """The steps any node committed locally, newest first (collective). With ``undo``
         (ROOT's rollback in effect), the steps it undoes are left out and removed from every
-        node (:mod:`mpickpt.rollback`); rank 0 logs which."""
+        node (:mod:`mpickpt.format.rollback`); rank 0 logs which."""
         mine, gone = [], []
         if self.level.leader:
-            for step in self.level.tier.committed():
+            for step in self.level.nodedir.committed():
                 if undo is not None and undo.excludes(step, _written(self.path(step))):
                     gone.append(step)
                 else:
@@ -85,7 +86,7 @@ class LocalRecovery:
         if undone and undo is not None and self.rank == 0:
             self.log.warning("%s: discarding step(s) %s of the local level, saved before it "
                              "(%s)", undo.describe(), ", ".join(map(str, undone)),
-                             self.level.tier.base)
+                             self.level.nodedir.base)
         return sorted({s for m, _ in parts for s in m} - set(undone), reverse=True)
 
     def _inventory(self, d: str) -> tuple[bool, list[int], list[int]]:

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from ..errors import ShardError
 from . import checksum
-from .errors import ShardError
 from .records import TensorRecord, check_records, open_shard
 
 DIRECT_ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to this
@@ -79,8 +79,8 @@ class BlockFile:
 
     Opened without following symbolic links, refused (FIFO, device, directory: OSError; another
     size than ``file_bytes``: :class:`ShardError`) before anything is read. The records given to
-    :meth:`read_block` must have passed :func:`mpickpt.records.check_records`. Thread-safe: only
-    positional reads."""
+    :meth:`read_block` must have passed :func:`mpickpt.format.records.check_records`. Thread-safe:
+    only positional reads."""
 
     def __init__(self, rank: int, path: str, file_bytes: int, block: int, *,
                  direct: bool = False) -> None:

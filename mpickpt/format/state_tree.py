@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes, sharding
-from .errors import StateMismatchError, StateTreeError
-from .sharding import Piece, Placement
-from .stateful import py_state, py_unstate
+from .. import sharding
+from ..errors import StateMismatchError, StateTreeError
+from ..sharding import Piece, Placement
+from ..stateful import py_state, py_unstate
+from . import dtypes
 
 MAX_DEPTH = 64  # levels of nesting in a state (its JSON tree takes about 3 per level: the
 # manifest refuses trees deeper than 256)

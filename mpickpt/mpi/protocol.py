@@ -5,24 +5,13 @@ non-blocking and polled until it completes or its deadline passes; object collec
 by such a barrier, so a blocking transfer only starts once every rank has arrived. A missed
 deadline raises :class:`~mpickpt.errors.CollectiveTimeout`; the communicator is unusable after it.
 Payloads are our own small str/int/dict values, never user data from a checkpoint.
-
-Who did not arrive: a roll call, paid only when a deadline passes. The collectives on one
-communicator are numbered in the order every rank runs them, so a rank waiting in collective S
-knows that every rank completed S-1 (a barrier or allreduce completes only once all have joined):
-that is where a missing rank was last seen. When rank 0's deadline passes, or another rank's alarm
-reaches it (a non-zero rank whose deadline passes sends one), rank 0 calls the roll: a message to
-every rank; each rank polling in a collective answers where it waits; after ``grace`` seconds the
-ranks that did not answer are the missing ones, and rank 0 sends the report to every rank, which
-each logs. Without an answer from rank 0 within ``grace``, a rank reports that rank 0 is missing,
-with what it knows itself. O(N) messages, all point to point with rank 0, only after a deadline
-passed; none while the job is healthy beyond one ``Iprobe`` per poll of a collective that waits.
+Who did not arrive, when a deadline passes: :mod:`mpickpt.mpi.rollcall`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -32,14 +21,14 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import knobs
-from .errors import CollectiveTimeout
-from .exitcodes import EXIT_COLLECTIVE_TIMEOUT
-from .ranks import ranks_text, spans, unspan
+from .. import knobs
+from ..errors import CollectiveTimeout
+from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
+from ..ranks import ranks_text
+from .exitvote import ExitVote
+from .rollcall import RollCall
 
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
-# point-to-point tags of the roll call on the private communicators (collectives never match them)
-TAG_ALARM, TAG_CALL, TAG_HERE, TAG_REPORT = 0x6D71, 0x6D72, 0x6D73, 0x6D74  # <= 32767, always valid
 # Waiting for a collective: POLL_SPINS tests at once, then naps of POLL_NAP_S doubling up to
 # POLL_NAP_MAX_S between tests (a collective that took long is seen at most that late), and a
 # look at the roll call and the deadline every POLL_LOOK_S. Each test drives MPI's progress and
@@ -49,7 +38,7 @@ POLL_SPINS = 20
 POLL_NAP_S = 0.0005
 POLL_NAP_MAX_S = 0.002
 POLL_LOOK_S = 0.05
-TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.exchange), point to point
+TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.local.exchange), point to point
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -60,146 +49,6 @@ def resolve_timeout(timeout: float | None) -> float:
 def resolve_grace(grace: float | None) -> float:
     """``grace``, else ``$MPICKPT_TIMEOUT_GRACE`` (seconds), else 5 s."""
     return float(grace) if grace is not None else knobs.TIMEOUT_GRACE.get()
-
-
-class _RollCall:
-    """The collectives of one communicator, numbered, and the roll call when one misses its
-    deadline (see the module docstring). Used by one thread at a time."""
-
-    def __init__(self, comm: Any, grace: float) -> None:
-        self.comm = comm
-        self.rank: int = comm.Get_rank()
-        self.size: int = comm.Get_size()
-        self.grace = grace
-        self.seq = 0  # the collective this rank is in, or last was in
-        self.where = ""  # its name, e.g. "phase 'vote' (collective #8)"
-        self.last_done = "the creation of this communicator"
-        self._heard: dict[str, Any] | None = None  # rank 0: an alarm; the others: a call
-        self._report: dict[str, Any] | None = None
-        self._sends: list[tuple[Any, bytearray]] = []  # never waited on: a dead rank never acks
-        self.coordinated = False  # whether rank 0's report came (else rank 0 was silent)
-
-    def enter(self, where: str) -> None:
-        self.seq += 1
-        self.where = where
-
-    def complete(self) -> None:
-        self.last_done = self.where
-
-    # -------------------------------------------------------------------------------- messages
-
-    def _send(self, obj: dict[str, Any], dest: int, tag: int) -> None:
-        buf = bytearray(json.dumps(obj).encode())
-        with contextlib.suppress(MPI.Exception):  # a dead peer: it is reported missing anyway
-            self._sends.append((self.comm.Isend([buf, MPI.BYTE], dest, tag), buf))
-
-    def _take(self, tag: int) -> tuple[int, dict[str, Any]] | None:
-        """A message of ``tag`` that has arrived (any source), or None."""
-        status = MPI.Status()
-        try:
-            msg = self.comm.Improbe(MPI.ANY_SOURCE, tag, status)
-            if msg is None:
-                return None
-            buf = bytearray(status.Get_count(MPI.BYTE))
-            msg.Recv([buf, MPI.BYTE])
-            obj = json.loads(buf.decode())
-        except (MPI.Exception, ValueError):
-            return None
-        return status.Get_source(), obj if isinstance(obj, dict) else {}
-
-    def alarmed(self) -> bool:
-        """Cheap check while waiting: rank 0, did another rank's deadline pass? Others: did rank
-        0 call the roll (or already report)?"""
-        if self._heard is not None or self._report is not None:
-            return True
-        got = self._take(TAG_ALARM if self.rank == 0 else TAG_CALL)
-        if got is not None:
-            self._heard = {**got[1], "from": got[0]}
-            return True
-        if self.rank != 0:
-            got = self._take(TAG_REPORT)
-            if got is not None:
-                self._report = got[1]
-                return True
-        return False
-
-    # ------------------------------------------------------------------------------- roll call
-
-    def account(self) -> str:
-        """After a missed deadline (or an alarm): who did not arrive, as text for the error."""
-        return self._lead() if self.rank == 0 else self._follow()
-
-    def _me(self) -> dict[str, Any]:
-        return {"seq": self.seq, "where": self.where}
-
-    def _lead(self) -> str:
-        """Rank 0: call the roll, wait ``grace`` for the answers, report to every rank."""
-        here: dict[int, str] = {0: self.where}
-        if self._heard is not None:
-            here[int(self._heard["from"])] = str(self._heard.get("where", "?"))
-        for r in range(1, self.size):
-            self._send(self._me(), r, TAG_CALL)
-        end = time.monotonic() + self.grace
-        while len(here) < self.size and time.monotonic() < end:
-            got = self._take(TAG_HERE) or self._take(TAG_ALARM)
-            if got is None:
-                time.sleep(0.002)
-            else:
-                here[got[0]] = str(got[1].get("where", "?"))
-        missing = [r for r in range(self.size) if r not in here]
-        groups: dict[str, list[int]] = {}
-        for r, where in here.items():
-            groups.setdefault(where, []).append(r)
-        report = {"missing": spans(missing), "last": self.last_done,
-                  "answered": {w: spans(rs) for w, rs in groups.items()}}
-        for r in range(1, self.size):
-            self._send(report, r, TAG_REPORT)
-        self.coordinated = True
-        return self._describe(report)
-
-    def _follow(self) -> str:
-        """Rank R > 0: alarm rank 0 (unless it already called), answer its call, await the
-        report; without one in time, say so and what this rank knows itself."""
-        if self._heard is None and self._report is None:
-            self._send(self._me(), 0, TAG_ALARM)
-        end = time.monotonic() + self.grace
-        answered = False
-        while self._report is None:
-            if self._heard is not None and not answered:
-                self._send(self._me(), 0, TAG_HERE)  # (an alarm already counts as an answer)
-                answered = True
-                end = time.monotonic() + 2 * self.grace  # rank 0 waits grace for the others
-            got = self._take(TAG_REPORT)
-            if got is not None:
-                self._report = got[1]
-                break
-            if time.monotonic() > end:
-                break
-            if self._heard is None:
-                got = self._take(TAG_CALL)
-                if got is not None:
-                    self._heard = got[1]
-                    continue
-            time.sleep(0.002)
-        if self._report is not None:
-            self.coordinated = True
-            return self._describe(self._report)
-        if self._heard is None:
-            return (f"rank 0 did not answer within {self.grace:g} s, so rank 0 did not arrive "
-                    f"(last seen in {self.last_done}, the last collective every rank completed); "
-                    f"whether other ranks are missing is unknown")
-        return (f"rank 0 called the roll but sent no report within {2 * self.grace:g} s; every "
-                f"rank completed {self.last_done}")
-
-    def _describe(self, report: dict[str, Any]) -> str:
-        missing = unspan(report.get("missing", []))
-        groups = sorted(report.get("answered", {}).items(), key=lambda kv: kv[1][0][0])
-        answered = " and ".join(f"{ranks_text(unspan(s))} waiting in {w}" for w, s in groups)
-        if not missing:
-            return (f"every rank answered rank 0's roll call ({answered}): a rank arrived after "
-                    f"the deadline")
-        return (f"did not arrive: {ranks_text(missing)}, last seen in {report.get('last')}; "
-                f"rank 0's roll call was answered within {self.grace:g} s by {answered}")
 
 
 def world_rank() -> int | None:
@@ -222,7 +71,7 @@ class Protocol:
         self.size: int = self.comm.Get_size()
         self.timeout = resolve_timeout(timeout)
         self.grace = resolve_grace(grace)
-        self._roll = _RollCall(self.comm, self.grace)
+        self._roll = RollCall(self.comm, self.grace)
         self._abort_delay = 0.0
         self.collectives = 0  # collective operations this rank has completed (a statistic)
 
@@ -291,7 +140,7 @@ class Protocol:
         Pending(self, [self.comm.Ireduce(send, recv, op=MPI.BXOR, root=root)],
                 f"{phase} of {self.size} ranks").wait()
 
-    def complete(self, req: MPI.Request, roll: _RollCall, phase: str) -> None:
+    def complete(self, req: MPI.Request, roll: RollCall, phase: str) -> None:
         """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
         MPI error) account for the missing ranks and raise :class:`CollectiveTimeout`."""
         deadline = time.monotonic() + self.timeout
@@ -467,54 +316,3 @@ def _waiter() -> concurrent.futures.ThreadPoolExecutor:
         _WAITER.append(concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mpickpt-transfer"))
     return _WAITER[0]
-
-
-class ExitVote:
-    """Agree across ranks whether any rank wants to stop, without a blocking collective per step.
-
-    Every rank calls :meth:`poll` once per training step. A call completes the allreduce (MAX)
-    started by the previous call, which every rank posted a step ago, so in a job whose ranks
-    move in step the wait is nil, and starts the next one with this rank's flag. All ranks learn
-    a raised flag at the same call, hence at the same step. Its own communicator keeps it apart
-    from the saves running on the background thread. The wait has the protocol's deadline: a rank
-    that stops calling (dead, hung) makes the others raise :class:`CollectiveTimeout`, naming it.
-    """
-
-    PHASE = "should_exit"
-
-    def __init__(self, proto: Protocol) -> None:
-        self._proto = proto
-        self.comm = proto.comm.Dup()
-        self._roll = _RollCall(self.comm, proto.grace)
-        self._send = np.zeros(2, dtype=np.int64)
-        self._recv = np.zeros(2, dtype=np.int64)
-        self._req: MPI.Request | None = None
-        self._label = ""
-
-    def _complete(self) -> None:
-        assert self._req is not None
-        self._roll.enter(self._label)
-        self._proto.complete(self._req, self._roll, self.PHASE)
-        self._roll.complete()
-        self._req = None
-
-    def poll(self, flag: int, rank: int, step: int | None = None) -> tuple[int, int] | None:
-        """None while every rank's flag is 0; else (the highest flag, the highest rank that
-        raised a flag). ``step`` only names the call in a report."""
-        agreed = None
-        if self._req is not None:
-            self._complete()
-            if self._recv[0]:
-                agreed = int(self._recv[0]), int(self._recv[1]) - 1
-        if agreed is None:
-            self._send[:] = (flag, rank + 1 if flag else 0)
-            self._label = (f"phase {self.PHASE!r} (call #{self._roll.seq + 1}"
-                           f"{f', step {step}' if step is not None else ''})")
-            self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
-        return agreed
-
-    def free(self) -> None:
-        """Collective: complete the allreduce in flight (every rank has the same one), release."""
-        if self._req is not None:
-            self._complete()
-        self.comm.Free()

@@ -16,9 +16,9 @@ import os
 import socket
 import uuid
 
-from . import rootdir
-from .errors import RootNotSharedError
-from .protocol import Protocol, ranks_text
+from ..errors import RootNotSharedError
+from ..format import rootdir
+from ..mpi.protocol import Protocol, ranks_text
 
 
 def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> None:

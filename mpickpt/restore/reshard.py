@@ -18,13 +18,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import dtypes, sharding, state_tree
-from .errors import ShardError, StateMismatchError
-from .manifest import Manifest, RankEntry
-from .pinned_pool import align
-from .records import ByteRange
-from .shard import Span, TensorRecord, read_spans
-from .state_tree import ArraySpec
+from .. import sharding
+from ..errors import ShardError, StateMismatchError
+from ..format import dtypes, state_tree
+from ..format.manifest import Manifest, RankEntry
+from ..format.records import ByteRange
+from ..format.shard import Span, TensorRecord, read_spans
+from ..format.state_tree import ArraySpec
+from ..save.pinned_pool import align
 
 
 class RecordKey(NamedTuple):
@@ -262,7 +263,8 @@ def _cover(t: Target, stored: list[Piece], where: str) -> Target:
 class Staged:
     """A plan's targets allocated, and the spans to read into them, by the rank whose shard
     holds them: :meth:`read` fills them from files (every block verified), or another rank sends
-    them (the node-local level: :mod:`mpickpt.remote`); :meth:`finish` assembles the targets."""
+    them (the node-local level: :mod:`mpickpt.local.remote`); :meth:`finish` assembles the
+    targets."""
 
     plan: Plan
     out: dict[str, torch.Tensor]
@@ -331,7 +333,7 @@ def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
             buffer: Callable[[int], torch.Tensor],
             on_block: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
     """Read and verify the planned spans; assemble and return every target by name. The records
-    of the shards read must have passed :func:`mpickpt.shard.check_records` (restore checks
+    of the shards read must have passed :func:`mpickpt.format.shard.check_records` (restore checks
     them before it plans, and before anything is allocated)."""
     s = stage(p, buffer)
     s.read(manifest, directory, list(s.by_rank), threads=threads, on_block=on_block)

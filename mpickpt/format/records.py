@@ -3,8 +3,8 @@
 Torch-free (and numpy- and h5py-free, but for compressed records), so that the operator's tools
 can read and check a checkpoint without importing either: the element types are known here by
 name, with their size and the numpy type their HDF5 dataset is declared with
-(:mod:`mpickpt.dtypes` maps them to torch).
-:mod:`mpickpt.shard` re-exports everything here.
+(:mod:`mpickpt.format.dtypes` maps them to torch).
+:mod:`mpickpt.format.shard` re-exports everything here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ShardError
 from . import checksum, rootdir
-from .errors import ShardError
 
 FORMAT = "mpickpt-shard"
 VERSION = 1
@@ -62,7 +62,7 @@ class TensorRecord:
     # sibling of this checkpoint's directory), and ``offset`` is in that file; None: in this
     # rank's own shard
     source: str | None = None
-    # a compressed tensor (:mod:`mpickpt.codec`): the codec, and where each checksum block's
+    # a compressed tensor (:mod:`mpickpt.format.codec`): the codec, and where each checksum block's
     # chunk lies in the file, [byte offset, bytes]; ``offset`` is then unused (0)
     codec: str | None = None
     chunks: list[list[int]] | None = None
@@ -177,7 +177,7 @@ def check_file(rank: int, path: str, file_bytes: int) -> None:
 
 
 def open_shard(rank: int, path: str, file_bytes: int) -> int:
-    """:func:`mpickpt.rootdir.open_regular`, and the size must be ``file_bytes``
+    """:func:`mpickpt.format.rootdir.open_regular`, and the size must be ``file_bytes``
     (:class:`ShardError` otherwise)."""
     fd = rootdir.open_regular(path)
     actual = os.fstat(fd).st_size

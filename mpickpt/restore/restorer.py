@@ -1,15 +1,15 @@
 """Coordinated restore: all ranks agree on the newest checkpoint every one of them can load.
 
 For each candidate, newest first: rank 0 reads the manifest and broadcasts it; every rank checks
-that its part fits the state (a dry run of :func:`mpickpt.state_tree.apply`), reads its shard into
-a reused host buffer and verifies sizes and checksums; an allreduce (MAX of verdicts) decides.
-Only when every rank succeeded is anything copied into the state. A corrupt or unreadable
+that its part fits the state (a dry run of :func:`mpickpt.format.state_tree.apply`), reads its
+shard into a reused host buffer and verifies sizes and checksums; an allreduce (MAX of verdicts)
+decides. Only when every rank succeeded is anything copied into the state. A corrupt or unreadable
 candidate makes all ranks move to the next older one; a checkpoint that does not fit the state
 (another model) raises :class:`StateMismatchError` on every rank, since older ones will not fit
-either. A checkpoint of another number of ranks is resharded (:mod:`mpickpt.reshard`): sharded
-and replicated tensors are assembled from the stored pieces that overlap each rank's new piece,
-and rank ``r`` gets the per-rank values of stored rank ``r mod N``; with ``world_change="fail"``
-it raises :class:`WorldSizeMismatchError` instead.
+either. A checkpoint of another number of ranks is resharded (:mod:`mpickpt.restore.reshard`):
+sharded and replicated tensors are assembled from the stored pieces that overlap each rank's new
+piece, and rank ``r`` gets the per-rank values of stored rank ``r mod N``; with
+``world_change="fail"`` it raises :class:`WorldSizeMismatchError` instead.
 """
 
 from __future__ import annotations
@@ -22,21 +22,23 @@ from typing import Any
 
 import torch
 
-from . import faults, provenance, reshard, rootdir, state_tree
-from .errors import (
+from .. import faults
+from ..errors import (
     CheckpointError,
     ManifestError,
     ShardError,
     StateMismatchError,
     WorldSizeMismatchError,
 )
-from .manifest import NAME as MANIFEST
-from .manifest import Manifest, RankEntry, read_bytes
-from .pinned_pool import HostPool
-from .protocol import Protocol
-from .recovery import LocalRecovery
-from .remote import fetch as remote_fetch
-from .shard import Span, check_file, check_records
+from ..format import rootdir, state_tree
+from ..format.manifest import NAME as MANIFEST
+from ..format.manifest import Manifest, RankEntry, read_bytes
+from ..format.shard import Span, check_file, check_records
+from ..local.recovery import LocalRecovery
+from ..local.remote import fetch as remote_fetch
+from ..mpi.protocol import Protocol
+from ..save.pinned_pool import HostPool
+from . import provenance, reshard
 
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
@@ -149,7 +151,7 @@ class Restorer:
         """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
         ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
         step), the bytes of shards of other nodes' ranks come from those ranks
-        (:mod:`mpickpt.remote`)."""
+        (:mod:`mpickpt.local.remote`)."""
         text, reason = self.proto.bcast(
             self._read_manifest(path) if self.rank == 0 else None, "manifest")
         if text is None:

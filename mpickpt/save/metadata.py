@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import MetadataError
+from ..errors import MetadataError
 
 
 class _OnDevice:

@@ -26,7 +26,7 @@ import logging
 import os
 import re
 
-from . import commit, rootdir
+from ..format import commit, rootdir
 
 LEVEL = "LEVEL.json"
 OWNER = "OWNER.json"
@@ -46,7 +46,7 @@ def parity_name(rank: int) -> str:
     return f"xor-{rank:05d}.bin"
 
 
-class LocalTier:
+class NodeDir:
     """This node's directory of the local level."""
 
     def __init__(self, base: str, node: str, root: str) -> None:
@@ -59,7 +59,7 @@ class LocalTier:
     def prepare(self, run_id: str, log: logging.Logger) -> None:
         """Create the node's directory (or adopt it when it is this ROOT's) and remove what
         earlier runs left half done; refuse another ROOT's, and a directory on the way that
-        another user made (:func:`mpickpt.rootdir.make_private`: the level is the job user's
+        another user made (:func:`mpickpt.format.rootdir.make_private`: the level is the job user's
         alone, 0700 and its files 0600)."""
         rootdir.make_private(self.base)
         rootdir.make_private(self.dir)

@@ -2,9 +2,9 @@
 
 A :class:`LocalLevel` (made by :func:`open_level` from a :class:`~mpickpt.options.Local`) is what
 a Checkpointer with ``local=`` hands its save pipeline: this node's directory
-(:class:`~mpickpt.localtier.LocalTier`), the redundancy (an :class:`~mpickpt.exchange.Exchange`,
-or None), how often a protected checkpoint is drained to ROOT, how many stay on the nodes, and
-the node's budget for them.
+(:class:`~mpickpt.local.nodedir.NodeDir`), the redundancy (an
+:class:`~mpickpt.local.exchange.Exchange`, or None), how often a protected checkpoint is drained to
+ROOT, how many stay on the nodes, and the node's budget for them.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import knobs, log
-from .errors import LocalTierFull
+from .. import knobs, log
+from ..errors import LocalTierFull
+from ..format.manifest import shard_name
+from ..format.shard import DEFAULT_ALIGNMENT
 from .exchange import Exchange
-from .localtier import LocalTier, in_memory, parity_name
-from .manifest import shard_name
-from .shard import DEFAULT_ALIGNMENT
+from .nodedir import NodeDir, in_memory, parity_name
 from .topology import Topology
 
 if TYPE_CHECKING:
-    from .options import Local
-    from .protocol import Protocol
+    from ..mpi.protocol import Protocol
+    from ..options import Local
 
 HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
 
@@ -35,7 +35,7 @@ HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an est
 class LocalLevel:
     """One rank's view of the node-local level."""
 
-    tier: LocalTier
+    nodedir: NodeDir
     topology: Topology
     rank: int
     scheme: str | None
@@ -87,17 +87,18 @@ class LocalLevel:
         one = need * self.node_ranks
         if self.budget is not None and one * (self.keep + 1) > self.budget:
             raise LocalTierFull(
-                f"rank {rank}: the local level {self.tier.dir} needs about "
+                f"rank {rank}: the local level {self.nodedir.dir} needs about "
                 f"{log.human_bytes(one)} per checkpoint on this node ({self.node_ranks} ranks, "
                 f"{log.human_bytes(nbytes)} of state each, redundancy {self.scheme}), "
                 f"{log.human_bytes(one * (self.keep + 1))} for the {self.keep} kept and the one "
                 f"being written; its budget is Local(budget={self.budget}) "
                 f"({log.human_bytes(self.budget)}). Raise the budget, keep fewer "
                 "(Local(keep=)), or use another local directory")
-        free = self.tier.free()
+        free = self.nodedir.free()
         if free < need:
             raise LocalTierFull(
-                f"rank {rank}: the local level {self.tier.dir} has {log.human_bytes(free)} free, "
+                f"rank {rank}: the local level {self.nodedir.dir} has {log.human_bytes(free)} "
+                f"free, "
                 f"and this rank's part of the checkpoint needs about "
                 f"{log.human_bytes(need)}: free space there, or keep fewer "
                 "local checkpoints (keep_local)")
@@ -117,13 +118,13 @@ def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: lo
         nodes = proto.nodes(knobs.NODE.get())
     topo = Topology(tuple(nodes))
     teams = topo.teams(redundancy, local.xor_set) if redundancy else []
-    tier = LocalTier(base, nodes[proto.rank], root)
+    nodedir = NodeDir(base, nodes[proto.rank], root)
     leader = topo.leader(proto.rank) == proto.rank
-    collective(lambda: tier.prepare(run_id, logger) if leader else None, "local")
+    collective(lambda: nodedir.prepare(run_id, logger) if leader else None, "local")
     with proto.fatal_timeouts(logger):
         exchange = Exchange(proto, teams, redundancy) if redundancy else None
     if proto.rank == 0:
         logger.info("local level %s on %d node(s), redundancy %s, drained to ROOT every %s "
                     "save(s)", base, len(topo.names), redundancy, persist_every or "no")
-    return LocalLevel(tier, topo, proto.rank, redundancy, teams, exchange, persist_every,
-                      local.keep, local.budget, local.drain_bandwidth, in_memory(tier.dir))
+    return LocalLevel(nodedir, topo, proto.rank, redundancy, teams, exchange, persist_every,
+                      local.keep, local.budget, local.drain_bandwidth, in_memory(nodedir.dir))

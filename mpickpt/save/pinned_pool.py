@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 ALIGN = 4096  # every tensor in a buffer starts on a page boundary (O_DIRECT-friendly)
 

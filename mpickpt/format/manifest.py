@@ -12,9 +12,9 @@ Rules, in one place:
   kind in a sub-directory ``shards-NNNN/`` (more files than :data:`FANOUT`; index parts then
   lie in ``index/part-NNNN/``).
 * ``bytes`` is the exact size of the shard; every tensor record must fit in it (see
-  :func:`mpickpt.records.check_records`), and its ``checksums`` cover ``checksum_block``-byte
+  :func:`mpickpt.format.records.check_records`), and its ``checksums`` cover ``checksum_block``-byte
   blocks.
-* ``tree`` is the rank's state tree (see :mod:`mpickpt.state_tree`), plain JSON.
+* ``tree`` is the rank's state tree (see :mod:`mpickpt.format.state_tree`), plain JSON.
 * Version 2 (per-rank index parts, for jobs of many ranks): a rank entry holds ``file`` and
   ``bytes`` and, instead of ``tree`` and ``tensors``, ``index``: the file
   ``index/rank-{r:05d}.json`` beside the manifest, its exact size and xxh3-64. The rank wrote
@@ -23,8 +23,8 @@ Rules, in one place:
   manifest's checksum protects the parts too. Version 1 (every entry inline) is still read.
 * Version 3 (written with incremental checkpoints, compression, node files or sub-directories):
   as version 1 or 2, and a record may be compressed (``codec`` and ``chunks``:
-  :mod:`mpickpt.records`) or carry ``source``, the shard of an older checkpoint its bytes lie in
-  (``step-XXXXXXXX/`` and a shard file name, resolved beside this checkpoint's directory;
+  :mod:`mpickpt.format.records`) or carry ``source``, the shard of an older checkpoint its bytes
+  lie in (``step-XXXXXXXX/`` and a shard file name, resolved beside this checkpoint's directory;
   ``offset`` and ``checksums`` are those in that file). The rank's entry lists each such file
   with its exact size (``sources``), and the manifest lists the steps referred to
   (``references``; with index parts each rank's summary lists its own), so that retention
@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ManifestError
 from . import checksum, rootdir
-from .errors import ManifestError
 from .records import TensorRecord
 
 NAME = "MANIFEST.json"

@@ -1,9 +1,9 @@
 """Redundancy for the node-local level, over MPI: partner copies and XOR parity.
 
-The protocol layer's data plane (:mod:`mpickpt.protocol` holds every MPI call): files stream
+The protocol layer's data plane (:mod:`mpickpt.mpi.protocol` holds every MPI call): files stream
 through two buffers of ``window`` bytes that are allocated once and reused by every checkpoint,
 each transfer within the protocol's deadline. The layout rules (who protects whom, how XOR cuts
-a shard into chunks) are :mod:`mpickpt.topology`'s.
+a shard into chunks) are :mod:`mpickpt.local.topology`'s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import rootdir
-from .protocol import Pending, Protocol
+from ..format import rootdir
+from ..mpi.protocol import Pending, Protocol
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
 WINDOW = 32 << 20

@@ -3,7 +3,8 @@
 Types numpy knows are stored as themselves, so h5py reads them as numbers. The others (bfloat16,
 the float8 family, complex32) are stored as unsigned integers of the same width, and the
 ``torch_dtype`` attribute says how to view them. The names, sizes and storage types are
-:data:`mpickpt.records.DTYPES` (torch-free, for the operator's tools); this module adds torch.
+:data:`mpickpt.format.records.DTYPES` (torch-free, for the operator's tools); this module adds
+torch.
 """
 
 from __future__ import annotations

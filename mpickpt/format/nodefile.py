@@ -2,7 +2,7 @@
 aligned regions of one shard, so a checkpoint is one data file per node instead of one per rank
 (fewer creations, fsyncs and directory entries on the parallel file system's metadata servers).
 
-The sequence, over the node's ranks (a :class:`~mpickpt.protocol.Protocol` of their own, the
+The sequence, over the node's ranks (a :class:`~mpickpt.mpi.protocol.Protocol` of their own, the
 leader first):
 
 1. every rank sends its tensors' names, dtypes and shapes and its attributes to the leader
@@ -10,7 +10,7 @@ leader first):
 2. the leader lays the file out (HDF5, one group ``rank-RRRRR`` per rank, every dataset allocated
    and aligned, never filled) and sends each rank its records (broadcast);
 3. every rank writes and hashes its tensors into its regions with the same threads and
-   positional writes as into a file of its own (:meth:`mpickpt.shard.ShardWriter.region`);
+   positional writes as into a file of its own (:meth:`mpickpt.format.shard.ShardWriter.region`);
 4. the leader gathers the checksums, records them as attributes, closes HDF5 and fsyncs the
    file once for the node (the node's ranks share one page cache, or one client of a parallel
    file system); the file's size is broadcast.
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from ..mpi.protocol import Protocol
 from . import checksum, dtypes, rootdir
 from .manifest import IndexRef, RankEntry, node_index_name, node_name
-from .protocol import Protocol
 from .records import TensorRecord, rank_group
 from .shard import ShardWriter
 

@@ -2,7 +2,7 @@
 a :class:`SaveHandle` back at once, a :class:`SaveResult` when the save has committed or aborted
 on every rank; and rank 0's logs of saves that wait for, or skip past, earlier ones.
 
-Both :mod:`mpickpt.capture` (the training thread's side) and :mod:`mpickpt.save.pipeline` (the
+Both :mod:`mpickpt.save.capture` (the training thread's side) and :mod:`mpickpt.save.pipeline` (the
 pipeline's) import from here; neither imports the other.
 """
 
@@ -14,9 +14,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import sharding
-from .errors import SaveAborted
-from .records import TensorRecord
+from .. import sharding
+from ..errors import SaveAborted
+from ..format.records import TensorRecord
 from .snapshot import Snapshot
 
 
