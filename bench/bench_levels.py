@@ -68,7 +68,7 @@ import bench_gpu
 
 import mpickpt
 from mpickpt.format.manifest import NAME as MANIFEST
-from mpickpt.format.manifest import shard_name
+from mpickpt.format.names import shard_name
 from mpickpt.format.rootdir import fsync_path, step_name
 from mpickpt.local.nodedir import node_dirname
 

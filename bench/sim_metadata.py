@@ -32,15 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cpu import columns
 
 from mpickpt.format import checksum
-from mpickpt.format.manifest import (
-    INDEX_DIR,
-    NAME,
-    IndexRef,
-    Manifest,
-    RankEntry,
-    index_name,
-    shard_name,
-)
+from mpickpt.format.entry import IndexRef, RankEntry
+from mpickpt.format.manifest import NAME, Manifest
+from mpickpt.format.names import INDEX_DIR, index_name, shard_name
 from mpickpt.format.records import TensorRecord
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from .format import codec
 from .format.checksum import DEFAULT_BLOCK
-from .format.manifest import FANOUT
+from .format.names import FANOUT
 from .format.shard import DEFAULT_ALIGNMENT
 from .local.topology import SCHEMES
 from .save.incremental import frozen_matcher

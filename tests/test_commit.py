@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mpickpt.format import commit, rootdir
+from mpickpt.format.entry import RankEntry
 from mpickpt.format.manifest import NAME as MANIFEST
-from mpickpt.format.manifest import RankEntry
 
 
 class Stop(Exception):

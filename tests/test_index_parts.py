@@ -12,7 +12,7 @@ import torch
 
 import mpickpt
 from mpickpt.errors import ManifestError
-from mpickpt.format import manifest
+from mpickpt.format import entry, manifest
 
 
 def state(seed: int) -> dict:
@@ -48,11 +48,11 @@ def test_the_manifest_names_the_part_by_size_and_checksum(tmp_path):
                                       "xxh3": mpickpt.format.checksum.digest(part)}
     parsed = manifest.Manifest.from_json((step / "MANIFEST.json").read_text(),
                                          str(step / "MANIFEST.json"))
-    before = manifest.parts_read()
+    before = entry.parts_read()
     assert not parsed.ranks[0].loaded
     assert {r.name for r in parsed.ranks[0].tensors} == {"w", "b"}
     assert parsed.ranks[0].tree == json.loads(part)["tree"]
-    assert manifest.parts_read() == before + 1  # once, then kept
+    assert entry.parts_read() == before + 1  # once, then kept
 
 
 def test_the_newest_part_is_read_and_restored(tmp_path):

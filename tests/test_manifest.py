@@ -13,14 +13,9 @@ import pytest
 import xxhash
 
 from mpickpt.errors import ManifestError
-from mpickpt.format.manifest import (
-    MAX_BYTES,
-    MAX_TREE_DEPTH,
-    Manifest,
-    RankEntry,
-    read_bytes,
-    shard_name,
-)
+from mpickpt.format.entry import MAX_BYTES, MAX_TREE_DEPTH, RankEntry
+from mpickpt.format.manifest import Manifest, read_bytes
+from mpickpt.format.names import shard_name
 from mpickpt.format.shard import TensorRecord
 
 

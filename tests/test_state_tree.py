@@ -11,7 +11,8 @@ import torch
 from mpickpt import RNGState
 from mpickpt.errors import StateMismatchError, StateTreeError
 from mpickpt.format import state_tree
-from mpickpt.format.manifest import Manifest, RankEntry
+from mpickpt.format.entry import RankEntry
+from mpickpt.format.manifest import Manifest
 
 
 def roundtrip(saved: dict, into: dict) -> dict:

@@ -210,7 +210,7 @@ def _other_version(text: bytes) -> bool:
 
 def read_manifest(path: str) -> Manifest:
     """Read and validate ``path``/MANIFEST.json the way restore does (no symbolic link, at most
-    :data:`mpickpt.format.manifest.MAX_BYTES`, strict JSON with its checksum)."""
+    :data:`mpickpt.format.entry.MAX_BYTES`, strict JSON with its checksum)."""
     mpath = os.path.join(path, MANIFEST)
     try:
         text = read_bytes(path)

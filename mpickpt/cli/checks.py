@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import ShardError
 from ..format import checksum
 from ..format.blocks import BlockFile
-from ..format.manifest import Manifest, RankEntry
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest
 from ..format.records import TensorRecord, check_file, check_records
 from ..restore import provenance
 from . import EXIT_ERROR, EXIT_NO_CHECKPOINT

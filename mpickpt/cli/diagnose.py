@@ -26,7 +26,8 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..format import rootdir
-from ..format.manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
+from ..format.manifest import Manifest, read_bytes
+from ..format.names import RANK_FILE_RE, shard_name
 from ..log import human_bytes
 from ..ranks import ranks_text
 

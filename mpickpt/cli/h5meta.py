@@ -21,7 +21,8 @@ from typing import Any
 
 import h5py
 
-from ..format.manifest import Manifest, RankEntry
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest
 from ..format.records import FORMAT, TENSORS_GROUP, TensorRecord, itemsize, rank_group
 
 

@@ -29,7 +29,8 @@ from ..errors import ManifestError, ShardError
 from ..format import checksum, rootdir
 from ..format.blocks import verify_file
 from ..format.manifest import NAME as MANIFEST
-from ..format.manifest import Manifest, read_bytes, shard_name
+from ..format.manifest import Manifest, read_bytes
+from ..format.names import shard_name
 from ..format.rollback import Rollback
 from ..local.nodedir import LEVEL, OWNER, node_dirname
 from ..log import human_bytes

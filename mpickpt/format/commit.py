@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from . import rootdir
+from .entry import RankEntry
 from .manifest import NAME as MANIFEST
-from .manifest import RankEntry
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import torch
 
 from ..mpi.protocol import Protocol
 from . import checksum, dtypes, rootdir
-from .manifest import IndexRef, RankEntry, node_index_name, node_name
+from .entry import IndexRef, RankEntry
+from .names import node_index_name, node_name
 from .records import TensorRecord, rank_group
 from .shard import ShardWriter
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from .. import knobs, log
 from ..errors import LocalTierFull
-from ..format.manifest import shard_name
+from ..format.names import shard_name
 from ..format.shard import DEFAULT_ALIGNMENT
 from .exchange import Exchange
 from .nodedir import NodeDir, in_memory, parity_name

@@ -17,7 +17,9 @@ import logging
 import time
 
 from .. import faults, log
-from ..format.manifest import Manifest, RankEntry, read_bytes, shard_name
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest, read_bytes
+from ..format.names import shard_name
 from ..mpi.protocol import Protocol
 from ..save.request import SaveRequest, SaveResult
 from ..save.shards import RankShards, error_text

@@ -32,7 +32,8 @@ from ..errors import ManifestError, ShardError
 from ..format import rootdir
 from ..format.blocks import verify_file
 from ..format.manifest import NAME as MANIFEST
-from ..format.manifest import RANK_FILE_RE, Manifest, read_bytes, shard_name
+from ..format.manifest import Manifest, read_bytes
+from ..format.names import RANK_FILE_RE, shard_name
 from ..format.records import check_file, check_records
 from ..format.rollback import NAME as ROLLBACK
 from ..format.rollback import Rollback

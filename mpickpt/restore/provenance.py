@@ -17,7 +17,8 @@ import os
 
 from ..errors import ManifestError
 from ..format import checksum, rootdir
-from ..format.manifest import Manifest, RankEntry, read_bytes
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest, read_bytes
 
 PROBES = 64
 PROBE_BYTES = 4 << 20

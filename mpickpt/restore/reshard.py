@@ -21,7 +21,8 @@ import torch
 from .. import sharding
 from ..errors import ShardError, StateMismatchError
 from ..format import dtypes, state_tree
-from ..format.manifest import Manifest, RankEntry
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest
 from ..format.records import ByteRange
 from ..format.shard import Span, TensorRecord, read_spans
 from ..format.state_tree import ArraySpec

@@ -31,8 +31,9 @@ from ..errors import (
     WorldSizeMismatchError,
 )
 from ..format import rootdir, state_tree
+from ..format.entry import RankEntry
 from ..format.manifest import NAME as MANIFEST
-from ..format.manifest import Manifest, RankEntry, read_bytes
+from ..format.manifest import Manifest, read_bytes
 from ..format.shard import Span, check_file, check_records
 from ..local.recovery import LocalRecovery
 from ..local.remote import fetch as remote_fetch

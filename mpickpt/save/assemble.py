@@ -14,7 +14,8 @@ from typing import Any
 
 from .. import faults, sharding
 from ..errors import CheckpointError
-from ..format.manifest import Manifest, RankEntry
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest
 from ..mpi.protocol import Protocol
 from . import metadata as user_metadata
 from .incremental import size_problem

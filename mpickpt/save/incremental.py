@@ -33,7 +33,7 @@ import torch
 
 from .. import sharding
 from ..format import checksum, rootdir
-from ..format.manifest import RankEntry
+from ..format.entry import RankEntry
 from ..format.records import TensorRecord
 from ..format.shard import _run, byte_view
 

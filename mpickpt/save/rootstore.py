@@ -19,7 +19,9 @@ import time
 from .. import faults
 from ..errors import CheckpointError
 from ..format import commit, nodefile, rootdir
-from ..format.manifest import Manifest, RankEntry, read_bytes, shard_name
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest, read_bytes
+from ..format.names import shard_name
 from ..format.nodefile import NodeFiles
 from ..mpi.protocol import Protocol, ranks_text
 from .incremental import Tracker

@@ -3,7 +3,7 @@
 :class:`RankShards` holds what every store's write shares: the snapshot's tensors once copied
 (less those an incremental save refers to), the shard's attributes, the write through
 :class:`~mpickpt.format.shard.ShardWriter` (one file per rank) or :mod:`mpickpt.format.nodefile`
-(this rank's regions of its node's file), and the :class:`~mpickpt.format.manifest.RankEntry` that
+(this rank's regions of its node's file), and the :class:`~mpickpt.format.entry.RankEntry` that
 describes it.
 """
 
@@ -21,7 +21,8 @@ from .. import faults
 from ..format import checksum, nodefile, rootdir
 from ..format.checksum import DEFAULT_BLOCK
 from ..format.codec import MIN_BYTES as MIN_COMPRESS
-from ..format.manifest import FANOUT, IndexRef, RankEntry, index_name
+from ..format.entry import IndexRef, RankEntry
+from ..format.names import FANOUT, index_name
 from ..format.records import TensorRecord
 from ..format.shard import DEFAULT_ALIGNMENT, ShardWriter
 from .incremental import Decision, Tracker

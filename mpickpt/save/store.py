@@ -17,7 +17,8 @@ from typing import Any, NamedTuple, Protocol
 
 from .. import log
 from ..format import rootdir
-from ..format.manifest import Manifest, RankEntry
+from ..format.entry import RankEntry
+from ..format.manifest import Manifest
 from .request import SaveRequest, SaveResult
 
 

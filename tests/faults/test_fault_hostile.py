@@ -38,7 +38,7 @@ from faultkit import reports
 from harness import SCENARIOS, run_mpi, shard, step_dir, train
 
 from mpickpt.cli import main as cli_main
-from mpickpt.format.manifest import MAX_BYTES
+from mpickpt.format.entry import MAX_BYTES
 
 N, NEWEST, OLDER = 2, 20, 15
 BLOCK = 64 << 20

@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 import mpickpt
 from mpickpt.format import rootdir
-from mpickpt.format.manifest import shard_name
+from mpickpt.format.names import shard_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from fault_restore import fill, image, report

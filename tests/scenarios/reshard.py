@@ -29,7 +29,7 @@ import torch
 from mpi4py import MPI
 
 import mpickpt
-import mpickpt.format.manifest
+import mpickpt.format.entry
 
 ROWS, COLS, REP = (37, 1024), (8, 30), (3, 5000)
 
@@ -112,7 +112,7 @@ def main() -> None:
             mine=torch.equal(state["mine"], torch.full((4,), float(rank % saved_by))),
             note=state["note"],
             bytes_read=info.bytes_read,
-            parts_read=mpickpt.format.manifest.parts_read(),
+            parts_read=mpickpt.format.entry.parts_read(),
             needed=sum(t.numel() * t.element_size() for t in
                        (state["rows"].tensor, state["cols"].tensor, state["rep"],
                         state["mine"])),
