@@ -14,34 +14,34 @@ import functools
 import os
 import sys
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import knobs, log, preempt, slurm
+from . import assembly, log, preempt, slurm
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
-from .format import codec, rollback, rootdir
-from .format.nodefile import NodeFiles
-from .format.rollback import Rollback
-from .local.level import LocalLevel, open_level
-from .local.nodestore import NodeStore
-from .local.recovery import LocalRecovery
-from .local.topology import Topology
+from .format import codec, rootstart
 from .mpi.protocol import Protocol, world_rank
-from .options import Encoding, Files, Local, Preemption, Retention, Snapshots, gather
-from .restore.restorer import RestoreInfo, Restorer
+from .options import (
+    Encoding,
+    Files,
+    Local,
+    Preemption,
+    Retention,
+    Snapshots,
+    choose,
+    gather,
+)
+from .restore import coordinate
+from .restore.restorer import RestoreInfo
 from .save import shared_root
 from .save.capture import Capture
-from .save.incremental import Tracker
 from .save.pinned_pool import HostPool
 from .save.pipeline import Pipeline
-from .save.request import SaveHandle, SaveRequest, SaveResult
-from .save.rootstore import RootStore
-from .save.shards import RankShards, ShardOptions
-from .save.upkeep import Upkeep
+from .save.request import SaveHandle, SaveResult
+from .save.shards import ShardOptions
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "finish_saves"]
 
@@ -76,55 +76,25 @@ class Checkpointer:
     """Save and restore consistent global checkpoints of every rank's state under ``root``.
 
     Collective over ``comm`` (``MPI.COMM_WORLD`` by default): every rank constructs it, calls
-    ``save`` with the same steps and ``restore`` together. ``keep`` committed checkpoints are kept
-    (all when None), or what a :class:`mpickpt.Retention` says (``keep=Retention(3,
-    keep_every=1000, best=("val_loss", "min"), keep_best=2)``). A failed save is reported on
-    every rank and training goes on (``on_error="warn"``), or raises :class:`SaveAborted` from
-    ``wait()`` and from the next ``save()`` (``on_error="raise"``). Collectives that miss
-    ``timeout`` seconds abort the job; ``io_threads`` write and read each rank's shard.
+    ``save`` with the same steps and ``restore`` together. ``save`` returns once the state is
+    snapshotted; writing, voting and committing run on a background thread, all or nothing on
+    every rank. A failed save is reported on every rank and training goes on
+    (``on_error="warn"``), or raises :class:`SaveAborted` from ``wait()`` and from the next
+    ``save()`` (``on_error="raise"``). Collectives that miss ``timeout`` seconds abort the job;
+    ``io_threads`` write and read each rank's shard. ``replicated`` names key paths whose plain
+    tensors every rank holds alike (DDP); a ``DTensor`` or :class:`mpickpt.Piece` is saved as a
+    piece of its global tensor, and a checkpoint restores on any number of ranks
+    (``world_change="reshard"``; ``"fail"`` refuses another number).
 
-    ``save`` returns once the state is snapshotted; writing, voting and committing run on a
-    background thread. How snapshots are held is a :class:`mpickpt.Snapshots`
-    (``max_in_flight``, ``if_busy="wait"`` or ``"skip"``, ``pinned_budget``,
-    ``device_staging``). The CPU tensors only an optimizer in the state changes are copied
-    while forward and backward run; its ``step()`` waits for that copy.
-
-    ``preemption`` (a bool, or a :class:`mpickpt.Preemption` with a ``deadline`` and
-    ``requeue``) installs handlers for SIGUSR2 and SIGTERM that only raise a flag, which
-    :meth:`should_exit` agrees on; under Slurm the deadline is the job's end time and the job
-    is requeued once after the emergency save.
-
-    Sharding (see :mod:`mpickpt.sharding`): a ``DTensor`` (FSDP2, tensor parallel) or a
-    :class:`mpickpt.Piece` in the state is saved as a piece of its global tensor; ``replicated``
-    names key paths (``"model"``, ``"optim"``) whose plain tensors every rank holds alike (DDP).
-    Identical pieces are written once, by one of their holders. A checkpoint restores on any
-    number of ranks and any sharding (``world_change="reshard"``): each rank reads the stored
-    pieces that overlap its own; rank ``r`` takes the per-rank state of stored rank ``r mod N``.
-    ``world_change="fail"`` refuses another number of ranks instead.
-
-    The node-local level (``local``: a :class:`mpickpt.Local`, or a path for ``Local(path)``;
-    a directory on each node, ``/dev/shm/...`` for memory or an NVMe scratch directory): every
-    save goes there, committed on every node with the same vote, protected from the loss of a
-    node by ``Local.redundancy`` (``"partner"`` or ``"xor"``), and every ``persist_every``-th
-    one, the emergency one and, at ``close()``, the newest one are then drained to ROOT.
-    ``restore`` takes the newest step every rank can get from the fastest level: its own local
-    shard, else one rebuilt from redundancy over MPI, else ROOT. Nodes are the ranks that share
-    memory, or what ``$MPICKPT_NODE`` names (tests simulate nodes with it).
-
-    ``encoding`` (ROOT only, not with ``local``): a :class:`mpickpt.Encoding` with
-    ``incremental=N`` (unchanged tensors referred to, not written again; every ``N``-th save is
-    full), ``frozen`` (key paths referred to without copying or hashing) and ``compression``
-    (zstd per checksum block, as HDF5's Zstd filter reads it; needs ``pip install
-    'mpickpt[compress]'``).
-
-    ``files``: a :class:`mpickpt.Files`, or ``"per-rank"`` / ``"per-node"`` for
-    ``Files(per=...)``: one file per node (ROOT only, for parallel file systems whose metadata
-    servers are the limit), the ``fanout`` of sub-directories, the ``index`` parts, and every
-    shard's ``alignment`` and ``checksum_block``.
-
-    The flat keywords of earlier releases (``redundancy=``, ``fanout=``, ``keep_every=``,
-    ``incremental=``, ``max_in_flight=``, ``deadline=`` and the others each group took in)
-    still work, with a DeprecationWarning that shows the group to write instead.
+    The other options come in groups, each a small object that checks itself (see
+    ``docs/using.md``): ``keep`` (:class:`mpickpt.Retention`, or a number), ``local``
+    (:class:`mpickpt.Local`, or a path: the node-local level, protected across nodes and
+    drained to ROOT), ``files`` (:class:`mpickpt.Files`: a file per rank or per node, fanout,
+    index parts, alignment, checksum block), ``encoding`` (:class:`mpickpt.Encoding`:
+    incremental, frozen, compression; ROOT only), ``snapshots`` (:class:`mpickpt.Snapshots`:
+    how many in flight, wait or skip, the pinned budget, device staging) and ``preemption``
+    (:class:`mpickpt.Preemption`, or a bool: signals, deadline, requeue). The flat keywords of
+    earlier releases still work, with a DeprecationWarning that shows the group to write.
     """
 
 
@@ -149,10 +119,8 @@ class Checkpointer:
     ) -> None:
         o = gather(local, files, keep, encoding, snapshots, preemption, deprecated,
                    stacklevel=3)  # the caller, behind _agreed and __init__
-        if on_error not in ("warn", "raise"):
-            raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
-        if world_change not in ("reshard", "fail"):
-            raise ValueError(f"world_change must be 'reshard' or 'fail', not {world_change!r}")
+        choose("on_error", on_error, ("warn", "raise"))
+        choose("world_change", world_change, ("reshard", "fail"))
         pick = o.encoding.chooser()
         if pick is not None:
             codec.require()
@@ -174,14 +142,18 @@ class Checkpointer:
         self._watch(o.preemption)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
-        self.run_id: str = self._collective(lambda: uuid.uuid4().hex[:12], "init", root_only=True)
+        self.run_id: str = self._proto.everywhere(lambda: uuid.uuid4().hex[:12], "init",
+                                                  self.log, root_only=True)
         # why ROOT cannot be used now (None: it can); fatal without a local level
-        self._root_problem: str | None = self._collective(self._prepare_root, "init",
-                                                          root_only=True)
+        self._root_problem: str | None = self._proto.everywhere(
+            lambda: rootstart.prepare(self.root, self.run_id, self.log), "init", self.log,
+            root_only=True)
         if self._root_problem is not None and o.local is None:
             raise CheckpointError(f"init failed: rank 0: {self._root_problem}")
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
-        self._local, self._recovery = self._open_local(o.local)
+        self._local, self._recovery = assembly.local_level(
+            self._proto, o.local, self.root, self.run_id, self._root_problem, self.io_threads,
+            self.log)
         self._local_checked = False
         layout = o.files
         options = ShardOptions(layout.alignment, layout.checksum_block, io_threads,
@@ -189,8 +161,10 @@ class Checkpointer:
                                                               and self.world_size > SPLIT_RANKS),
                                o.encoding.incremental, o.encoding.matcher(), pick,
                                layout.per_node, layout.fanout)
-        self._pipeline = self._assemble(options, on_error == "raise",
-                                        o.snapshots.if_busy == "skip")
+        self._pipeline = assembly.pipeline(
+            self._proto, self.root, self.run_id, self._capture.snapshotter, options,
+            self.retention, self._local, self.log, raise_on_error=on_error == "raise",
+            skip=o.snapshots.if_busy == "skip")
         self._capture.tracker = self._pipeline.root.tracker
         _OPEN.add(self._pipeline)
         _hook_exit()
@@ -207,46 +181,6 @@ class Checkpointer:
         self.requeue = preemption.requeue if preemption.requeue is not None \
             else slurm.requeues()
         self.preempted = False
-
-    def _open_local(self, level: Local | None
-                    ) -> tuple[LocalLevel | None, LocalRecovery | None]:
-        """The node-local level and its recovery, when there is one (collective)."""
-        if level is None:
-            return None, None
-        lv = open_level(self._proto, level, self.root, self.run_id, self.log, self._collective)
-        if self._root_problem is not None and self.rank == 0:
-            self.log.warning(
-                "ROOT cannot be used: %s. Restore takes what the node-local level holds; "
-                "saves are protected on the nodes, and their drains to ROOT fail (each one "
-                "says so) until ROOT is back", self._root_problem)
-        return lv, LocalRecovery(self._proto, lv, self.io_threads, self.log)
-
-    def _assemble(self, options: ShardOptions, raise_on_error: bool, skip: bool) -> Pipeline:
-        """The save pipeline: its stores (ROOT's; the node store first with a local level)
-        and what they write with."""
-        tracker = Tracker(self.root, options.incremental, options.frozen) \
-            if options.incremental else None
-        shards = RankShards(self.rank, self.world_size, options, tracker, self.log)
-        root = RootStore(self._proto, self.root, self.run_id, shards,
-                         Upkeep(self.root, self.run_id, self.retention, self.log), self.log,
-                         node=self._node_files(options.fanout) if options.per_node else None)
-        lv = self._local
-        if lv is None:
-            return Pipeline(self._proto, self.run_id, self._capture.snapshotter, root, root,
-                            self.log, raise_on_error, skip=skip)
-        return Pipeline(self._proto, self.run_id, self._capture.snapshotter,
-                        NodeStore(self._proto, self.run_id, lv, shards, self.log), root,
-                        self.log, raise_on_error, lv.persist_every, lv.drain_bandwidth, skip)
-
-    def _node_files(self, fanout: int) -> NodeFiles:
-        """This rank's node and its ranks, for files="per-node" (collective)."""
-        with self._proto.fatal_timeouts(self.log):
-            topo = Topology(tuple(self._proto.nodes(knobs.NODE.get())))
-            node = topo.node_index(self.rank)
-            team = self._proto.sub(node, topo.local_index(self.rank))
-        return NodeFiles(team, node, len(topo.names), fanout)
-
-    # -------------------------------------------------------------------------------------- save
 
     def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None = None,
              *, drain: bool = False) -> SaveHandle:
@@ -271,7 +205,10 @@ class Checkpointer:
         request, user_error = self._capture.take(step, state, metadata)
         request.drain = drain
         if self._local is not None and not self._local_checked and user_error is None:
-            user_error = self._check_local_room(request)
+            full = self._local.agree_room(self._proto, request.snapshot, self.log)
+            if full is not None:  # the save aborts, and every rank raises at once
+                request.error = request.error or full
+                user_error = LocalTierFull(full)
             self._local_checked = True
         handle = self._pipeline.submit(request)
         if user_error is not None:
@@ -279,24 +216,6 @@ class Checkpointer:
             handle.reported = True
             raise user_error
         return handle
-
-    def _check_local_room(self, request: SaveRequest) -> CheckpointError | None:
-        """At the first save (nothing in flight yet): can every node's local level hold the
-        checkpoints it must keep? If not, the save aborts and every rank raises at once."""
-        assert self._local is not None
-        why = None
-        if request.snapshot is not None:
-            try:
-                self._local.check_room(request.snapshot.nbytes, request.snapshot.count,
-                                       self.rank)
-            except LocalTierFull as e:
-                why = str(e)
-        with self._proto.fatal_timeouts(self.log):
-            failed = self._proto.agree(why, "local-room")
-        if failed is None:
-            return None
-        request.error = request.error or str(failed)
-        return LocalTierFull(str(failed))
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate now the host (page-locked with CUDA) and device buffers that saving
@@ -346,60 +265,23 @@ class Checkpointer:
         self.wait()
         if self._pipeline.root.tracker is not None:  # the state changes: the next save is full
             self._pipeline.root.tracker.forget()
-        t0 = time.perf_counter()
-        candidates, undo, unlisted = self._collective(self._list_root, "list", root_only=True)
-        if unlisted is not None and self._recovery is None:
-            raise CheckpointError(f"cannot list the checkpoints under ROOT: {unlisted}")
-        if step is not None:
-            candidates = [c for c in candidates if c[0] == step]
-        if upto is not None:
-            candidates = [c for c in candidates if c[0] <= upto]
-        with self._proto.fatal_timeouts(self.log):
-            local_steps = self._recovery.steps(undo) if self._recovery is not None else []
-            if step is not None:
-                local_steps = [s for s in local_steps if s == step]
-            if upto is not None:
-                local_steps = [s for s in local_steps if s <= upto]
-        if step is not None and not candidates and not local_steps:
-            raise CheckpointError(f"no checkpoint of step {step} under {self.root}"
-                                  + (" or in the local level" if self._local else ""))
-        with self._proto.fatal_timeouts(self.log):
-            restorer = Restorer(self._proto, self._pool, self.io_threads, self.log,
-                                self.replicated, self.world_change)
-            info = restorer.run(state, candidates, explicit=step is not None,
-                                local=self._recovery, local_steps=local_steps)
-            info.total_bytes_read = self._proto.sum(info.bytes_read, "restored")
-            info.total_network_bytes = self._proto.sum(info.network_bytes, "restored")
-            if info.level == "local":
-                info.total_fetched_bytes = self._proto.sum(info.fetched_bytes, "restored")
-            info.root_bytes = info.total_bytes_read if info.level == "root" else 0
-        info.seconds = time.perf_counter() - t0
+        listed = self._proto.everywhere(
+            lambda: rootstart.listing(self.root, self.log, self._local is not None), "list",
+            self.log, root_only=True)
+        info, manifest = coordinate.restore(
+            self._proto, self._pool, state, self.root, listed, self._recovery, self.log,
+            step=step, upto=upto, io_threads=self.io_threads, replicated=self.replicated,
+            world_change=self.world_change)
         self.restore_info = info
-        if info.step is None and unlisted is not None:
+        if info.step is None and listed[2] is not None:
             raise CheckpointError(
                 f"no step of the node-local level can be restored, and ROOT cannot be listed "
-                f"({unlisted}): refusing to start afresh while ROOT may hold checkpoints; make "
+                f"({listed[2]}): refusing to start afresh while ROOT may hold checkpoints; make "
                 "ROOT readable, or give another ROOT for a fresh start")
         tracker = self._pipeline.root.tracker
-        if tracker is not None and info.step is not None and restorer.manifest is not None \
+        if tracker is not None and info.step is not None and manifest is not None \
                 and info.level == "root" and info.world_size == self.world_size:
-            tracker.resume(info.step, restorer.manifest.ranks[self.rank])
-        if self.rank == 0:
-            if info.step is None:
-                self.log.info("no loadable checkpoint under %s: fresh start%s", self.root,
-                              f" ({len(info.skipped)} skipped)" if info.skipped else "")
-            else:
-                where = info.path if info.level == "root" else "the local level"
-                self.log.info("restored step %d from %s in %.2f s: %s read by %d rank(s), "
-                              "%s%s", info.step, where, info.seconds,
-                              log.human_bytes(info.total_bytes_read), self.world_size,
-                              log.human_rate(info.total_bytes_read / max(info.seconds, 1e-9)),
-                              f", {log.human_bytes(info.total_network_bytes)} rebuilt over "
-                              "the network" if info.total_network_bytes else "")
-                if info.total_fetched_bytes:
-                    self.log.info("step %d: %s of shards of other nodes sent over the network "
-                                  "(replicated or resharded tensors)", info.step,
-                                  log.human_bytes(info.total_fetched_bytes))
+            tracker.resume(info.step, manifest.ranks[self.rank])
         return info.step
 
     # -------------------------------------------------------------------------------- preemption
@@ -445,20 +327,7 @@ class Checkpointer:
             self._pipeline.scavenge()  # committed; with a local level, make sure ROOT has it
             self._pipeline.wait()
             return
-        need = None
-        if last is not None:
-            s = last.stats
-            need = 1.25 * (s.get("stall_s", 0) + s.get("persist_s", 0) + s.get("commit_s", 0)
-                           + s.get("protect_s", 0) + s.get("drain_s", 0))
-        left = None if self.deadline is None else self.deadline - time.time()
-        # every rank decides from the same inputs (rank 0's figures), so all save or none does
-        with self._proto.fatal_timeouts(self.log):
-            need, left = self._proto.bcast((need, left), "emergency")
-        if need is not None and left is not None and need > left:
-            if self.rank == 0:
-                self.log.error("no time for the emergency checkpoint of step %d: it needs about "
-                               "%.0f s, the job ends in %.0f s; the job will resume from step %s",
-                               step, need, left, last.step if last else None)
+        if not self._pipeline.time_for(step, self.deadline):
             return
         result = self.save(step, state, drain=True).wait()
         self._pipeline.wait()  # and its drain to ROOT, with a local level
@@ -502,56 +371,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
-
-    def _collective(self, fn: Callable[[], T], phase: str, root_only: bool = False) -> T:
-        """Run ``fn`` (on rank 0 only, or on all ranks) and raise on every rank if it failed
-        anywhere; with ``root_only`` every rank gets rank 0's result."""
-        value, err = None, None
-        if self.rank == 0 or not root_only:
-            try:
-                value = fn()
-            except Exception as e:
-                err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        with self._proto.fatal_timeouts(self.log):
-            if root_only:
-                value, err = self._proto.bcast((value, err), phase)
-            elif failed := self._proto.agree(err, phase, report=phase):
-                raise CheckpointError(str(failed))
-        if err is not None:
-            raise CheckpointError(f"{phase} failed: {err}")
-        return value  # type: ignore[return-value]
-
-    def _list_root(self) -> tuple[list[tuple[int, str]], Rollback | None, str | None]:
-        """(ROOT's committed steps, its rollback in effect, why ROOT cannot be listed); on
-        rank 0. With a local level, an unreadable ROOT is logged and restore goes on without
-        it."""
-        try:
-            candidates = rootdir.committed(self.root, require_manifest=False)
-        except OSError as e:
-            why = f"{self.root}: {type(e).__name__}: {e.strerror or e}"
-            if self._local is not None:
-                self.log.warning("cannot list the checkpoints under ROOT (%s): restoring from "
-                                 "the node-local level alone (a rollback recorded in ROOT "
-                                 "cannot be seen either)", why)
-            return [], None, why
-        return candidates, rollback.active(self.root), None
-
-    def _prepare_root(self) -> str | None:
-        """Create ROOT and remove what earlier runs left half done; why ROOT cannot be used,
-        or None."""
-        try:
-            rootdir.make_dirs(self.root)
-            doomed = rootdir.leftovers(self.root, self.run_id)
-        except OSError as e:
-            return f"{self.root}: {type(e).__name__}: {e.strerror or e}"
-        for path in doomed:
-            self.log.info("removing %s, left by an earlier run that did not finish its save", path)
-            try:
-                rootdir.remove(path, self.run_id)
-            except OSError as e:  # e.g. a read-only ROOT: restore must still work
-                self.log.warning("could not remove %s (%s); it is never loaded, and removed at "
-                                 "a later start", path, log.os_error(e, path))
-        return None
 
 
 def finish_saves(why: str) -> bool:

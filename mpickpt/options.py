@@ -145,6 +145,13 @@ def _grouped(value: object, cls: type[G], keyword: str, what: str, flat: dict[st
     return group
 
 
+def choose(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """Refuse ``value`` for option ``name`` unless it is one of ``choices`` (ValueError)."""
+    if value not in choices:
+        said = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be {said}, not {value!r}")
+
+
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -283,8 +290,7 @@ class Snapshots(_Group):
         if not _positive_int(self.max_in_flight):
             raise ValueError(f"Snapshots(max_in_flight=) must be 1 or more, not "
                              f"{self.max_in_flight!r}")
-        if self.if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
+        choose("if_busy", self.if_busy, ("wait", "skip"))
         if self.pinned_budget is not None and not _positive_int(self.pinned_budget):
             raise ValueError(f"Snapshots(pinned_budget=) must be a positive number of bytes "
                              f"or None, not {self.pinned_budget!r}")

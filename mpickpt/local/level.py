@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +26,7 @@ from .topology import Topology
 if TYPE_CHECKING:
     from ..mpi.protocol import Protocol
     from ..options import Local
+    from ..save.snapshot import Snapshot
 
 HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
 
@@ -103,12 +103,26 @@ class LocalLevel:
                 f"{log.human_bytes(need)}: free space there, or keep fewer "
                 "local checkpoints (keep_local)")
 
+    def agree_room(self, proto: Protocol, snapshot: Snapshot | None,
+                   logger: logging.Logger) -> str | None:
+        """Collective, at the first save: can every node hold the checkpoints it must keep?
+        Why not (every node's reasons), or None."""
+        why = None
+        if snapshot is not None:
+            try:
+                self.check_room(snapshot.nbytes, snapshot.count, self.rank)
+            except LocalTierFull as e:
+                why = str(e)
+        with proto.fatal_timeouts(logger):
+            failed = proto.agree(why, "local-room")
+        return None if failed is None else str(failed)
 
-def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: logging.Logger,
-               collective: Callable[[Callable[[], object], str], object]) -> LocalLevel:
+
+def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: logging.Logger
+               ) -> LocalLevel:
     """The node-local level ``local`` describes (it checked its own settings): find the nodes
-    and the redundancy teams, prepare this node's directory (``collective`` runs that on every
-    rank and raises on every rank if it failed on one). Collective."""
+    and the redundancy teams, prepare this node's directory (its leader does; a failure on one
+    node raises on every rank). Collective."""
     redundancy, persist_every = local.redundancy, local.persist_every
     base = os.path.abspath(os.fspath(local.path))
     if base == root or base.startswith(root + os.sep):
@@ -120,7 +134,8 @@ def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: lo
     teams = topo.teams(redundancy, local.xor_set) if redundancy else []
     nodedir = NodeDir(base, nodes[proto.rank], root)
     leader = topo.leader(proto.rank) == proto.rank
-    collective(lambda: nodedir.prepare(run_id, logger) if leader else None, "local")
+    proto.everywhere(lambda: nodedir.prepare(run_id, logger) if leader else None, "local",
+                     logger)
     with proto.fatal_timeouts(logger):
         exchange = Exchange(proto, teams, redundancy) if redundancy else None
     if proto.rank == 0:

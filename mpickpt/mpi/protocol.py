@@ -14,20 +14,21 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import knobs
-from ..errors import CollectiveTimeout
+from ..errors import CheckpointError, CollectiveTimeout
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
 from .exitvote import ExitVote
 from .rollcall import RollCall
 
+T = TypeVar("T")
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
 # Waiting for a collective: POLL_SPINS tests at once, then naps of POLL_NAP_S doubling up to
 # POLL_NAP_MAX_S between tests (a collective that took long is seen at most that late), and a
@@ -253,6 +254,25 @@ class Protocol:
                       "loadable", e, EXIT_COLLECTIVE_TIMEOUT)
             self.abort(EXIT_COLLECTIVE_TIMEOUT)
             raise
+
+    def everywhere(self, fn: Callable[[], T], phase: str, log: logging.Logger,
+                   root_only: bool = False) -> T:
+        """Run ``fn`` (on rank 0 only, or on every rank) and raise :class:`CheckpointError` on
+        every rank if it failed anywhere; with ``root_only`` every rank gets rank 0's result."""
+        value, err = None, None
+        if self.rank == 0 or not root_only:
+            try:
+                value = fn()
+            except Exception as e:
+                err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        with self.fatal_timeouts(log):
+            if root_only:
+                value, err = self.bcast((value, err), phase)
+            elif failed := self.agree(err, phase, report=phase):
+                raise CheckpointError(str(failed))
+        if err is not None:
+            raise CheckpointError(f"{phase} failed: {err}")
+        return value  # type: ignore[return-value]
 
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:

@@ -116,6 +116,26 @@ class Pipeline:
                            why, r.step, r.error)
         return not failed
 
+    def time_for(self, step: int, deadline: float | None) -> bool:
+        """Collective: whether an emergency save of ``step`` can commit before ``deadline``
+        (Unix time), judged by rank 0's figures of the last commit with a margin of a quarter;
+        every rank decides alike, so all save or none does. Rank 0 says why not."""
+        last, need = self.last, None
+        if last is not None:
+            s = last.stats
+            need = 1.25 * (s.get("stall_s", 0) + s.get("persist_s", 0) + s.get("commit_s", 0)
+                           + s.get("protect_s", 0) + s.get("drain_s", 0))
+        left = None if deadline is None else deadline - time.time()
+        with self.proto.fatal_timeouts(self.log):
+            need, left = self.proto.bcast((need, left), "emergency")
+        if need is None or left is None or need <= left:
+            return True
+        if self.rank == 0:
+            self.log.error("no time for the emergency checkpoint of step %d: it needs about "
+                           "%.0f s, the job ends in %.0f s; the job will resume from step %s",
+                           step, need, left, last.step if last else None)
+        return False
+
     def shutdown(self) -> None:
         self._thread.shutdown()
 

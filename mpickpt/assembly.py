@@ -1,0 +1,56 @@
+"""What the Checkpointer assembles: the save pipeline with its stores, and the node-local level
+with its recovery. The facade (:mod:`mpickpt.checkpointer`) calls these once, at construction;
+nothing here runs a save or a restore."""
+
+from __future__ import annotations
+
+import logging
+
+from .format.nodefile import NodeFiles
+from .local.level import LocalLevel, open_level
+from .local.nodestore import NodeStore
+from .local.recovery import LocalRecovery
+from .mpi.protocol import Protocol
+from .options import Local
+from .save.incremental import Tracker
+from .save.pipeline import Pipeline
+from .save.retention import Policy
+from .save.rootstore import RootStore
+from .save.shards import RankShards, ShardOptions
+from .save.snapshot import Snapshotter
+from .save.upkeep import Upkeep
+
+
+def pipeline(proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
+             options: ShardOptions, policy: Policy, lv: LocalLevel | None,
+             logger: logging.Logger, *, raise_on_error: bool, skip: bool) -> Pipeline:
+    """The save pipeline: its stores (ROOT's; the node store first with a local level ``lv``)
+    and what they write with. Collective with ``Files(per="node")`` (the node's ranks meet)."""
+    tracker = Tracker(root, options.incremental, options.frozen) \
+        if options.incremental else None
+    shards = RankShards(proto.rank, proto.size, options, tracker, logger)
+    node = NodeFiles.join(proto, options.fanout, logger) if options.per_node else None
+    root_store = RootStore(proto, root, run_id, shards, Upkeep(root, run_id, policy, logger),
+                           logger, node=node)
+    if lv is None:
+        return Pipeline(proto, run_id, snapshotter, root_store, root_store, logger,
+                        raise_on_error, skip=skip)
+    return Pipeline(proto, run_id, snapshotter, NodeStore(proto, run_id, lv, shards, logger),
+                    root_store, logger, raise_on_error, lv.persist_every, lv.drain_bandwidth,
+                    skip)
+
+
+def local_level(proto: Protocol, level: Local | None, root: str, run_id: str,
+                root_problem: str | None, io_threads: int, logger: logging.Logger
+                ) -> tuple[LocalLevel | None, LocalRecovery | None]:
+    """The node-local level and its recovery, when ``level`` asks for one (collective); rank 0
+    says that the job goes on without ROOT when ``root_problem`` says why it cannot be used."""
+    if level is None:
+        return None, None
+    lv = open_level(proto, level, root, run_id, logger)
+    if root_problem is not None and proto.rank == 0:
+        logger.warning(
+            "ROOT cannot be used: %s. Restore takes what the node-local level holds; saves are "
+            "protected on the nodes, and their drains to ROOT fail (each one says so) until "
+            "ROOT is back", root_problem)
+    return lv, LocalRecovery(proto, lv, io_threads, logger)
