@@ -86,118 +86,121 @@ class _Preemption(TrainerCallback):
             raise SystemExit(EXIT_PREEMPTED)
 
 
+class _Mpickpt:
+    """What :func:`with_mpickpt` adds to a Trainer class (placed before it in the MRO)."""
+
+    def __init__(self, *args: Any, mpickpt_root: str | os.PathLike[str],
+                 mpickpt_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mpickpt_root = os.path.abspath(os.fspath(mpickpt_root))
+        options = dict(mpickpt_options or {})
+        options.setdefault("replicated", REPLICATED)
+        if "keep" not in options and self.args.save_total_limit:
+            options["keep"] = self.args.save_total_limit
+        self._mpickpt_options = options
+        self._mpickpt_ck: Checkpointer | None = None
+        self._mpickpt_loaded: dict[str, Any] | None = None
+        self.add_callback(_Preemption(self))
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The Checkpointer (created on every rank at the first save or resume)."""
+        if self._mpickpt_ck is None:
+            self._mpickpt_ck = Checkpointer(self.mpickpt_root, **self._mpickpt_options)
+        return self._mpickpt_ck
+
+    def resume_path(self) -> str | None:
+        """``resume_from_checkpoint``: ROOT when it holds a committed checkpoint, else None."""
+        return self.mpickpt_root if rootdir.committed(self.mpickpt_root) else None
+
+    # ------------------------------------------------------------------------------ save
+
+    def _mpickpt_state(self) -> dict[str, Any]:
+        """What a checkpoint holds, as the Trainer's own files would (built at the save)."""
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, transformers.trainer_callback.ExportableState):
+                self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
+        return {"model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.lr_scheduler.state_dict(),
+                "rng": _rng_state(),
+                "trainer_state": json.dumps(asdict(self.state), sort_keys=True)}
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Checkpoint this step on every rank (returns once it is snapshotted)."""
+        self.store_flos()
+        self.checkpointer.save(self.state.global_step, self._mpickpt_state(),
+                               metadata={"epoch": float(self.state.epoch or 0)})
+
+    # ---------------------------------------------------------------------------- resume
+
+    def train(self, resume_from_checkpoint: str | bool | int | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """As ``Trainer.train``; ``resume_from_checkpoint`` True or ROOT: the newest loadable
+        mpickpt checkpoint; ``"checkpoint-N"`` or N: step N, or the newest before it."""
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = self._mpickpt_restore(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self._mpickpt_ck is not None:  # the saves in flight commit before it returns
+                self._mpickpt_ck.close()
+                self._mpickpt_ck = None
+
+    def _mpickpt_restore(self, which: str | bool | int) -> str:
+        """Restore the checkpoint ``which`` names (collective); the directory holding its
+        trainer state for the Trainer to read."""
+        upto = None
+        if isinstance(which, int) and not isinstance(which, bool):
+            upto = which
+        elif not (which is True or os.path.abspath(os.fspath(which)) == self.mpickpt_root):
+            name = os.path.basename(os.path.normpath(os.fspath(which)))
+            upto = int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else None
+            if upto is None:
+                raise ValueError(f"resume_from_checkpoint={which!r}: give True, the mpickpt "
+                                 f"ROOT {self.mpickpt_root}, a step or 'checkpoint-N'")
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        got = self.checkpointer.restore(state, upto=upto)
+        if got is None:
+            raise ValueError(f"no loadable mpickpt checkpoint under {self.mpickpt_root}"
+                             + (f" at step {upto} or before" if upto is not None else ""))
+        self._mpickpt_loaded = state
+        here = tempfile.mkdtemp(prefix=f"mpickpt-hf-{got}-")  # this rank's: no one else's
+        with open(os.path.join(here, STATE_FILE), "w") as f:
+            f.write(state["trainer_state"])
+        return here
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._mpickpt_loaded is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # else: the restore read the weights into the model in place
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._mpickpt_loaded is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.optimizer.load_state_dict(self._mpickpt_loaded["optimizer"])
+        self.lr_scheduler.load_state_dict(self._mpickpt_loaded["scheduler"])
+        return None
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._mpickpt_loaded is None:
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if self._mpickpt_loaded is None:
+            super()._load_rng_state(checkpoint)
+        else:
+            _set_rng_state(self._mpickpt_loaded["rng"])
+
+
 def with_mpickpt(base: type) -> type:
     """``base`` (``transformers.Trainer`` or a subclass) saving and resuming through mpickpt:
     a subclass that takes ``mpickpt_root=`` and ``mpickpt_options=`` (Checkpointer options)."""
-
-    class MpickptTrainer(base):  # type: ignore[misc, valid-type]
-        __doc__ = f"{base.__name__}, saving and resuming through mpickpt (mpickpt.hf)."
-
-        def __init__(self, *args: Any, mpickpt_root: str | os.PathLike[str],
-                     mpickpt_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.mpickpt_root = os.path.abspath(os.fspath(mpickpt_root))
-            options = dict(mpickpt_options or {})
-            options.setdefault("replicated", REPLICATED)
-            if "keep" not in options and self.args.save_total_limit:
-                options["keep"] = self.args.save_total_limit
-            self._mpickpt_options = options
-            self._mpickpt_ck: Checkpointer | None = None
-            self._mpickpt_loaded: dict[str, Any] | None = None
-            self.add_callback(_Preemption(self))
-
-        @property
-        def checkpointer(self) -> Checkpointer:
-            """The Checkpointer (created on every rank at the first save or resume)."""
-            if self._mpickpt_ck is None:
-                self._mpickpt_ck = Checkpointer(self.mpickpt_root, **self._mpickpt_options)
-            return self._mpickpt_ck
-
-        def resume_path(self) -> str | None:
-            """``resume_from_checkpoint``: ROOT when it holds a committed checkpoint, else None."""
-            return self.mpickpt_root if rootdir.committed(self.mpickpt_root) else None
-
-        # ------------------------------------------------------------------------------ save
-
-        def _mpickpt_state(self) -> dict[str, Any]:
-            """What a checkpoint holds, as the Trainer's own files would (built at the save)."""
-            for cb in [*self.callback_handler.callbacks, self.control]:
-                if isinstance(cb, transformers.trainer_callback.ExportableState):
-                    self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
-            return {"model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.lr_scheduler.state_dict(),
-                    "rng": _rng_state(),
-                    "trainer_state": json.dumps(asdict(self.state), sort_keys=True)}
-
-        def _save_checkpoint(self, model: Any, trial: Any) -> None:
-            """Checkpoint this step on every rank (returns once it is snapshotted)."""
-            self.store_flos()
-            self.checkpointer.save(self.state.global_step, self._mpickpt_state(),
-                                   metadata={"epoch": float(self.state.epoch or 0)})
-
-        # ---------------------------------------------------------------------------- resume
-
-        def train(self, resume_from_checkpoint: str | bool | int | None = None, *args: Any,
-                  **kwargs: Any) -> Any:
-            """As ``Trainer.train``; ``resume_from_checkpoint`` True or ROOT: the newest loadable
-            mpickpt checkpoint; ``"checkpoint-N"`` or N: step N, or the newest before it."""
-            if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-                resume_from_checkpoint = self._mpickpt_restore(resume_from_checkpoint)
-            try:
-                return super().train(resume_from_checkpoint, *args, **kwargs)
-            finally:
-                if self._mpickpt_ck is not None:  # the saves in flight commit before it returns
-                    self._mpickpt_ck.close()
-                    self._mpickpt_ck = None
-
-        def _mpickpt_restore(self, which: str | bool | int) -> str:
-            """Restore the checkpoint ``which`` names (collective); the directory holding its
-            trainer state for the Trainer to read."""
-            upto = None
-            if isinstance(which, int) and not isinstance(which, bool):
-                upto = which
-            elif not (which is True or os.path.abspath(os.fspath(which)) == self.mpickpt_root):
-                name = os.path.basename(os.path.normpath(os.fspath(which)))
-                upto = int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else None
-                if upto is None:
-                    raise ValueError(f"resume_from_checkpoint={which!r}: give True, the mpickpt "
-                                     f"ROOT {self.mpickpt_root}, a step or 'checkpoint-N'")
-            state: dict[str, Any] = {"model": self.model.state_dict()}
-            got = self.checkpointer.restore(state, upto=upto)
-            if got is None:
-                raise ValueError(f"no loadable mpickpt checkpoint under {self.mpickpt_root}"
-                                 + (f" at step {upto} or before" if upto is not None else ""))
-            self._mpickpt_loaded = state
-            here = tempfile.mkdtemp(prefix=f"mpickpt-hf-{got}-")  # this rank's: no one else's
-            with open(os.path.join(here, STATE_FILE), "w") as f:
-                f.write(state["trainer_state"])
-            return here
-
-        def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-            if self._mpickpt_loaded is None:
-                super()._load_from_checkpoint(resume_from_checkpoint, model)
-            # else: the restore read the weights into the model in place
-
-        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-            if self._mpickpt_loaded is None:
-                return super()._load_optimizer_and_scheduler(checkpoint)
-            self.optimizer.load_state_dict(self._mpickpt_loaded["optimizer"])
-            self.lr_scheduler.load_state_dict(self._mpickpt_loaded["scheduler"])
-            return None
-
-        def _load_scaler(self, checkpoint: str | None) -> None:
-            if self._mpickpt_loaded is None:
-                super()._load_scaler(checkpoint)
-
-        def _load_rng_state(self, checkpoint: str | None) -> None:
-            if self._mpickpt_loaded is None:
-                super()._load_rng_state(checkpoint)
-            else:
-                _set_rng_state(self._mpickpt_loaded["rng"])
-
-    MpickptTrainer.__name__ = MpickptTrainer.__qualname__ = f"Mpickpt{base.__name__}"
-    return MpickptTrainer
+    name = f"Mpickpt{base.__name__}"
+    cls = type(name, (_Mpickpt, base), {
+        "__doc__": f"{base.__name__}, saving and resuming through mpickpt (mpickpt.hf).",
+        "__qualname__": name, "__module__": __name__})
+    return cls
 
 
 Trainer = with_mpickpt(transformers.Trainer)

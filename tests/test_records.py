@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mpickpt.errors import ShardError
-from mpickpt.format import dtypes, records, shard
+from mpickpt.format import dtypes, reader, records, shard
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -98,5 +98,5 @@ def test_one_block_reader_streams_or_reads_in_place_with_the_same_verdict(tmp_pa
             assert str(e.value) == msg
         f.read_block(big, 4, small)
     with pytest.raises(ShardError) as e:
-        shard.read_shard(2, path, w.records, size, block=block)
+        reader.read_shard(2, path, w.records, size, block=block)
     assert str(e.value) == msg

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mpickpt.errors import ShardError
-from mpickpt.format import shard
+from mpickpt.format import reader, shard
 
 BLOCK = 1 << 16
 
@@ -64,7 +64,7 @@ def test_h5dump_reads_the_shard(tmp_path, tensors):
 
 def test_read_back_is_bit_exact(tmp_path, tensors):
     records, size = write(tmp_path / "s.h5", tensors)
-    out = shard.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3)
+    out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3)
     for k, t in tensors.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape
         assert torch.equal(out[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
@@ -80,7 +80,7 @@ def test_flipped_byte_names_file_tensor_and_block(tmp_path, tensors):
         f.write(bytes([b[0] ^ 0x40]))
     msg = r"rank 3: .*s\.h5: tensor 'big': checksum mismatch in block 3"
     with pytest.raises(ShardError, match=msg):
-        shard.read_shard(3, str(tmp_path / "s.h5"), records, size, block=BLOCK)
+        reader.read_shard(3, str(tmp_path / "s.h5"), records, size, block=BLOCK)
 
 
 def test_truncated_file_is_refused_by_size(tmp_path, tensors):
@@ -88,27 +88,27 @@ def test_truncated_file_is_refused_by_size(tmp_path, tensors):
     with open(tmp_path / "s.h5", "r+b") as f:
         f.truncate(size - 100)
     with pytest.raises(ShardError, match="truncated"):
-        shard.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK)
+        reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK)
 
 
 def test_lying_records_never_allocate_beyond_the_file(tmp_path, tensors):
     _, size = write(tmp_path / "s.h5", tensors)
     liar = shard.TensorRecord("huge", "float32", [1 << 40], 0, 4 << 40, ["0"])
     with pytest.raises(ShardError, match="outside"):
-        shard.read_shard(0, str(tmp_path / "s.h5"), [liar], size, block=BLOCK)
+        reader.read_shard(0, str(tmp_path / "s.h5"), [liar], size, block=BLOCK)
     wrong = shard.TensorRecord("x", "float32", [10], 0, 8, ["0"])
     with pytest.raises(ShardError, match="needs 40"):
-        shard.read_shard(0, str(tmp_path / "s.h5"), [wrong], size, block=BLOCK)
+        reader.read_shard(0, str(tmp_path / "s.h5"), [wrong], size, block=BLOCK)
     odd = shard.TensorRecord("x", "pickle", [1], 0, 1, ["0"])
     with pytest.raises(ShardError, match="unknown dtype"):
-        shard.read_shard(0, str(tmp_path / "s.h5"), [odd], size, block=BLOCK)
+        reader.read_shard(0, str(tmp_path / "s.h5"), [odd], size, block=BLOCK)
 
 
 def test_symlinked_shard_is_refused(tmp_path, tensors):
     records, size = write(tmp_path / "s.h5", tensors)
     (tmp_path / "link.h5").symlink_to(tmp_path / "s.h5")
     with pytest.raises(ShardError, match="cannot open"):
-        shard.read_shard(0, str(tmp_path / "link.h5"), records, size, block=BLOCK)
+        reader.read_shard(0, str(tmp_path / "link.h5"), records, size, block=BLOCK)
 
 
 def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
@@ -128,7 +128,7 @@ def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
     assert shard._direct_len(0, src.data_ptr(), 1 << 20, (3 << 20) + 100) == 3 << 20
     records, size = write(tmp_path / "s.h5", tensors)
     dst = pool.acquire(16 << 20)
-    out = shard.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3,
+    out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3,
                            buffer=lambda n: dst[:n])
     for k, t in tensors.items():
         assert torch.equal(out[k], t), k
@@ -173,7 +173,7 @@ def test_a_file_of_another_size_is_refused_before_anything_is_allocated(tmp_path
                               huge - (1 << 20), ["0"] * (-(-(huge - (1 << 20)) // BLOCK)))
     asked = []
     with pytest.raises(ShardError, match=f"size is {size} bytes, the manifest says {huge}"):
-        shard.read_shard(0, str(tmp_path / "s.h5"), [liar], huge, block=BLOCK,
+        reader.read_shard(0, str(tmp_path / "s.h5"), [liar], huge, block=BLOCK,
                          buffer=lambda n: asked.append(n) or torch.empty(0, dtype=torch.uint8))
     assert asked == []
 
@@ -191,7 +191,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(tmp_path, tensors
     signal.alarm(10)
     try:
         with pytest.raises(ShardError, match=f"cannot open: {said}"):
-            shard.read_shard(0, str(path), list(by.values()), size, block=BLOCK)
+            reader.read_shard(0, str(path), list(by.values()), size, block=BLOCK)
     finally:
         signal.alarm(0)
 

@@ -35,9 +35,10 @@ from ..format.manifest import Manifest
 from ..local.nodedir import OWNER
 from ..log import human_bytes
 from ..ranks import rank_ranges, ranks_text
-from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, local
+from . import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, local, localshow
 from .changes import RUN_ID
-from .local import Copied, CopyJob, Holder, LocalStep
+from .drainpart import Copied, CopyJob
+from .local import Holder, LocalStep
 from .render import Out
 from .team import Team
 
@@ -109,7 +110,7 @@ def _pick(steps: list[LocalStep], want: int | None, where: str, names: str) -> L
         return s
     why = "; ".join(f"step {x.step}: {x.missing_text()}" for x in steps)
     raise Refused(f"no checkpoint on the nodes is complete in the node directories seen "
-                  f"({names}), nothing was drained: {why}. {local.rebuild_hint(steps[0])}",
+                  f"({names}), nothing was drained: {why}. {localshow.rebuild_hint(steps[0])}",
                   missing=steps[0].missing)
 
 
@@ -150,7 +151,7 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
                       + "; ".join(s.notes))
     if not s.complete:
         raise Refused(f"step {s.step} cannot be drained, nothing was: {s.missing_text()}. "
-                      f"{local.rebuild_hint(s)}", missing=s.missing)
+                      f"{localshow.rebuild_hint(s)}", missing=s.missing)
     data = team.manifest_bytes(s.source.proc, s.source.path)
     if isinstance(data, str) or checksum.digest(data) != s.digest:
         raise Refused(f"{os.path.join(s.source.path, MANIFEST)} changed while the drain was "

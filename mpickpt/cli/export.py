@@ -93,7 +93,7 @@ def _unsupported_by_safetensors(names_dtypes: dict[str, str]) -> list[str]:
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     import torch
 
-    from ..format.shard import read_shard
+    from ..format.reader import read_shard
     from ..save.pinned_pool import available_memory
 
     t0 = time.monotonic()

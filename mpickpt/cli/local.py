@@ -12,30 +12,26 @@ hold different manifests of one step, the one most of them hold counts (a tie: t
 
 Each process checks its shards against its own node's manifest, so only hashes, sizes and
 sentences travel (the small frozen records below). :func:`look` and :func:`pool` only read;
-:func:`copy_share` is one process's part of ``mpickpt drain``.
+:mod:`mpickpt.cli.localshow` shows them (``mpickpt ls --local``), and
+:mod:`mpickpt.cli.drainpart` is one process's part of ``mpickpt drain``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ManifestError, ShardError
+from ..errors import ManifestError
 from ..format import checksum, rootdir
-from ..format.blocks import verify_file
 from ..format.manifest import NAME as MANIFEST
 from ..format.manifest import Manifest, read_bytes
-from ..format.names import shard_name
+from ..format.names import RANK_FILE_RE, shard_name
 from ..format.rollback import Rollback
-from ..local.nodedir import LEVEL, OWNER, node_dirname
-from ..log import human_bytes
+from ..local.nodedir import LEVEL, OWNER, PARITY_RE, node_dirname
 from ..ranks import ranks_text
-from .render import Cell, Out, human_age, iso_utc, local_time
+from .render import iso_utc
 
 MAX_NAMES = 8  # node names listed in a sentence before the rest is counted
 
@@ -64,7 +60,7 @@ class NodeStep:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeDir:
+class NodeListing:
     """A node directory: its name, path, the ROOT its OWNER.json names, its committed steps."""
 
     name: str
@@ -79,7 +75,7 @@ class LocalView:
 
     where: str
     problem: str | None
-    dirs: list[NodeDir]
+    dirs: list[NodeListing]
 
 
 def _owner(path: str) -> str | None:
@@ -92,8 +88,6 @@ def _owner(path: str) -> str | None:
         return None
 
 
-SHARD_FILE = re.compile(r"^rank-(\d{5,})\.h5$")
-PARITY_FILE = re.compile(r"^xor-(\d{5,})\.bin$")
 
 
 def _shards(step_dir: str) -> tuple[dict[int, int], list[int]]:
@@ -103,9 +97,9 @@ def _shards(step_dir: str) -> tuple[dict[int, int], list[int]]:
         for e in it:
             if not e.is_file(follow_symlinks=False):
                 continue
-            if m := SHARD_FILE.match(e.name):
+            if m := RANK_FILE_RE.match(e.name):
                 out[int(m.group(1))] = e.stat(follow_symlinks=False).st_size
-            elif m := PARITY_FILE.match(e.name):
+            elif m := PARITY_RE.match(e.name):
                 parity.append(int(m.group(1)))
     return out, sorted(parity)
 
@@ -161,10 +155,10 @@ def _node_step(node: str, step: int, d: str) -> NodeStep:
                     m.created, m.run_id, sized, wrong, scheme, nodes, teams, parity)
 
 
-def _node_dir(path: str) -> NodeDir:
+def _node_dir(path: str) -> NodeListing:
     name = os.path.basename(path)
     steps = [_node_step(name, step, d) for step, d in rootdir.committed(path)]
-    return NodeDir(name, path, _owner(path), steps)
+    return NodeListing(name, path, _owner(path), steps)
 
 
 def _is_node_dir(path: str) -> bool:
@@ -357,7 +351,7 @@ def undone(steps: list[LocalStep], undo: Rollback | None) -> list[int]:
             if undo.excludes(s.step, s.first.created if s.first is not None else None)]
 
 
-def foreign(views: list[LocalView], root: str) -> list[tuple[NodeDir, str]]:
+def foreign(views: list[LocalView], root: str) -> list[tuple[NodeListing, str]]:
     """The node directories whose OWNER.json names another ROOT than ``root``."""
     real = os.path.realpath(root)
     return [(nd, nd.owner) for v in views for nd in v.dirs
@@ -377,167 +371,3 @@ def problem(views: list[LocalView]) -> str | None:
     seen = seen or "no LOCAL/<node>/ with OWNER.json or step-XXXXXXXX directories"
     return (f"{where}: no node directory of the local level there ({seen}): give the directory "
             "the job was given as Checkpointer(local=...)")
-
-
-# ------------------------------------------------------------------------ mpickpt ls --local
-
-
-def to_json(views: list[LocalView], steps: list[LocalStep], root: str, now: float
-            ) -> dict[str, Any]:
-    return {
-        "path": views[0].where if views else None, "error": problem(views),
-        "nodes": [{"name": nd.name, "path": nd.path, "root": nd.owner, "process": p,
-                   "steps": [s.step for s in nd.steps]}
-                  for p, v in enumerate(views) for nd in v.dirs],
-        "foreign": [{"node": nd.name, "path": nd.path, "root": owner}
-                    for nd, owner in foreign(views, root)],
-        "steps": [s.to_json(now) for s in steps],
-    }
-
-
-def _nodes_cell(s: LocalStep) -> str:
-    total = len(set(s.layout)) if s.layout else None
-    return f"{len(s.nodes)} of {total}" if total else str(len(s.nodes))
-
-
-def show(out: Out, views: list[LocalView], steps: list[LocalStep], root: str, local: str,
-         now: float, undo: Rollback | None = None) -> None:
-    """The local level's section of ``mpickpt ls``; ``undo``: ROOT's rollback in effect."""
-    out.line()
-    names = node_names(views)
-    where = views[0].where if views else local
-    seen = f" (as {len(views)} processes see it)" if len(views) > 1 else ""
-    dirs = f"{len(names)} node director{'y' if len(names) == 1 else 'ies'}"
-    out.line(f"{out.style('LOCAL', 'bold')} {where}{seen}: "
-             + (f"{dirs} ({names_text(names)})" if names else "no node directory"))
-    why = problem(views)
-    if why is not None:
-        out.line(why)
-        return
-    for nd, owner in foreign(views, root):
-        out.line(out.style(f"{nd.path} holds the checkpoints of ROOT {owner}, not of this "
-                           "ROOT", "red bold"))
-    out.line()
-    if not steps:
-        out.line("no committed checkpoint on the nodes")
-        return
-    rows = []
-    gone = undone(steps, undo)
-    for s in steps:
-        m = s.first
-        status = ("undone" if s.step in gone else "complete" if s.complete
-                  else "rebuildable" if s.rebuildable
-                  else "incomplete" if m is not None else "unreadable")
-        note = (f"missing {ranks_text(s.missing)}" if s.missing
-                else "" if m is not None else "no node holds a valid manifest")
-        if s.notes:
-            note = "; ".join(filter(None, [note, *s.notes]))
-        rows.append([
-            str(s.step), local_time(m.created if m else None),
-            human_age(now - m.created if m else None), str(m.world_size) if m else "-",
-            human_bytes(m.total_bytes if m else None), s.scheme or "none", _nodes_cell(s),
-            Cell(status, "green" if status in ("complete", "rebuildable") else "red"),
-            Cell("yes" if s.in_root else "no", "" if s.in_root else "yellow"), note])
-    out.table(["STEP", "WRITTEN", "AGE", "RANKS", "SIZE", "REDUNDANCY", "NODES", "STATUS",
-               "IN ROOT", "NOTE"], rows, right=(0, 3, 4))
-    out.line()
-    if gone and undo is not None:
-        out.line(f"undone by {undo.describe()}: step(s) {', '.join(map(str, gone))}, saved "
-                 "before it; the job's next start discards them on every node")
-    newest = steps[0]
-    best = next((s for s in steps if s.complete and s.step not in gone), None)
-    if best is not None and not best.in_root:
-        out.line(f"step {best.step} is complete on the nodes but not in ROOT: `mpickpt drain "
-                 f"{where} {root}` copies it there")
-    if not newest.complete and not newest.in_root and newest.first is not None:
-        homes = sorted({h for r in newest.missing if (h := newest.home(r)) is not None})
-        on = f" (their node{'s' if len(homes) > 1 else ''}: {names_text(homes)})" if homes else ""
-        then = ("a restart of the job rebuilds them from XOR parity and drains at close()"
-                if newest.scheme == "xor" else
-                "only node directories not seen here can hold them (`mpickpt drain` says more)")
-        out.line(f"step {newest.step} lacks the shards of {ranks_text(newest.missing)}{on}: "
-                 f"{then}")
-
-
-def rebuild_hint(s: LocalStep) -> str:
-    """What to do about a step the node directories seen do not hold completely."""
-    if s.scheme == "xor":
-        return ("Its redundancy is XOR parity: a restart of the job with this local level "
-                "rebuilds the missing shards when it restores, and drains the newest local "
-                "checkpoint to ROOT at close(). If some nodes were not seen, run this command "
-                "with one process on every node (srun --ntasks-per-node=1 mpickpt drain ...)")
-    return ("A restart of the job rebuilds XOR-protected shards when it restores and drains at "
-            f"close(), but this step's redundancy is {s.scheme or 'none'}: its missing shards "
-            "can only come from node directories this command did not see (run it with one "
-            "process on every node: srun --ntasks-per-node=1 mpickpt drain ...)")
-
-
-# ------------------------------------------------------------- mpickpt drain: one process's part
-
-
-@dataclass(frozen=True, slots=True)
-class CopyJob:
-    """Verify rank ``rank``'s shard at ``src`` (every checksum) against the MANIFEST.json beside
-    it, which must hash to ``digest``, then copy it to ``dst``."""
-
-    rank: int
-    src: str
-    dst: str
-    digest: str
-
-
-@dataclass(frozen=True, slots=True)
-class Copied:
-    """What became of a :class:`CopyJob`: ``damaged`` says why ``src`` failed verification
-    (another copy may serve), ``error`` why the copy itself failed (the drain stops)."""
-
-    rank: int
-    src: str
-    damaged: str | None
-    error: str | None
-    nbytes: int
-
-
-def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None) -> int:
-    """Copy ``src`` (a regular file, never through a link) to ``dst`` and fsync it; the bytes
-    copied."""
-    return rootdir.copy_file(src, dst, on_bytes)
-
-
-def copy_share(jobs: list[CopyJob], threads: int,
-               on_bytes: Callable[[int], None] | None = None) -> list[Copied]:
-    """This process's part of a drain: each job's shard verified, then copied; jobs run
-    ``threads`` at a time."""
-    if not jobs:
-        return []
-    manifests: dict[str, Manifest | str] = {}
-    for d in {os.path.dirname(j.src) for j in jobs}:
-        try:
-            m, data = read_manifest(d)
-            manifests[d] = m if checksum.digest(data) == jobs[0].digest else (
-                f"{os.path.join(d, MANIFEST)} is no longer the manifest the drain was planned "
-                "with (did a job write this step again?)")
-        except ManifestError as e:
-            manifests[d] = str(e)
-    workers = max(1, min(threads, len(jobs)))
-
-    def one(job: CopyJob) -> Copied:
-        m = manifests[os.path.dirname(job.src)]
-        if isinstance(m, str):
-            return Copied(job.rank, job.src, f"rank {job.rank}: {job.src}: {m}", None, 0)
-        entry = m.ranks[job.rank]
-        try:
-            verify_file(job.rank, job.src, entry.bytes, entry.tensors, m.checksum_block,
-                        threads=max(1, threads // workers))
-        except ShardError as e:
-            return Copied(job.rank, job.src, str(e), None, 0)
-        try:
-            n = copy_file(job.src, job.dst, on_bytes)
-        except OSError as e:
-            why = e.strerror or str(e)
-            return Copied(job.rank, job.src, None,
-                          f"rank {job.rank}: copying {job.src} to {job.dst}: {why}", 0)
-        return Copied(job.rank, job.src, None, None, n)
-
-    with ThreadPoolExecutor(workers, thread_name_prefix="mpickpt-drain") as pool:
-        return list(pool.map(one, jobs))

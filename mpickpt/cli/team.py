@@ -36,7 +36,8 @@ from ..ranks import ranks_text
 from . import EXIT_ERROR
 from .catalog import MANIFEST, Entry, ManifestUnreadable, Problem, read_manifest
 from .checks import verify_shard
-from .local import Copied, CopyJob, LocalView, copy_share, look
+from .drainpart import Copied, CopyJob, copy_share
+from .local import LocalView, look
 from .render import Out, Progress
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ class ReadManifest:
 @dataclass(frozen=True, slots=True)
 class CopyShards:
     """Verify and copy your share ``shares[rank]`` of a drain and send back what became of
-    each (:class:`~.local.Copied`)."""
+    each (:class:`~.drainpart.Copied`)."""
 
     shares: list[list[CopyJob]]
     threads: int
@@ -395,7 +396,7 @@ def _read_manifest(path: str) -> bytes | str:
 
 def _copy(share: list[CopyJob], threads: int,
           on_bytes: Callable[[int], None] | None) -> list[Copied]:
-    """:func:`~.local.copy_share`, every failure said in the results rather than raised."""
+    """:func:`~.drainpart.copy_share`, every failure said in the results rather than raised."""
     try:
         return copy_share(share, threads, on_bytes)
     except Exception as e:

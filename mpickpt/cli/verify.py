@@ -27,6 +27,7 @@ from . import (
     checks,
     diagnose,
     local,
+    localshow,
 )
 from .catalog import Entry
 from .changes import active_rollback
@@ -168,7 +169,7 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
     lv = getattr(args, "local", None)  # ls --local: the node-local level too
     views = team.local_views(lv) if lv is not None else []
     steps = local.pool(views, root) if lv is not None else []
-    more = {"local": local.to_json(views, steps, root, now)} if lv is not None else {}
+    more = {"local": localshow.to_json(views, steps, root, now)} if lv is not None else {}
     nxt = next_restore(s, steps, rollback.active(root))
     if nxt["level"] == "local" and code == EXIT_NO_CHECKPOINT:
         code = EXIT_OK  # the job resumes from the local level
@@ -186,7 +187,7 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
                  "them (it reads the tensors without HDF5 and they verify), but h5py and h5dump "
                  "cannot read them.")
     if lv is not None:
-        local.show(out, views, steps, root, lv, now, rollback.active(root))
+        localshow.show(out, views, steps, root, lv, now, rollback.active(root))
     return code
 
 

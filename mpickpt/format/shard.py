@@ -6,10 +6,7 @@ offsets by several threads, hashing each block on the way, so HDF5 costs no band
 stays an ordinary HDF5 file: ``h5py``/``h5dump`` read it, with attributes ``torch_dtype``, ``shape``
 and ``xxh3_64`` on each dataset and the JSON tree on the root.
 
-Reading never goes through HDF5: the manifest's records (offset, size, checksums) drive positional
-reads, checked against the real file size first, so a hostile file cannot make the reader allocate
-more than it holds. Each checksum block is read and verified straight into its place in the
-tensor by :class:`mpickpt.format.blocks.BlockFile`, the reader the operator's tools share.
+Reading never goes through HDF5 (:mod:`mpickpt.format.reader`).
 """
 
 from __future__ import annotations
@@ -20,24 +17,21 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import h5py
 import numpy as np
 import torch
 
-from ..errors import ShardError
-from ..save.pinned_pool import align
 from . import checksum, dtypes, rootdir
-from .blocks import DIRECT_ALIGN, BlockFile, _direct_len, _open_direct
+from .blocks import DIRECT_ALIGN, _direct_len, _open_direct
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT,
     TENSORS_GROUP,
     VERSION,
     TensorRecord,
-    check_file,
-    check_records,
 )
+from .records import check_file as check_file  # re-exported too
+from .records import check_records as check_records
 
 DEFAULT_ALIGNMENT = 1 << 20
 # a shard of at most this many bytes is written by the calling thread alone: handing its few
@@ -66,7 +60,7 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def _run(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], threads: int,
+def run_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], threads: int,
          background: bool = False) -> None:
     """Run ``fn(*task)`` for every task on ``threads`` threads; the first error cancels the rest.
     ``background`` threads run at a lower CPU priority."""
@@ -318,7 +312,7 @@ class ShardWriter:
         small = sum(r.nbytes for r in self.records) <= INLINE_BYTES
         plain = [r for r in self.records if r.codec is None]
         index = {id(r): i for i, r in enumerate(self.records)}
-        _run([(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)], task,
+        run_tasks([(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)], task,
              1 if small else threads, background=True)
         if any(r.codec is not None for r in self.records):
             self._write_compressed(views, block, threads, on_block, known)
@@ -407,92 +401,3 @@ class ShardWriter:
             self._map.flush()
             self._map.close()
             self._map = None
-
-
-def read_shard(
-    rank: int,
-    path: str,
-    records: list[TensorRecord],
-    file_bytes: int,
-    *,
-    block: int = checksum.DEFAULT_BLOCK,
-    threads: int = 4,
-    buffer: Callable[[int], torch.Tensor] | None = None,
-    on_block: Callable[[], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Read and verify every tensor of a shard into CPU tensors; raise :class:`ShardError`
-    naming the file and tensor at the first size or checksum mismatch.
-
-    ``buffer(nbytes)``, when given, supplies one (pinned, reusable) host buffer that the tensors
-    are laid out in, page-aligned; otherwise each tensor is a new allocation."""
-    check_records(rank, path, records, file_bytes, block)
-    check_file(rank, path, file_bytes)
-    if buffer is None:
-        out = {r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype)) for r in records}
-    else:
-        offsets, pos = [], 0
-        for r in records:
-            offsets.append(pos)
-            pos = align(pos + r.nbytes)
-        buf = buffer(pos)
-        out = {r.name: buf[o : o + r.nbytes].view(dtypes.torch_dtype(r.dtype)).view(r.shape)
-               for r, o in zip(records, offsets, strict=True)}
-    spans = [Span(r, 0, r.nbytes, out[r.name].reshape(-1).view(torch.uint8)) for r in records]
-    read_spans(rank, path, file_bytes, spans, block=block, threads=threads, on_block=on_block)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Bytes ``lo`` up to ``hi`` of stored record ``record``, to be read into ``dest`` (a
-    contiguous uint8 CPU tensor of ``hi - lo`` elements)."""
-
-    record: TensorRecord
-    lo: int
-    hi: int
-    dest: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.hi - self.lo
-
-
-def read_spans(
-    rank: int,
-    path: str,
-    file_bytes: int,
-    spans: list[Span],
-    *,
-    block: int = checksum.DEFAULT_BLOCK,
-    threads: int = 4,
-    on_block: Callable[[], None] | None = None,
-) -> None:
-    """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
-    on one or at the record's end) into its ``dest``, verifying every block
-    (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place);
-    :class:`ShardError` naming the file, tensor and block at the first mismatch.
-
-    The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
-    the records must have passed :func:`check_records`."""
-    try:
-        f = BlockFile(rank, path, file_bytes, block, direct=True)
-    except OSError as e:
-        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
-    with f:
-        for s in spans:
-            r = s.record
-            if s.lo % block or not (0 <= s.lo <= s.hi <= r.nbytes) \
-                    or (s.hi % block and s.hi != r.nbytes) or s.dest.numel() != s.nbytes:
-                raise ValueError(f"span {s.lo}..{s.hi} of {r.name!r} is not whole checksum blocks")
-        views = [byte_view(s.dest) for s in spans]
-        largest_first = sorted(range(len(spans)), key=lambda i: -spans[i].nbytes)
-        tasks = [(i, b) for i in largest_first
-                 for b in range(checksum.block_count(spans[i].nbytes, block))]
-
-        def task(i: int, b: int) -> None:
-            s, at = spans[i], b * block
-            f.read_block(s.record, (s.lo + at) // block, views[i][at : at + block])
-            if on_block is not None:
-                on_block()
-
-        _run(tasks, task, threads)

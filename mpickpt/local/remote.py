@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ShardError
 from ..format.manifest import Manifest
-from ..format.shard import Span, read_spans
+from ..format.reader import Span, read_spans
 from ..mpi.protocol import Protocol
 
 WINDOW = 256 << 20  # bytes per message at most

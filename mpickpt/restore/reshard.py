@@ -23,8 +23,9 @@ from ..errors import ShardError, StateMismatchError
 from ..format import dtypes, state_tree
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
+from ..format.reader import Span, read_spans
 from ..format.records import ByteRange
-from ..format.shard import Span, TensorRecord, read_spans
+from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
 from ..save.pinned_pool import align
 

@@ -34,7 +34,8 @@ from ..format import rootdir, state_tree
 from ..format.entry import RankEntry
 from ..format.manifest import NAME as MANIFEST
 from ..format.manifest import Manifest, read_bytes
-from ..format.shard import Span, check_file, check_records
+from ..format.reader import Span
+from ..format.records import check_file, check_records
 from ..local.recovery import LocalRecovery
 from ..local.remote import fetch as remote_fetch
 from ..mpi.protocol import Protocol
@@ -147,23 +148,21 @@ class Restorer:
         except ManifestError as e:
             return None, str(e)
 
-    def _try(self, state: dict[str, Any], step: int, path: str,
-             nodes: Sequence[str] | None = None) -> tuple[str | None, dict[str, Any]]:
-        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
-        ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
-        step), the bytes of shards of other nodes' ranks come from those ranks
-        (:mod:`mpickpt.local.remote`)."""
+    def _open(self, path: str, step: int) -> tuple[Manifest | None, str | None]:
+        """Collective: the manifest of step ``step`` at ``path`` as rank 0 reads it, checked
+        against this job (another number of ranks: refused, or said and resharded), or why it
+        cannot be loaded."""
         text, reason = self.proto.bcast(
             self._read_manifest(path) if self.rank == 0 else None, "manifest")
         if text is None:
-            return reason, {}
+            return None, reason
         try:
             manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
         except ManifestError as e:
-            return str(e), {}
+            return None, str(e)
         if manifest.step != step:
-            return (f"{os.path.join(path, MANIFEST)} is the manifest of step {manifest.step}, "
-                    f"not of step {step}: it was copied or moved here"), {}
+            return None, (f"{os.path.join(path, MANIFEST)} is the manifest of step "
+                          f"{manifest.step}, not of step {step}: it was copied or moved here")
         if manifest.world_size != self.world_size:
             if self.world_change == "fail":
                 raise WorldSizeMismatchError(
@@ -180,6 +179,17 @@ class Restorer:
                     "are resharded; rank r takes the per-rank state (other tensors and values) "
                     "of stored rank r mod %d%s", path, manifest.world_size, self.world_size,
                     manifest.world_size, " (it is the same on every stored rank)" if same else "")
+        return manifest, None
+
+    def _try(self, state: dict[str, Any], step: int, path: str,
+             nodes: Sequence[str] | None = None) -> tuple[str | None, dict[str, Any]]:
+        """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
+        ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
+        step), the bytes of shards of other nodes' ranks come from those ranks
+        (:mod:`mpickpt.local.remote`)."""
+        manifest, reason = self._open(path, step)
+        if manifest is None:
+            return reason, {}
         self._written_by = manifest.world_size
         self.manifest = manifest
         verdict, err, arrays, held = _OK, None, {}, []

@@ -35,7 +35,7 @@ from .. import sharding
 from ..format import checksum, rootdir
 from ..format.entry import RankEntry
 from ..format.records import TensorRecord
-from ..format.shard import _run, byte_view
+from ..format.shard import byte_view, run_tasks
 
 CHANGED_STREAK = 2
 
@@ -217,7 +217,7 @@ class Tracker:
 
         tasks = [(i, b) for i, (name, _, _) in enumerate(candidates)
                  for b in range(len(sums[name]))]
-        _run(tasks, task, threads, background=True)
+        run_tasks(tasks, task, threads, background=True)
         for name, _, old in candidates:
             d.hashed_bytes += old.nbytes
             if sums[name] == old.checksums:

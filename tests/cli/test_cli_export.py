@@ -11,7 +11,7 @@ from harness import flip_data_byte, manifest, shard, step_dir
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK
 from mpickpt.format.manifest import Manifest
-from mpickpt.format.shard import read_shard
+from mpickpt.format.reader import read_shard
 
 try:
     import safetensors.torch as safetensors_torch
@@ -25,7 +25,7 @@ def needs_safetensors() -> None:
 
 
 def saved_tensors(root, step: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, read by mpickpt.format.shard.read_shard, named as export
+    """Every tensor of the checkpoint, read by mpickpt.format.reader.read_shard, named as export
     does."""
     text = (step_dir(root, step) / "MANIFEST.json").read_text()
     m = Manifest.from_json(text, "test")

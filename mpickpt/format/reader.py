@@ -1,0 +1,110 @@
+"""Reading a shard: never through HDF5. The manifest's records (offset, size, checksums) drive
+positional reads, checked against the real file size first, so a hostile file cannot make the
+reader allocate more than it holds. Each checksum block is read and verified straight into its
+place in the tensor by :class:`mpickpt.format.blocks.BlockFile`, the reader the operator's tools
+share; a whole shard (:func:`read_shard`) or byte spans of its tensors (:func:`read_spans`, for
+resharding) on a few threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ShardError
+from ..save.pinned_pool import align
+from . import checksum, dtypes
+from .blocks import BlockFile
+from .records import TensorRecord, check_file, check_records
+from .shard import byte_view, run_tasks
+
+
+def read_shard(
+    rank: int,
+    path: str,
+    records: list[TensorRecord],
+    file_bytes: int,
+    *,
+    block: int = checksum.DEFAULT_BLOCK,
+    threads: int = 4,
+    buffer: Callable[[int], torch.Tensor] | None = None,
+    on_block: Callable[[], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read and verify every tensor of a shard into CPU tensors; raise :class:`ShardError`
+    naming the file and tensor at the first size or checksum mismatch.
+
+    ``buffer(nbytes)``, when given, supplies one (pinned, reusable) host buffer that the tensors
+    are laid out in, page-aligned; otherwise each tensor is a new allocation."""
+    check_records(rank, path, records, file_bytes, block)
+    check_file(rank, path, file_bytes)
+    if buffer is None:
+        out = {r.name: torch.empty(r.shape, dtype=dtypes.torch_dtype(r.dtype)) for r in records}
+    else:
+        offsets, pos = [], 0
+        for r in records:
+            offsets.append(pos)
+            pos = align(pos + r.nbytes)
+        buf = buffer(pos)
+        out = {r.name: buf[o : o + r.nbytes].view(dtypes.torch_dtype(r.dtype)).view(r.shape)
+               for r, o in zip(records, offsets, strict=True)}
+    spans = [Span(r, 0, r.nbytes, out[r.name].reshape(-1).view(torch.uint8)) for r in records]
+    read_spans(rank, path, file_bytes, spans, block=block, threads=threads, on_block=on_block)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes ``lo`` up to ``hi`` of stored record ``record``, to be read into ``dest`` (a
+    contiguous uint8 CPU tensor of ``hi - lo`` elements)."""
+
+    record: TensorRecord
+    lo: int
+    hi: int
+    dest: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+
+def read_spans(
+    rank: int,
+    path: str,
+    file_bytes: int,
+    spans: list[Span],
+    *,
+    block: int = checksum.DEFAULT_BLOCK,
+    threads: int = 4,
+    on_block: Callable[[], None] | None = None,
+) -> None:
+    """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
+    on one or at the record's end) into its ``dest``, verifying every block
+    (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place);
+    :class:`ShardError` naming the file, tensor and block at the first mismatch.
+
+    The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
+    the records must have passed :func:`check_records`."""
+    try:
+        f = BlockFile(rank, path, file_bytes, block, direct=True)
+    except OSError as e:
+        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+    with f:
+        for s in spans:
+            r = s.record
+            if s.lo % block or not (0 <= s.lo <= s.hi <= r.nbytes) \
+                    or (s.hi % block and s.hi != r.nbytes) or s.dest.numel() != s.nbytes:
+                raise ValueError(f"span {s.lo}..{s.hi} of {r.name!r} is not whole checksum blocks")
+        views = [byte_view(s.dest) for s in spans]
+        largest_first = sorted(range(len(spans)), key=lambda i: -spans[i].nbytes)
+        tasks = [(i, b) for i in largest_first
+                 for b in range(checksum.block_count(spans[i].nbytes, block))]
+
+        def task(i: int, b: int) -> None:
+            s, at = spans[i], b * block
+            f.read_block(s.record, (s.lo + at) // block, views[i][at : at + block])
+            if on_block is not None:
+                on_block()
+
+        run_tasks(tasks, task, threads)
