@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 
 _AGREED = "_mpickpt_same_on_every_rank"
@@ -15,6 +16,20 @@ OTHERS_WAIT_S = 3.0
 
 class CheckpointError(Exception):
     """Base class of every error mpickpt raises."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure in one phase of the protocol (``"vote"``, ``"local-commit"``,
+    ``"commit"``, ``"drain"`` ...), as every rank learns it: what a failed save's
+    :attr:`SaveResult.failures` lists, and what its error says, one per failed rank."""
+
+    rank: int
+    phase: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.reason}"
 
 
 class StateTreeError(CheckpointError, TypeError):

@@ -43,3 +43,23 @@ def test_preemption_false_ignores_the_flag(tmp_path):
             "os.kill(os.getpid(), signal.SIGUSR2)\n"
             "print([ck.should_exit(s, {'w': torch.zeros(1)}) for s in range(3)])\nck.close()")
     assert p.returncode == 0 and p.stdout.strip() == "[False, False, False]", p.stderr
+
+
+def test_the_exit_vote_tells_a_raised_flag_one_call_later_and_names_the_rank():
+    """mpickpt.mpi.exitvote on one rank: a call completes the allreduce the previous call
+    started, so a flag raised at one step is agreed at the next, with the rank that raised it;
+    the roll call (mpickpt.mpi.rollcall) counts each completed collective."""
+    from mpickpt import preempt
+    from mpickpt.mpi.exitvote import ExitVote
+    from mpickpt.mpi.protocol import Protocol
+
+    proto = Protocol(None, timeout=30)
+    vote = ExitVote(proto)
+    try:
+        assert vote.poll(preempt.NONE, proto.rank, 1) is None
+        assert vote.poll(preempt.PREEMPT, proto.rank, 2) is None  # started, not yet agreed
+        assert vote.poll(preempt.NONE, proto.rank, 3) == (preempt.PREEMPT, proto.rank)
+        assert vote._roll.seq == 2  # the two allreduces completed so far
+    finally:
+        vote.free()
+        proto.free()

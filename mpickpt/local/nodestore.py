@@ -107,7 +107,7 @@ class NodeStore:
             if lv.leader:
                 self.discard(self.final(step))
                 self.discard(partial)
-            return Published(None, str(failed), {})
+            return Published(None, str(failed), {}, failed.records)
         stats["protected_s"] = time.perf_counter() - started
         return Published(self.final(step), None, metadata)
 

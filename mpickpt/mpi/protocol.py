@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import knobs
-from ..errors import CheckpointError, CollectiveTimeout
+from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
 from .exitvote import ExitVote
@@ -197,7 +197,7 @@ class Protocol:
         if self.all_ok(error is None, phase):
             return None
         reasons = self.allgather(error, report or f"{phase}-report")
-        return Failures({r: m for r, m in enumerate(reasons) if m})
+        return Failures(tuple(RankFailure(r, phase, m) for r, m in enumerate(reasons) if m))
 
     def max(self, value: int, phase: str) -> int:
         return self._allreduce(value, MPI.MAX, phase)
@@ -316,17 +316,21 @@ _WAITER: list[concurrent.futures.ThreadPoolExecutor] = []
 
 @dataclass(frozen=True)
 class Failures:
-    """What :meth:`Protocol.agree` returns when a rank failed: each failed rank's reason."""
+    """What :meth:`Protocol.agree` returns when a rank failed: a record per failed rank."""
 
-    reasons: dict[int, str]
+    records: tuple[RankFailure, ...]
+
+    @property
+    def reasons(self) -> dict[int, str]:
+        return {f.rank: f.reason for f in self.records}
 
     def __str__(self) -> str:
         """The reasons as they were given (each usually names its rank), ``; ``-separated."""
-        return "; ".join(self.reasons.values())
+        return "; ".join(f.reason for f in self.records)
 
     def named(self) -> str:
         """Each reason after its rank: ``rank 1: ...; rank 3: ...``."""
-        return "; ".join(f"rank {r}: {m}" for r, m in self.reasons.items())
+        return "; ".join(str(f) for f in self.records)
 
 
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:

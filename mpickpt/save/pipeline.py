@@ -24,6 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
+from ..errors import RankFailure
 from ..mpi.protocol import Protocol
 from .assemble import assemble
 from .request import SaveHandle, SaveRequest, SaveResult, SkipLog
@@ -186,15 +187,15 @@ class Pipeline:
             if failed := self.proto.agree(error, "vote", report="abort"):
                 store.discard(partial)
                 result = SaveResult(step, False, error=failed.named(), stats=stats,
-                                    level=store.level)
+                                    level=store.level, failures=list(failed.records))
             else:
                 manifest, error = assemble(self.proto, self.run_id, req, partial, entry,
                                            self.root.shards.options.block, store.extended,
                                            self.log)
-                path, error, metadata = store.publish(step, partial, manifest, error, stats,
-                                                      req.started)
-                result = SaveResult(step, error is None, path=path, error=error, stats=stats,
-                                    metadata=metadata, level=store.level)
+                out = store.publish(step, partial, manifest, error, stats, req.started)
+                result = SaveResult(step, out.error is None, path=out.path, error=out.error,
+                                    stats=stats, metadata=out.metadata, level=store.level,
+                                    failures=list(out.failures))
             stats["collectives"] = self.proto.collectives - before
         if result.committed:
             self.last = result
@@ -222,7 +223,7 @@ class Pipeline:
         with self.proto.fatal_timeouts(self.log):
             if failed := self.proto.agree(error, "drain"):
                 root.discard(partial)
-                return self._drain_failed(step, str(failed), stats)
+                return self._drain_failed(step, str(failed), stats, failed.records)
             manifest = None
             try:
                 faults.hit("mid-drain-commit", self.rank, step)
@@ -235,10 +236,10 @@ class Pipeline:
                 else:  # rank 0 decides alone now: wait for its outcome
                     self.log.error("rank %d: %s while rank 0 commits the drain of step %d",
                                    self.rank, error_text(e), step)
-            path, error, _ = root.publish(step, partial, manifest, error, stats,
-                                          phase="drain-commit")
-        if error is not None:
-            return self._drain_failed(step, error, stats)
+            out = root.publish(step, partial, manifest, error, stats, phase="drain-commit")
+        path = out.path
+        if out.error is not None:
+            return self._drain_failed(step, out.error, stats, out.failures)
         if self.rank == 0:
             self.log.info("drained step %d to ROOT in %.2f s", step, stats["drain_s"])
         last = self.last.stats if self.last and self.last.step == step else {}
@@ -250,9 +251,10 @@ class Pipeline:
             self.last.stats["drain_s"] = time.perf_counter() - t
         return SaveResult(step, True, path=path, stats=stats)
 
-    def _drain_failed(self, step: int, why: str, stats: dict[str, float]) -> SaveResult:
+    def _drain_failed(self, step: int, why: str, stats: dict[str, float],
+                      failures: tuple[RankFailure, ...]) -> SaveResult:
         if self.rank == 0:
             self.log.error("the drain of step %d to ROOT failed, ROOT is unchanged and the step "
                            "stays protected on the nodes: %s", step, why)
-        return SaveResult(step, False, error=why, stats=stats)
+        return SaveResult(step, False, error=why, stats=stats, failures=list(failures))
 

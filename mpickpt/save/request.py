@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import sharding
-from ..errors import SaveAborted
+from ..errors import RankFailure, SaveAborted
 from ..format.records import TensorRecord
 from .snapshot import Snapshot
 
@@ -32,6 +32,7 @@ class SaveResult:
     metadata: dict[str, Any] = field(default_factory=dict)  # as committed in the manifest
     level: str = "root"  # where it committed: "root", or "local" (protected on the nodes)
     skipped: bool = False  # if_busy="skip": not taken, an earlier save was still persisting
+    failures: list[RankFailure] = field(default_factory=list)  # of an aborted save, per rank
 
 
 class SaveHandle:

@@ -17,7 +17,7 @@ import os
 import time
 
 from .. import faults
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankFailure
 from ..format import commit, nodefile, rootdir
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest, read_bytes
@@ -112,6 +112,8 @@ class RootStore:
                 stats["commit_s"] = stats.get("commit_s", 0.0) + time.perf_counter() - t
             if outcome.error is not None:
                 self.discard(partial)
+                outcome = outcome._replace(failures=(
+                    RankFailure(0, phase, outcome.error.removeprefix("rank 0: ")),))
         return Published(*self.proto.bcast(tuple(outcome), phase))
 
     def discard(self, partial: str) -> None:

@@ -16,6 +16,7 @@ import os
 from typing import Any, NamedTuple, Protocol
 
 from .. import log
+from ..errors import RankFailure
 from ..format import rootdir
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
@@ -24,11 +25,13 @@ from .request import SaveRequest, SaveResult
 
 class Published(NamedTuple):
     """What ``publish`` tells every rank: where the checkpoint committed (None: it did not),
-    why not, and the user metadata it committed with."""
+    why not (and the failure of each rank that failed), and the user metadata it committed
+    with."""
 
     path: str | None
     error: str | None
     metadata: dict[str, Any]
+    failures: tuple[RankFailure, ...] = ()
 
 
 class Store(Protocol):
