@@ -14,7 +14,7 @@ Measures, before either is built into mpickpt (issue: incremental and compressed
    (mpickpt's checksum block), compared by xxh3-64.
 3. **Incremental, full fine-tune**: the same comparison for the whole model, and what the
    comparison costs: hashing every block of the state (xxh3) against mpickpt's ``save().wait()``
-   of the same state on this machine (the saver hashes every block anyway, so hashing before
+   of the same state on this machine (the save pipeline hashes every block anyway, so hashing before
    writing is the whole extra cost of deciding what to skip).
 
     python bench/bench_codecs.py                     # ~4 minutes on 2 cores

@@ -62,3 +62,18 @@ def test_slug_as_github_makes_it() -> None:
         "plain-values-in-the-dict-or-in-mpickptvalues"
     assert slug("The node-local level: ls --local and drain") == \
         "the-node-local-level-ls---local-and-drain"
+
+
+def test_the_code_table_of_format_md_names_every_module_and_only_modules_that_exist():
+    """docs/format.md's "The code" lists every module of mpickpt/ by its path (cli/'s in one
+    row), and no path that is not a module."""
+    text = (REPO / "docs" / "format.md").read_text()
+    table = text[text.index("## The code"):]
+    table = table[:table.index("\n## ")] if "\n## " in table else table
+    cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    named = {p for cell in cells for p in re.findall(r"`([\w/]+\.py)`", cell)}
+    package = REPO / "mpickpt"
+    modules = {str(p.relative_to(package)) for p in package.rglob("*.py")
+               if p.name != "__init__.py" and p.parent.name != "cli"}
+    assert modules - named == set(), "modules missing from docs/format.md's table"
+    assert {p for p in named if not (package / p).exists()} == set(), "no such modules"
