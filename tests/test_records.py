@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,26 +38,26 @@ def test_check_records_refuses_an_unknown_dtype(tmp_path):
         records.check_records(0, str(tmp_path / "f"), [r], 64, 1 << 20)
 
 
-def test_records_and_manifest_import_without_torch_numpy_or_h5py():
-    code = ("import sys, mpickpt.format.records, mpickpt.format.manifest, "
-            "mpickpt.format.rootdir; "
-            "print(sorted(m for m in ('torch', 'numpy', 'h5py', 'mpi4py') if m in sys.modules))")
+def heavy_modules_after(imports: str, heavy: tuple[str, ...]) -> list[str]:
+    """Which of ``heavy`` a fresh interpreter holds after ``import`` of ``imports``."""
+    code = (f"import json, sys, {imports}; "
+            f"print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=60)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "[]"
+    return json.loads(p.stdout)
+
+
+def test_records_and_manifest_import_without_torch_numpy_or_h5py():
+    imports = ("mpickpt.format.records, mpickpt.format.manifest, mpickpt.format.entry, "
+               "mpickpt.format.names, mpickpt.format.rootdir")
+    assert heavy_modules_after(imports, ("torch", "numpy", "h5py", "mpi4py")) == []
 
 
 def test_the_block_reader_imports_without_torch_numpy_or_h5py():
-    code = ("import sys, mpickpt.format.blocks; "
-            "print(sorted(m for m in ('torch', 'numpy', 'h5py', 'mpi4py', 'ctypes') "
-            "if m in sys.modules))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=60)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "[]"
+    heavy = ("torch", "numpy", "h5py", "mpi4py", "ctypes")
+    assert heavy_modules_after("mpickpt.format.blocks", heavy) == []
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ManifestError
 from . import checksum, rootdir
@@ -186,14 +186,20 @@ def parts_read() -> int:
     return _PARTS_READ
 
 
-def read_part(path: str, size: int) -> bytes:
-    """The bytes of an index part: a regular file (no link) of exactly ``size`` bytes."""
+def open_regular(path: str, what: str) -> tuple[BinaryIO, int]:
+    """``path`` open for reading, a regular file never reached through a link, and its size;
+    :class:`ManifestError` naming it as ``what`` otherwise."""
     try:
         fd = rootdir.open_regular(path)
     except OSError as e:
-        raise ManifestError(f"{path}: cannot open the index part: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        actual = os.fstat(fd).st_size
+        raise ManifestError(f"{path}: cannot open{what}: {e.strerror}") from None
+    return os.fdopen(fd, "rb"), os.fstat(fd).st_size
+
+
+def read_part(path: str, size: int) -> bytes:
+    """The bytes of an index part: a regular file (no link) of exactly ``size`` bytes."""
+    f, actual = open_regular(path, " the index part")
+    with f:
         if actual != size:
             raise ManifestError(f"{path}: the index part has {actual} bytes, the manifest says "
                                 f"{size} (truncated or replaced)")

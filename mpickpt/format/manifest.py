@@ -44,13 +44,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ManifestError
-from . import checksum, rootdir
+from . import checksum
 from .entry import (
     MAX_BYTES,
     Bad,
     RankEntry,
     entry_refs,
     field_of,
+    open_regular,
     parse_entry,
     parse_summary,
     steps_field,
@@ -177,12 +178,8 @@ def read_bytes(directory: str) -> bytes:
     if os.path.islink(directory):
         raise ManifestError(f"{path}: cannot open: {directory} is a symbolic link, and "
                             "checkpoints are never read through one")
-    try:
-        fd = rootdir.open_regular(path)
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot open: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
+    f, size = open_regular(path, "")
+    with f:
         data = f.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
         if size > MAX_BYTES or len(data) > MAX_BYTES:
             raise ManifestError(f"{path}: {max(size, len(data))} bytes is too large for a "

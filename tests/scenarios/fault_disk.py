@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from mpi4py import MPI
@@ -40,7 +39,7 @@ import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_restore import fill, image, report
+from fault_restore import Trainer, fill, image, outcome, report
 from train import make_state, train_step
 
 FAILED = 15
@@ -88,7 +87,7 @@ def restore_read_only(root: str, reports: str) -> None:
     result = ck.save(25, state).wait()
     ck.close()
     report(reports, {"rank": rank, "restored": restored,
-                     "save": {k: v for k, v in asdict(result).items() if k != "stats"}})
+                     "save": outcome(result)})
 
 
 def retention_blocked(root: str, reports: str) -> None:
@@ -99,13 +98,7 @@ def retention_blocked(root: str, reports: str) -> None:
     rank = comm.rank
     state = make_state(rank, WIDTH)
     ck = mpickpt.Checkpointer(root, keep=2)
-    results, images = {}, {}
-
-    def train_and_save(step: int) -> None:
-        for _ in range(5):
-            train_step(state, comm)
-        results[step] = ck.save(step, state).wait()
-        images[step] = image(state)
+    train_and_save = Trainer(state, comm, ck)
 
     train_and_save(5)
     train_and_save(10)
@@ -132,12 +125,12 @@ def retention_blocked(root: str, reports: str) -> None:
     restored = []
     for step in (20, 15):
         fresh = make_state(rank, WIDTH)
-        restored.append([ck.restore(fresh, step=step), image(fresh) == images[step]])
+        restored.append([ck.restore(fresh, step=step),
+                         image(fresh) == train_and_save.images[step]])
     ck.close()
     report(reports, {
         "rank": rank,
-        "saves": {s: {k: v for k, v in asdict(r).items() if k != "stats"}
-                  for s, r in results.items()},
+        "saves": train_and_save.saves(),
         "after": after,
         "restored": restored,
     })
@@ -153,13 +146,7 @@ def main() -> None:
     rank = comm.rank
     state = make_state(rank, WIDTH)
     ck = mpickpt.Checkpointer(root)
-    results, images, facts = {}, {}, {}
-
-    def train_and_save(step: int) -> None:
-        for _ in range(5):
-            train_step(state, comm)
-        results[step] = ck.save(step, state).wait()
-        images[step] = image(state)
+    train_and_save, facts = Trainer(state, comm, ck), {}
 
     train_and_save(5)
     train_and_save(10)
@@ -167,7 +154,8 @@ def main() -> None:
     repair = lambda: None  # noqa: E731
     if rank == 0:
         facts, repair = break_root(mode, root)
-        facts["shard_bytes"] = os.path.getsize(os.path.join(results[10].path, "rank-00000.h5"))
+        facts["shard_bytes"] = os.path.getsize(
+            os.path.join(train_and_save.results[10].path, "rank-00000.h5"))
     comm.Barrier()
     train_and_save(FAILED)
     comm.Barrier()  # every rank is past the failed save before the repair
@@ -181,12 +169,11 @@ def main() -> None:
     for step in (20, 10, 5):
         fresh = make_state(rank, WIDTH)
         got = ck.restore(fresh, step=None if step == 20 else step)
-        restored.append([got, image(fresh) == images[step]])
+        restored.append([got, image(fresh) == train_and_save.images[step]])
     ck.close()
     report(reports, {
         "rank": rank,
-        "saves": {s: {k: v for k, v in asdict(r).items() if k != "stats"}
-                  for s, r in results.items()},
+        "saves": train_and_save.saves(),
         "after_abort": after_abort,
         "facts": facts,
         "fds": fds,

@@ -20,7 +20,6 @@ import os
 import resource
 import signal
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from mpi4py import MPI
@@ -30,7 +29,7 @@ from mpickpt.format import rootdir
 from mpickpt.format.names import shard_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from fault_restore import fill, image, report
+from fault_restore import fill, image, outcome, report
 from train import make_state, train_step
 
 FAILED = 10
@@ -91,8 +90,7 @@ def main() -> None:
     ck.close()
     report(reports, {
         "rank": rank,
-        "saves": {s: {k: v for k, v in asdict(r).items() if k != "stats"}
-                  for s, r in results.items()},
+        "saves": {s: outcome(r) for s, r in results.items()},
         "after_abort": after_abort,
         "restored": [newest, newest_ok, oldest, oldest_ok],
     })

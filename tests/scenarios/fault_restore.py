@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from mpi4py import MPI
 import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from train import make_state
+from train import make_state, train_step
 
 
 def canon(x: object) -> object:
@@ -70,6 +71,30 @@ def fill(path: str, leave: int = 0) -> int:
         os.fsync(f.fileno())
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def outcome(result: object) -> dict:
+    """A SaveResult as a report holds it: every field but the figures."""
+    return {k: v for k, v in asdict(result).items() if k != "stats"}  # type: ignore[call-overload]
+
+
+class Trainer:
+    """Five training steps, then a save of ``state`` waited for: each step's result and the
+    state's image at it, for the report."""
+
+    def __init__(self, state: dict, comm: object, ck: object) -> None:
+        self.state, self.comm, self.ck = state, comm, ck
+        self.results: dict[int, object] = {}
+        self.images: dict[int, object] = {}
+
+    def __call__(self, step: int) -> None:
+        for _ in range(5):
+            train_step(self.state, self.comm)
+        self.results[step] = self.ck.save(step, self.state).wait()
+        self.images[step] = image(self.state)
+
+    def saves(self) -> dict:
+        return {s: outcome(r) for s, r in self.results.items()}
 
 
 def report(reports: str, data: dict) -> None:

@@ -150,6 +150,21 @@ def jobs(slurm, tmp_path: Path) -> Iterator[Jobs]:
         j.cancel_all()
 
 
+def requeued_once(slurm, jobs: Jobs, job: str) -> tuple[str, int]:
+    """``job`` ended COMPLETED after one requeue (its first run preempted and requeued, its
+    second finished) and its second run resumed from its first's emergency checkpoint on every
+    rank; (its log, the step resumed from)."""
+    state = slurm.wait(job, timeout=240)
+    log = jobs.log("train", job)
+    assert state == "COMPLETED", f"job {job} ended {state}\n{log}"
+    runs = summaries(log)
+    assert [(s["restart"], s["exit"], s["outcome"]) for s in runs] == [
+        ("0", "3", "preempted-requeued"), ("1", "0", "finished")], log
+    assert int(slurm.show(job)["Restarts"]) == 1
+    [step] = check_resumed_runs(jobs, job, 2)
+    return log, step
+
+
 def check_resumed_runs(jobs: Jobs, job: str, runs: int) -> list[int]:
     """Run 0 of ``job`` started fresh and every later run resumed, on every rank, from the step
     its predecessor stopped at (its emergency checkpoint); the steps resumed from."""
@@ -196,14 +211,7 @@ def test_scancel_usr2_preempts_requeues_and_resumes_bit_identical(slurm, jobs, r
     job = jobs.train(["--time=10"], steps, sleep=0.2)
     wait_for(lambda: len(jobs.progress()) >= 15, 180, f"job {job} to train 15 steps")
     slurm.cancel(job, "--signal=USR2")  # the ranks (steps) get it, not the batch shell
-    state = slurm.wait(job, timeout=240)
-    log = jobs.log("train", job)
-    assert state == "COMPLETED", f"job {job} ended {state}\n{log}"
-    runs = summaries(log)
-    assert [(s["restart"], s["exit"], s["outcome"]) for s in runs] == [
-        ("0", "3", "preempted-requeued"), ("1", "0", "finished")], log
-    assert int(slurm.show(job)["Restarts"]) == 1
-    [step] = check_resumed_runs(jobs, job, 2)
+    log, step = requeued_once(slurm, jobs, job)
     assert 15 <= step < steps
     assert f"checkpointing step {step} and exiting" in log, log
     if step % 10:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from harness import assert_same_final, step_dir
-from test_slurm_jobs import Jobs, N, check_resumed_runs, summaries, wait_for
+from test_slurm_jobs import Jobs, N, requeued_once, summaries, wait_for
 
 STEPS = 60
 PERSIST_EVERY = 1000  # never, in STEPS steps: only the emergency save and close() drain
@@ -87,14 +87,7 @@ def check_drained(jobs: LocalJobs, step: int, log: str) -> None:
 def check_finished(slurm, jobs: LocalJobs, job: str, reference: Path) -> tuple[str, int]:
     """The job ended COMPLETED after one requeue, its second run resumed from the emergency
     checkpoint, and it ends bit-identical to ``reference``; (its log, the step resumed from)."""
-    state = slurm.wait(job, timeout=240)
-    log = jobs.log("train", job)
-    assert state == "COMPLETED", f"job {job} ended {state}\n{log}"
-    runs = summaries(log)
-    assert [(s["restart"], s["exit"], s["outcome"]) for s in runs] == [
-        ("0", "3", "preempted-requeued"), ("1", "0", "finished")], log
-    assert int(slurm.show(job)["Restarts"]) == 1
-    [step] = check_resumed_runs(jobs, job, 2)
+    log, step = requeued_once(slurm, jobs, job)
     assert 15 <= step < STEPS
     assert f"drained step {STEPS} to ROOT" in log, log  # the newest one, at close()
     assert (jobs.root / "DONE").read_text().startswith(f"job={job} "), log
