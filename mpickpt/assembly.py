@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 
+from . import knobs
 from .format.nodefile import NodeFiles
 from .local.level import LocalLevel, open_level
 from .local.nodestore import NodeStore
 from .local.recovery import LocalRecovery
+from .local.topology import Topology
 from .mpi.protocol import Protocol
 from .options import Local
 from .save.incremental import Tracker
@@ -29,7 +31,7 @@ def pipeline(proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
     tracker = Tracker(root, options.incremental, options.frozen) \
         if options.incremental else None
     shards = RankShards(proto.rank, proto.size, options, tracker, logger)
-    node = NodeFiles.join(proto, options.fanout, logger) if options.per_node else None
+    node = node_files(proto, options.fanout, logger) if options.per_node else None
     root_store = RootStore(proto, root, run_id, shards, Upkeep(root, run_id, policy, logger),
                            logger, node=node)
     if lv is None:
@@ -54,3 +56,12 @@ def local_level(proto: Protocol, level: Local | None, root: str, run_id: str,
             "protected on the nodes, and their drains to ROOT fail (each one says so) until "
             "ROOT is back", root_problem)
     return lv, LocalRecovery(proto, lv, io_threads, logger)
+
+
+def node_files(proto: Protocol, fanout: int, logger: logging.Logger) -> NodeFiles:
+    """This rank's node and its ranks, for ``Files(per="node")`` (collective)."""
+    with proto.fatal_timeouts(logger):
+        topo = Topology(tuple(proto.nodes(knobs.NODE.get())))
+        node = topo.node_index(proto.rank)
+        team = proto.sub(node, topo.local_index(proto.rank))
+    return NodeFiles(team, node, len(topo.names), fanout)

@@ -23,6 +23,7 @@ from . import assembly, log, preempt, slurm
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .format import codec, rootstart
+from .mpi.exitvote import ExitVote
 from .mpi.protocol import Protocol, world_rank
 from .options import (
     Encoding,
@@ -138,7 +139,7 @@ class Checkpointer:
         self._capture = Capture(self._pool, o.snapshots.device_staging, self.replicated,
                                 self.rank, self.world_size, self.log,
                                 skip=o.snapshots.if_busy == "skip")
-        self._exit_vote = self._proto.exit_vote()
+        self._exit_vote = ExitVote(self._proto)
         self._watch(o.preemption)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
@@ -291,7 +292,7 @@ class Checkpointer:
                     exit: bool = True) -> bool:
         """Call once per step on every rank: whether a preemption signal reached any rank.
 
-        Costs one non-blocking allreduce per call (see :class:`mpickpt.mpi.protocol.ExitVote`); all
+        Costs one non-blocking allreduce per call (see :class:`mpickpt.mpi.exitvote.ExitVote`); all
         ranks see the answer at the same call. When it is yes: the saves in flight finish, then
         ``state`` is saved as ``step`` and committed (unless that step is already committed or
         the deadline leaves too little time), rank 0 requeues the job under Slurm, and, with

@@ -25,9 +25,10 @@ from .format import codec
 from .format.checksum import DEFAULT_BLOCK
 from .format.names import FANOUT
 from .format.shard import DEFAULT_ALIGNMENT
-from .local.topology import SCHEMES
 from .save.incremental import frozen_matcher
 from .save.retention import Policy
+
+SCHEMES = ("partner", "xor")  # the node-local level's redundancy (mpickpt.local.topology)
 
 
 class _Unset:

@@ -27,6 +27,13 @@ from . import checksum
 from .records import TensorRecord, check_records, open_shard
 
 DIRECT_ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to this
+ALIGN = 4096  # every tensor in a host buffer starts on a page boundary (O_DIRECT-friendly)
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
+    return -(-n // a) * a
+
 
 
 def _open_direct(path: str, flags: int) -> int:

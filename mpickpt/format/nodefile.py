@@ -25,7 +25,6 @@ leaves the others waiting at the next step, until the deadline ends the job (as 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -34,8 +33,6 @@ from typing import Any
 
 import torch
 
-from .. import knobs
-from ..local.topology import Topology
 from ..mpi.protocol import Protocol
 from . import checksum, dtypes, rootdir
 from .entry import IndexRef, RankEntry
@@ -53,15 +50,6 @@ class NodeFiles:
     node: int
     nodes: int
     fanout: int
-
-    @classmethod
-    def join(cls, proto: Protocol, fanout: int, logger: logging.Logger) -> NodeFiles:
-        """This rank's node and its ranks, for ``Files(per="node")`` (collective)."""
-        with proto.fatal_timeouts(logger):
-            topo = Topology(tuple(proto.nodes(knobs.NODE.get())))
-            node = topo.node_index(proto.rank)
-            team = proto.sub(node, topo.local_index(proto.rank))
-        return cls(team, node, len(topo.names), fanout)
 
     @property
     def leader(self) -> bool:

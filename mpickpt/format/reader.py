@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShardError
-from ..save.pinned_pool import align
 from . import checksum, dtypes
-from .blocks import BlockFile
+from .blocks import BlockFile, align
 from .records import TensorRecord, check_file, check_records
 from .shard import byte_view, run_tasks
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMES = ("partner", "xor")
+from ..options import SCHEMES
+
 DEFAULT_XOR_SET = 4  # nodes per XOR set (SCR's default is 8; smaller sets survive more losses)
 
 

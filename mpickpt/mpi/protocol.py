@@ -25,7 +25,6 @@ from .. import knobs
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
-from .exitvote import ExitVote
 from .rollcall import RollCall
 
 T = TypeVar("T")
@@ -225,10 +224,6 @@ class Protocol:
         self.barrier(phase)
         self.collectives += 1
         return self.comm.alltoall(objs)
-
-    def exit_vote(self) -> ExitVote:
-        """A non-blocking agreement on a flag, on its own duplicate of the communicator."""
-        return ExitVote(self)
 
     def abort(self, code: int) -> None:
         """End the whole job (after a missed deadline the communicator cannot be trusted).

@@ -21,13 +21,13 @@ import torch
 from .. import sharding
 from ..errors import ShardError, StateMismatchError
 from ..format import dtypes, state_tree
+from ..format.blocks import align
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
 from ..format.reader import Span, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
-from ..save.pinned_pool import align
 
 
 class RecordKey(NamedTuple):

@@ -16,16 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-
-ALIGN = 4096  # every tensor in a buffer starts on a page boundary (O_DIRECT-friendly)
+from ..format.blocks import ALIGN, align
 
 
 class PinnedBudgetError(CheckpointError):
     """A snapshot does not fit the host memory budget."""
-
-
-def align(n: int, a: int = ALIGN) -> int:
-    return -(-n // a) * a
 
 
 def available_memory() -> int | None:

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from .pinned_pool import HostPool, Lease, align
+from ..format.blocks import align
+from .pinned_pool import HostPool, Lease
 
 # The staging->host copy goes in pieces of this size, at most D2H_DEPTH queued at a time.
 D2H_CHUNK = 4 << 20
