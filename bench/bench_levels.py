@@ -28,7 +28,7 @@ side by side:
    directories once they are whole again, a ROOT-only Checkpointer's restore of the drained copy,
    and ``dcp.load`` of the same state saved by DCP. With one rank there is no partner: the rows
    are the local restore of a restarted job, ROOT, and DCP.
-4. local-tier memory per node: bytes allocated under ``LOCAL/n<r>`` (tmpfs: memory) at the
+4. local-level memory per node: bytes allocated under ``LOCAL/n<r>`` (tmpfs: memory) at the
    peak, sampled every millisecond during two extra saves (a kept checkpoint and the one being
    written), and in the steady state after the training loop, against the shard and the bound
    (1 + redundancy) x shard x (keep_local + 1).
@@ -692,7 +692,7 @@ def report(doc: dict[str, Any]) -> str:
                    "MPI bytes", "ROOT bytes"), rows)]
     out.append(f"({vs}: each restore's time over \"{ref}\"'s; a new Checkpointer is built "
                "before each restore, not timed)")
-    out += ["", f"4. local-tier memory per node, bytes allocated under LOCAL/<node>; bound = "
+    out += ["", f"4. local-level memory per node, bytes allocated under LOCAL/<node>; bound = "
             f"(1 + {p4['factor']:g}) x shard x {p4['kept']} (keep_local=1 + the one being "
             "written)"]
     rows = []

@@ -1,4 +1,4 @@
-"""The save pipeline and its stores (mpickpt/save/, mpickpt/local/nodestore.py, mpickpt/assembly.py)
+"""The save pipeline and its stores (mpickpt/save/, mpickpt/local/, mpickpt/assembly.py)
 and the coordinated restore (mpickpt/restore/coordinate.py, mpickpt/format/rootstart.py), on one
 rank in this process: real Checkpointers, real files, injected faults."""
 
@@ -164,3 +164,100 @@ def test_a_coordinated_restore_takes_the_step_asked_for_or_names_what_is_missing
             coordinate.restore(ck._proto, ck._pool, fresh, str(tmp_path), listed, None, LOG,
                                step=9, upto=None, io_threads=2, replicated=(),
                                world_change="reshard")
+
+
+def test_shard_options_say_when_a_manifest_is_version_3():
+    from mpickpt.save.shards import ShardOptions
+
+    assert not ShardOptions().extended(4)
+    assert ShardOptions(per_node=True).extended(2)
+    assert ShardOptions(incremental=3).extended(1)
+    assert ShardOptions(fanout=2).extended(3)  # sub-directories in ROOT
+    assert not ShardOptions(fanout=2).extended(0)  # the node-local level's: flat, per rank
+
+
+def test_frozen_names_match_whole_key_paths_only():
+    from mpickpt.save.incremental import frozen_matcher
+
+    match = frozen_matcher(["model/base", "/embed/"])
+    assert match is not None
+    assert [n for n in ("model/base", "model/base/w", "model/base.weight", "embed.w",
+                        "model/based", "model/bas", "lora/model/base") if match(n)] == [
+        "model/base", "model/base/w", "model/base.weight", "embed.w"]
+    assert frozen_matcher([]) is None and frozen_matcher(None) is None
+
+
+def test_metadata_is_checked_on_the_training_thread_and_named_where_it_fails():
+    from mpickpt.save import metadata
+
+    got = metadata.resolve(metadata.check({"loss": torch.tensor(0.5), "tags": ["a", 1]}))
+    assert got == {"loss": 0.5, "tags": ["a", 1]}
+    with pytest.raises(mpickpt.MetadataError, match="'bad'"):
+        metadata.check({"ok": 1, "bad": object()})
+
+
+def test_an_aborted_save_raises_from_its_handle_with_on_error_raise(tmp_path: Path, no_faults):
+    from mpickpt.save.request import SaveHandle
+
+    faults.configure("mid-write:0:raise")
+    with mpickpt.Checkpointer(tmp_path, on_error="raise") as ck:
+        handle = ck.save(1, state(1))
+        assert isinstance(handle, SaveHandle)
+        with pytest.raises(mpickpt.SaveAborted, match="checkpoint of step 1 aborted: rank 0: "):
+            handle.wait()
+        faults.configure("")
+        assert ck.save(2, state(2)).wait().committed  # the next one, once the fault is gone
+
+
+def test_the_root_check_passes_on_one_directory_and_leaves_nothing_behind(tmp_path: Path):
+    from mpickpt.mpi.protocol import Protocol
+    from mpickpt.save import shared_root
+
+    proto = Protocol(None, timeout=30)
+    try:
+        shared_root.check(proto, str(tmp_path), "run1", LOG)
+    finally:
+        proto.free()
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_node_level_refuses_a_checkpoint_beyond_its_budget_before_writing(tmp_path: Path):
+    """local/level.py: the first save votes on the node's room; a budget that cannot hold the
+    kept checkpoints and the one being written aborts it on every rank and raises, naming the
+    budget; nothing is written on the node."""
+    from mpickpt.local.level import HEADER_SLACK
+
+    local = mpickpt.Local(tmp_path / "local", budget=HEADER_SLACK)
+    with mpickpt.Checkpointer(tmp_path / "root", local=local) as ck:
+        need = ck._local.need(64 * 64 * 4, 1)
+        assert need > HEADER_SLACK
+        with pytest.raises(mpickpt.LocalTierFull, match=r"Local\(budget=1048576\)"):
+            ck.save(1, state(1))
+        assert ck._local.nodedir.committed() == []
+
+
+def test_a_node_directory_belongs_to_one_root_and_keeps_the_newest(tmp_path: Path):
+    from mpickpt.local.nodedir import NodeDir, node_dirname
+
+    assert node_dirname("gpu-01.cluster") == "gpu-01.cluster"
+    assert node_dirname("a/b c") == "a_b_c" and node_dirname(".hidden") == "_.hidden"
+    mine = NodeDir(str(tmp_path / "L"), "n0", str(tmp_path / "rootA"))
+    mine.prepare("run1", LOG)
+    with pytest.raises(ValueError, match="holds the checkpoints of ROOT"):
+        NodeDir(str(tmp_path / "L"), "n0", str(tmp_path / "rootB")).prepare("run2", LOG)
+    for step in (1, 2, 3):
+        partial = mine.partial(step, "run1")
+        os.makedirs(partial)
+        mine.publish(partial, step, b"{}", b"{}")
+    assert mine.committed() == [3, 2, 1]
+    assert mine.retain(2, "run1", newest=1) == [2]  # a rerun saved a lower step: it stays
+    assert mine.committed() == [3, 1]
+
+
+def test_assembly_makes_no_level_without_local_and_the_root_store_first(tmp_path: Path):
+    from mpickpt import assembly
+
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        assert assembly.local_level(ck._proto, None, str(tmp_path), ck.run_id, None, 2,
+                                    LOG) == (None, None)
+        assert isinstance(ck._pipeline.store, RootStore)
