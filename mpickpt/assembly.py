@@ -55,7 +55,7 @@ def local_level(proto: Protocol, level: Local | None, root: str, run_id: str,
             "ROOT cannot be used: %s. Restore takes what the node-local level holds; saves are "
             "protected on the nodes, and their drains to ROOT fail (each one says so) until "
             "ROOT is back", root_problem)
-    return lv, LocalRecovery(proto, lv, io_threads, logger)
+    return lv, LocalRecovery(proto, lv, io_threads, logger, run_id)
 
 
 def node_files(proto: Protocol, fanout: int, logger: logging.Logger) -> NodeFiles:

@@ -11,8 +11,15 @@ For a step that some node committed locally, collectively:
    it with its XOR team (every other member whole, with its parity), else the step cannot be
    had from the local level;
 4. the copies move and the rebuilds run over MPI; each rebuilt shard is verified against the
-   manifest and written into the node's directory (with the manifest, so the node is whole
-   again); an allreduce says whether every rank now has its verified shard.
+   manifest and an allreduce says whether every rank now has its verified shard;
+5. a node that held no copy of the step gets it back as a save gives it: its ranks' shards are
+   rebuilt into the node's partial directory, and its leader publishes it with the manifest and
+   the layout (:meth:`~mpickpt.local.nodedir.NodeDir.publish`, the one commit); a node that
+   holds the step has a damaged or missing shard replaced in place.
+
+These are the node store's save steps backwards (:mod:`mpickpt.local.nodestore`): what its
+``publish`` committed is found, what its ``protect`` spread brings a shard back, and a node
+that lost everything is ``publish``-ed again.
 
 Nothing is loaded into the state here: :class:`mpickpt.restore.restorer.Restorer` then loads the
 step from each rank's own node directory, as it loads one from ROOT.
@@ -38,6 +45,7 @@ from ..format.records import check_file, check_records
 from ..format.rollback import NAME as ROLLBACK
 from ..format.rollback import Rollback
 from ..mpi.protocol import Protocol, ranks_text
+from ..save.store import discard
 from .exchange import copy_over, xor_rebuild
 from .level import LocalLevel
 from .nodedir import LEVEL, PARITY_RE, parity_name
@@ -57,8 +65,9 @@ class LocalRecovery:
     """The restore side of the node-local level, for one Checkpointer."""
 
     def __init__(self, proto: Protocol, level: LocalLevel, io_threads: int,
-                 log: logging.Logger) -> None:
+                 log: logging.Logger, run_id: str) -> None:
         self.proto, self.level, self.io_threads, self.log = proto, level, io_threads, log
+        self.run_id = run_id
         self.rank, self.size = proto.rank, proto.size
         self.last = Recovered()
 
@@ -139,7 +148,8 @@ class LocalRecovery:
         self.last = Recovered(rebuilt=lost)
         if not lost:
             return None
-        return self._rebuild(d, manifest, text, level_text, moves, xor_lost, layout, verify)
+        return self._rebuild(step, inv[self.rank][0], manifest, text, level_text, moves,
+                             xor_lost, layout, verify)
 
     def _verify(self, d: str, manifest: Manifest, rank: int, full: bool = True) -> str | None:
         entry = manifest.ranks[rank]
@@ -185,28 +195,57 @@ class LocalRecovery:
                     "it was saved without redundancy"))
         return moves, xor_lost, None
 
-    def _rebuild(self, d: str, manifest: Manifest, text: str, level_text: str | None,
-                 moves: list[tuple[int, int]], xor_lost: dict[int, int],
-                 layout: dict[str, Any], verify: bool) -> str | None:
+    def _rebuild(self, step: int, whole: bool, manifest: Manifest, text: str,
+                 level_text: str | None, moves: list[tuple[int, int]],
+                 xor_lost: dict[int, int], layout: dict[str, Any], verify: bool) -> str | None:
+        """Bring every lost shard back (``moves``: partner copies, ``xor_lost``: a rebuild per
+        team), into the node's committed directory where it holds the step (``whole``), else
+        into its partial directory, which its leader then publishes. Collective."""
+        d = self.path(step)
+        out = d if whole else self.level.nodedir.partial(step, self.run_id)
+        err = self._clear(out) if self.rank in receivers(moves, xor_lost) else None
+        if failed := self.proto.agree(err, "local-rebuild-start", "local-rebuild-report"):
+            return str(failed)
+        err, received = self._receive(d, out, manifest, moves, xor_lost, layout)
+        donor = {r: dn for dn, r in moves}.get(self.rank)
+        if self.rank in receivers(moves, xor_lost) and err is None:
+            # fully verified only when asked: otherwise the load that follows verifies it
+            err = self._verify(out, manifest, self.rank, verify)
+        if failed := self.proto.agree(err, "local-rebuild"):
+            if not whole and self.level.leader:
+                discard(out, self.run_id, self.log)
+            return f"rebuilding from redundancy failed: {failed}"
+        if why := self._republish(step, whole, out, text, level_text):
+            return why
+        source = ("own" if self.rank not in self.last.rebuilt else
+                  f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
+        self.last.source, self.last.received = source, received
+        return None
+
+    def _clear(self, out: str) -> str | None:
+        """Make room in ``out`` for this rank's shard, which it is to receive."""
+        try:
+            rootdir.make_dirs(out)
+            shard = os.path.join(out, shard_name(self.rank))
+            if os.path.lexists(shard):
+                os.unlink(shard)
+        except OSError as e:
+            return f"rank {self.rank}: {type(e).__name__}: {e}"
+        return None
+
+    def _receive(self, d: str, out: str, manifest: Manifest, moves: list[tuple[int, int]],
+                 xor_lost: dict[int, int], layout: dict[str, Any]) -> tuple[str | None, int]:
+        """The partner copies and the XOR rebuilds, over MPI: survivors read from their node's
+        directory ``d``, the lost shards are written into ``out``; (this rank's error, the
+        bytes it received)."""
         ex = self.level.exchange
         window = ex.window if ex is not None else 32 << 20
         buffers = ex.buffer if ex is not None else _Buffers().get
-        err: str | None = None
-        received = 0
-        try:
-            if self.rank in {r for _, r in moves} | set(xor_lost.values()):
-                rootdir.make_dirs(d)
-                shard = os.path.join(d, shard_name(self.rank))
-                if os.path.lexists(shard):
-                    os.unlink(shard)
-        except OSError as e:
-            err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        if failed := self.proto.agree(err, "local-rebuild-start", "local-rebuild-report"):
-            return str(failed)
+        err, received = None, 0
         copier = ex._copier if ex is not None else ThreadPoolExecutor(4)
         try:
             received += copy_over(self.proto, [
-                (donor, r, os.path.join(d, shard_name(r)), manifest.ranks[r].bytes)
+                (donor, r, os.path.join(out, shard_name(r)), manifest.ranks[r].bytes)
                 for donor, r in moves], window, buffers, copier)
         except OSError as e:
             err = f"rank {self.rank}: the copy failed: {e}"
@@ -225,28 +264,28 @@ class LocalRecovery:
                     received += xor_rebuild(
                         sub, team.index(lost), xor_chunk_bytes(max(sizes), len(team)), sizes,
                         os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
-                        os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
+                        os.path.join(out, shard_name(me)), os.path.join(out, parity_name(me)),
                         window, buffers)
             except OSError as e:
                 err = err or f"rank {self.rank}: the XOR rebuild failed: {e}"
             finally:
                 sub.free()
-        donor = {r: dn for dn, r in moves}.get(self.rank)
-        if self.rank in receivers(moves, xor_lost) and err is None:
-            # fully verified only when asked: otherwise the load that follows verifies it
-            err = self._verify(d, manifest, self.rank, verify)
-            if err is None and not os.path.lexists(os.path.join(d, MANIFEST)):
-                try:
-                    if level_text:
-                        rootdir.atomic_write(os.path.join(d, LEVEL), level_text.encode())
-                    rootdir.atomic_write(os.path.join(d, MANIFEST), text.encode())
-                except OSError as e:
-                    err = f"rank {self.rank}: {e}"
-        if failed := self.proto.agree(err, "local-rebuild"):
+        return err, received
+
+    def _republish(self, step: int, whole: bool, out: str, text: str,
+                   level_text: str | None) -> str | None:
+        """A node that held no copy of the step: its leader commits the rebuilt directory, as
+        the node store's publish does (collective: every node answers)."""
+        err = None
+        if not whole and self.level.leader:
+            try:
+                layout = level_text.encode() if level_text else self.level.level_record()
+                self.level.nodedir.publish(out, step, text.encode(), layout)
+            except OSError as e:
+                err = f"rank {self.rank}: publishing the rebuilt step failed: {e}"
+                discard(out, self.run_id, self.log)
+        if failed := self.proto.agree(err, "local-republish"):
             return f"rebuilding from redundancy failed: {failed}"
-        source = ("own" if self.rank not in self.last.rebuilt else
-                  f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
-        self.last.source, self.last.received = source, received
         return None
 
 

@@ -145,6 +145,11 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         assert all(restored[r]["network_bytes"] > 0 for r in lost)
         # a replicated model: every rank gets the shares of other nodes' ranks over MPI
         assert all((r["fetched_bytes"] > 0) == replicated for r in restored), restored
+        for r in lost:  # the wiped node has the step back, committed as a save commits it
+            listing = restored[r]["node_dir"]
+            assert not [n for n in listing if ".partial-" in n], listing
+            files = listing[f"step-{CRASH:08d}"]
+            assert {"MANIFEST.json", "LEVEL.json", f"rank-{r:05d}.h5"} <= set(files), files
     else:
         assert restored[0]["root_bytes"] > 0
         if len(wipe) < n // per_node:  # a surviving node still holds step 40: tried first

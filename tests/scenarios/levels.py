@@ -99,6 +99,15 @@ def check_root(plan: dict[str, Any], rank: int) -> dict[str, bool]:
     return out
 
 
+def _node_listing(local: str, node: str) -> dict[str, list[str]]:
+    """{entry of LOCAL/<node>/: its files} (a directory's), or {} when there is none."""
+    top = os.path.join(local, node)
+    if not os.path.isdir(top):
+        return {}
+    return {name: sorted(os.listdir(os.path.join(top, name)))
+            if os.path.isdir(os.path.join(top, name)) else [] for name in os.listdir(top)}
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         plan = json.load(f)
@@ -127,7 +136,9 @@ def main() -> None:
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
         "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
         "fetched_bytes": info.fetched_bytes,
-        "exact": digest(state) == digest(trained(rank, start))}
+        "exact": digest(state) == digest(trained(rank, start)),
+        # this rank's node directory right after the restore (a rebuilt node: whole again)
+        "node_dir": _node_listing(plan["local"], os.environ["MPICKPT_NODE"])}
     if plan.get("verify"):
         ck.close()
         report["root_steps"] = check_root(plan, rank)
