@@ -33,6 +33,15 @@ side by side:
    written), and in the steady state after the training loop, against the shard and the bound
    (1 + redundancy) x shard x (keep_local + 1).
 
+0. the raw bounds each level is judged against, in the same run, on the same bytes: one MPI
+   transfer of a shard's bytes between the simulated nodes (every rank sends its shard to the
+   next and receives the previous one's, ``Sendrecv`` into buffers allocated and touched
+   before, slowest rank, median of ``--reps``), a write of the shard into existing pages under
+   ``--local`` (a file written once before, then overwritten), and with CUDA the device-to-host
+   copy of the rank's state into page-locked memory. The report then gives the ratios the level
+   is held to: time to protected over the slowest bound, the partner recovery's rate over the
+   transfer's, the partner recovery over ROOT's.
+
 Every restore goes into a second model/optimizer holding other values and is compared tensor by
 tensor (and ``param_groups``) with the saved state; a mismatch fails the run. The table goes to
 stdout, progress to stderr, everything to ``--out`` (JSON). ``/dev/shm`` directories and the
@@ -412,6 +421,65 @@ def verified(what: str, src: Pair, dst: Pair) -> None:
     check(what, err is None, f"restored state differs from the saved one: {err}")
 
 
+def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: int
+           ) -> dict[str, Any]:
+    """Part 0: the raw bounds, for ``nbytes`` (a shard) and ``state_bytes`` (this rank's state):
+    seconds, slowest rank, median of ``reps`` after a warm-up."""
+    chunk = 64 << 20
+    out: dict[str, Any] = {"shard_bytes": COMM.allreduce(nbytes, op=MPI.MAX)}
+    nbytes = out["shard_bytes"]
+    buf = bytearray(nbytes)
+    buf[::4096] = b"\x01" * len(buf[::4096])  # every page touched: no first-touch faults timed
+
+    def median(fn: Callable[[], None]) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            barrier()
+            t = time.perf_counter()
+            fn()
+            times.append(slowest(time.perf_counter() - t))
+        return statistics.median(times)
+
+    if SIZE > 1:
+        recv = bytearray(nbytes)
+        recv[::4096] = b"\x01" * len(recv[::4096])
+        nxt, prev = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+
+        def transfer() -> None:
+            for off in range(0, nbytes, chunk):
+                n = min(chunk, nbytes - off)
+                COMM.Sendrecv([memoryview(buf)[off:off + n], MPI.BYTE], nxt,
+                              recvbuf=[memoryview(recv)[off:off + n], MPI.BYTE], source=prev)
+
+        out["mpi_s"] = median(transfer)
+    path = os.path.join(shm, f"bound-{RANK}.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        def write() -> None:
+            for off in range(0, nbytes, chunk):
+                os.pwrite(fd, memoryview(buf)[off:off + chunk], off)
+
+        write()  # the pages exist from here on
+        out["shm_write_s"] = median(write)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    if device.type == "cuda":
+        src = torch.empty(state_bytes, dtype=torch.uint8, device=device)
+        dst = torch.empty(state_bytes, dtype=torch.uint8, pin_memory=True)
+
+        def d2h() -> None:
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+
+        out["d2h_s"] = median(d2h)
+        del src, dst
+    out["slowest_s"] = max(v for k, v in out.items() if k.endswith("_s"))
+    say(f"part 0: bounds {out}")
+    return out
+
+
 def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
           want_dcp: bool) -> dict[str, Any]:
     args, ck = s.args, s.ck["local"]
@@ -623,6 +691,9 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
            "redundancy": s.scheme}
     doc["part4"] = {"nodes": COMM.gather(mem), "kept": kept, "factor": factor}
 
+    # 0. the raw bounds of the same bytes
+    doc["bounds"] = bounds(shard, nbytes, shm, device, args.reps)
+
     # 3. recovery after losing a node
     doc["part3"] = part3(s, src, dst, s.step + 1, device,
                          any(m.startswith("dcp") for m in wanted))
@@ -633,6 +704,36 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
 
 
 table = bench_cpu.columns
+
+
+def bounds_report(doc: dict[str, Any]) -> list[str]:
+    """Part 0's table, and the ratios the node-local level is held to (issue goals in
+    brackets)."""
+    b, p1, p3 = doc["bounds"], doc["part1"], doc["part3"]
+    size = b["shard_bytes"]
+    names = {"mpi_s": "one MPI transfer of a shard between two nodes (Sendrecv, reused buffers)",
+             "shm_write_s": "a write of a shard into existing pages of LOCAL",
+             "d2h_s": "the device-to-host copy of a rank's state (page-locked)"}
+    rows = [(names[k], f"{b[k]:.3f}", f"{size / b[k] / 1e9:.2f}")
+            for k in names if k in b]
+    out = [f"0. raw bounds, {size:,} bytes per shard, slowest rank, median of "
+           f"{doc['args']['reps']} after a warm-up",
+           table(("bound", "s", "GB/s"), rows)]
+    if "local" in p1:
+        out.append(f"time to protected ({p1['local']['label']}) / slowest bound: "
+                   f"{p1['local']['protected_s'] / b['slowest_s']:.2f}x  (goal <= 1.25x)")
+    rows3 = p3["rows"]
+    if "partner" in rows3 and "mpi_s" in b:
+        r = rows3["partner"]
+        moved = r["total_network_bytes"]
+        rate = moved / r["restore_s"] if r["restore_s"] else 0.0
+        out.append(f"recovery of a lost node from its partner: {moved:,} bytes over MPI in "
+                   f"{r['restore_s']:.3f} s = {rate / (size / b['mpi_s']):.0%} of the transfer "
+                   "rate  (goal >= 80%)")
+        if "root" in rows3:
+            out.append(f"partner recovery / ROOT recovery: "
+                       f"{r['restore_s'] / rows3['root']['restore_s']:.2f}x  (goal <= 0.5x)")
+    return out
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -649,6 +750,7 @@ def report(doc: dict[str, Any]) -> str:
            f"ROOT {doc['root']} on {fs.get('type', '?')} ({fs.get('device', '?')}); local "
            f"{doc['local']} on {lfs.get('type', '?')}; {cache}", ""]
     reps = doc["args"]["reps"]
+    out += [*bounds_report(doc), ""]
     out.append(f"1. time to protected: save call -> protected, slowest rank, median (best) of "
                f"{reps} after a warm-up (first)")
     rows = []
