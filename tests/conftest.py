@@ -154,3 +154,21 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, 
             return out
 
     return Lazy()
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that allocated the snapshot pool's buffers, in order."""
+    import threading
+
+    from mpickpt.save.pinned_pool import HostPool
+
+    threads: list[str] = []
+    real = HostPool._new
+
+    def spy(self: HostPool, nbytes: int) -> object:
+        threads.append(threading.current_thread().name)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(HostPool, "_new", spy)
+    return threads

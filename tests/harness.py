@@ -6,11 +6,14 @@ A plain module (not conftest.py: tests/slurm has its own conftest, and two modul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,27 @@ def flip_data_byte(root: Path, step: int, rank: int) -> tuple[Path, str]:
 def starts(out: Path, n: int) -> list[int]:
     """The step each rank of examples/train.py --out OUT resumed from (0 for a fresh start)."""
     return [json.loads((out / f"rank-{r}.json").read_text())["start"] for r in range(n)]
+
+
+@contextlib.contextmanager
+def never_blocks(what: str, seconds: int = 10) -> Iterator[None]:
+    """Fail the test if the block takes ``seconds`` (a reader that waits on a FIFO forever)."""
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"{what} blocked"))
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+
+
+def assert_restored_whole(out: Path, n: int, step: int, saved_by: int) -> None:
+    """A resume scenario's report (``out/restored-N.json``) on ``n`` ranks: it restored
+    ``step``, saved by ``saved_by`` ranks, and every tensor of the model and the optimizer in
+    ``out/reference.pt`` came back equal."""
+    got = json.loads((out / f"restored-{n}.json").read_text())
+    assert (got["restored"], got["step"], got["saved_by"]) == (step, step, saved_by)
+    ref = torch.load(out / "reference.pt", weights_only=True)
+    assert set(got["same"]) == {f"model/{k}" for k in ref["model"]} | {
+        f"optim/{k}/{s}" for k, st in ref["optim"].items() for s in st}
+    differ = [k for k, same in got["same"].items() if not same]
+    assert not differ, f"restored on {n} ranks, these differ from the saved tensors: {differ}"

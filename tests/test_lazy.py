@@ -27,20 +27,6 @@ def lazy_at_any_size(monkeypatch, request):
 
 
 @pytest.fixture
-def allocations(monkeypatch):
-    """The names of the threads that allocated the pool's buffers, in order."""
-    threads: list[str] = []
-    real = snapshot.HostPool._new
-
-    def spy(self, nbytes):
-        threads.append(threading.current_thread().name)
-        return real(self, nbytes)
-
-    monkeypatch.setattr(snapshot.HostPool, "_new", spy)
-    return threads
-
-
-@pytest.fixture
 def slow_copy(monkeypatch):
     """Delay the snapshot thread's part by ``delay[0]`` seconds; ``finished`` lists when each
     one ended."""

@@ -7,10 +7,10 @@ import dataclasses
 import json
 import os
 import resource
-import signal
 
 import pytest
 import xxhash
+from harness import never_blocks
 
 from mpickpt.errors import ManifestError
 from mpickpt.format.entry import MAX_BYTES, MAX_TREE_DEPTH, RankEntry
@@ -138,13 +138,9 @@ def test_read_bytes_refuses_what_is_not_a_manifest_file_of_its_own(tmp_path, kin
         (tmp_path / "x.json").write_text("{}")
         said = {"file-link": "it is a symbolic link", "fifo": "it is a FIFO",
                 "directory": "it is a directory"}[kind]
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("read_bytes blocked"))
-    signal.alarm(10)
-    try:
-        with pytest.raises(ManifestError, match=f"MANIFEST.json: cannot open: {said}"):
-            read_bytes(str(step))
-    finally:
-        signal.alarm(0)
+    with never_blocks("read_bytes"), \
+            pytest.raises(ManifestError, match=f"MANIFEST.json: cannot open: {said}"):
+        read_bytes(str(step))
 
 
 def test_an_oversized_manifest_is_refused_unread(tmp_path):

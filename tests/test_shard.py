@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
 import subprocess
 
@@ -12,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from harness import never_blocks
 
 from mpickpt.errors import ShardError
 from mpickpt.format import reader, shard
@@ -187,13 +187,8 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(tmp_path, tensors
      "symlink": lambda: path.symlink_to(tmp_path / "s.h5")}[kind]()
     said = {"fifo": "it is a FIFO", "directory": "it is a directory",
             "symlink": "it is a symbolic link"}[kind]
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the reader blocked"))
-    signal.alarm(10)
-    try:
-        with pytest.raises(ShardError, match=f"cannot open: {said}"):
-            reader.read_shard(0, str(path), list(by.values()), size, block=BLOCK)
-    finally:
-        signal.alarm(0)
+    with never_blocks("the reader"), pytest.raises(ShardError, match=f"cannot open: {said}"):
+        reader.read_shard(0, str(path), list(by.values()), size, block=BLOCK)
 
 
 @pytest.mark.guarantee("umask-honoured")

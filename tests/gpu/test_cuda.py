@@ -96,19 +96,8 @@ def test_rng_state_with_cuda_round_trips(tmp_path):
     assert torch.equal(torch.rand(10, device="cuda"), expected)
 
 
-def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, monkeypatch):
-    import threading
-
-    from mpickpt.save import pinned_pool
-
-    threads: list[str] = []
-    real = pinned_pool.HostPool._new
-
-    def spy(self, nbytes):
-        threads.append(threading.current_thread().name)
-        return real(self, nbytes)
-
-    monkeypatch.setattr(pinned_pool.HostPool, "_new", spy)
+def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, allocations):
+    threads = allocations
     m, opt = model_and_opt(0)
     x = torch.randn(1024, 1024, device="cuda")
     step(m, opt, x)

@@ -4,7 +4,9 @@ parameters and report each rank of a scenario wrote."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,3 +32,22 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def preempted_then_resumed(train: Callable[..., Any], n: int, tmp_path: Path, args: list[str],
+                           signal_at: int, saved: int, within: range) -> tuple[int, Path]:
+    """A first run of ``train`` that gets the preemption signal at step ``signal_at``: it exits
+    3 with two checkpoints, the regular one of step ``saved`` and the emergency one of a step
+    ``within`` that range; then a rerun with the same ``args`` that resumes from the emergency
+    one. (That step, the rerun's output directory.)"""
+    root = tmp_path / "root"
+    first = train(n, root, tmp_path / "first", *args, "--signal-at", str(signal_at))
+    assert first.returncode == 3, first.output
+    steps = committed_steps(root)
+    assert steps[0] == saved and len(steps) == 2 and steps[1] in within, (steps, first.output)
+    assert f"INFO emergency checkpoint of step {steps[1]} committed" in first.stderr, first.output
+    out = tmp_path / "out"
+    again = train(n, root, out, *args)
+    assert again.returncode == 0, again.output
+    assert f"restored step {steps[1]}" in again.stderr + again.stdout, again.output
+    return steps[1], out

@@ -13,7 +13,13 @@ import pytest
 pytest.importorskip("transformers")
 
 from harness import SCENARIOS, run_mpi
-from integrationkit import assert_same, committed_steps, finals, report
+from integrationkit import (
+    assert_same,
+    committed_steps,
+    finals,
+    preempted_then_resumed,
+    report,
+)
 
 SCENARIO = str(SCENARIOS / "hf_train.py")
 N = 2
@@ -47,17 +53,8 @@ def test_a_rank_killed_mid_save_resumes_mid_epoch_bit_identical(tmp_path: Path):
 
 @pytest.mark.slow
 def test_a_preemption_signal_saves_once_exits_3_and_the_rerun_resumes_there(tmp_path: Path):
-    root = tmp_path / "root"
-    first = train(N, root, tmp_path / "first", "--steps", "16", "--save-steps", "4",
-                  "--signal-at", "5")
-    assert first.returncode == 3, first.output
-    steps = committed_steps(root)
-    assert steps[0] == 4 and len(steps) == 2 and 5 <= steps[1] < 8, (steps, first.output)
-    assert f"INFO emergency checkpoint of step {steps[1]} committed" in first.stderr, first.output
-    out = tmp_path / "out"
-    again = train(N, root, out, "--steps", "16", "--save-steps", "4")
-    assert again.returncode == 0, again.output
-    assert f"restored step {steps[1]}" in again.stderr + again.stdout, again.output
+    _, out = preempted_then_resumed(train, N, tmp_path, ["--steps", "16", "--save-steps", "4"],
+                                    signal_at=5, saved=4, within=range(5, 8))
     assert [report(out, r)["global_step"] for r in range(N)] == [16] * N
 
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from harness import SCENARIOS, run_mpi
-from integrationkit import assert_same, committed_steps, finals, report
+from integrationkit import assert_same, committed_steps, finals, preempted_then_resumed, report
 
 SCENARIO = str(SCENARIOS / "lightning_train.py")
 N = 2
@@ -49,18 +49,10 @@ def test_a_rank_killed_mid_save_resumes_from_the_last_commit_bit_identical(tmp_p
 def test_a_preemption_signal_saves_once_exits_3_and_the_rerun_resumes_there(tmp_path: Path):
     """SIGUSR2 to rank 1 at step 10 (8 steps per epoch): every rank agrees within a step or two
     (a non-blocking vote), saves that step as the emergency checkpoint and exits 3."""
-    root = tmp_path / "root"
-    first = train(N, root, tmp_path / "first", "--epochs", "4", "--batches", "8",
-                  "--signal-at", "10")
-    assert first.returncode == 3, first.output
-    steps = committed_steps(root)
-    assert steps[0] == 8 and len(steps) == 2 and 10 <= steps[1] < 16, (steps, first.output)
-    assert f"INFO emergency checkpoint of step {steps[1]} committed" in first.stderr, first.output
-    out = tmp_path / "out"
-    again = train(N, root, out, "--epochs", "4", "--batches", "8")
-    assert again.returncode == 0, again.output
-    assert f"restored step {steps[1]}" in again.stderr + again.stdout, again.output
-    assert all(report(out, r)["global_step"] > steps[1] for r in range(N))
+    step, out = preempted_then_resumed(train, N, tmp_path,
+                                       ["--epochs", "4", "--batches", "8"], signal_at=10,
+                                       saved=8, within=range(10, 16))
+    assert all(report(out, r)["global_step"] > step for r in range(N))
 
 
 @pytest.mark.guarantee("reshard-bit-exact")
