@@ -117,6 +117,8 @@ def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, allo
 
 @pytest.mark.parametrize("compression", [None, "zstd+shuffle"])
 def test_incremental_saves_of_a_partly_frozen_cuda_model_restore_bit_exact(tmp_path, compression):
+    if compression:
+        pytest.importorskip("zstandard", reason="compression is the 'compress' extra")
     """The first three modules (a Linear, a BatchNorm, a ReLU) frozen (requires_grad False)
     and declared with frozen=: every
     incremental save copies only what trains, refers to the rest, and each step restores into a
