@@ -534,7 +534,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
             "label": label, "restore_s": secs, "setup_s": setup, "level": info.level,
             "sources": sources, "network_bytes": COMM.allgather(info.network_bytes),
             "total_network_bytes": info.total_network_bytes, "root_bytes": info.root_bytes,
-            "restore_info_s": slowest(info.seconds)}
+            "restore_info_s": slowest(info.seconds), "phases": COMM.allgather(info.phases)}
         say(f"  {label}: {secs:.3f} s (level {info.level}, sources {sources}, "
             f"{info.total_network_bytes:,} bytes over MPI, {info.root_bytes:,} from ROOT)")
         c.close()
@@ -794,6 +794,11 @@ def report(doc: dict[str, Any]) -> str:
                    "MPI bytes", "ROOT bytes"), rows)]
     out.append(f"({vs}: each restore's time over \"{ref}\"'s; a new Checkpointer is built "
                "before each restore, not timed)")
+    for key, r in p3["rows"].items():
+        if any(r.get("phases") or []):
+            per = "; ".join(f"rank {i}: " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items())
+                            for i, ph in enumerate(r["phases"]))
+            out.append(f"  {key} restore, seconds per phase: {per}")
     out += ["", f"4. local-level memory per node, bytes allocated under LOCAL/<node>; bound = "
             f"(1 + {p4['factor']:g}) x shard x {p4['kept']} (keep_local=1 + the one being "
             "written)"]

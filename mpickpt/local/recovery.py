@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,9 @@ class Recovered:
     source: str = "own"  # "own", "partner copy from rank R", "XOR rebuild"
     received: int = 0
     rebuilt: list[int] = field(default_factory=list)  # every rank whose shard was rebuilt
+    # seconds of each phase on this rank: inventory, verify, transfer, verify-rebuilt,
+    # republish (the load that follows is the Restorer's)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class LocalRecovery:
@@ -114,6 +118,7 @@ class LocalRecovery:
         rank). Collective. Without ``verify`` a shard counts as whole when it is there with its
         size and records (the load then verifies its checksums)."""
         d = self.path(step)
+        clock = _Clock()
         inv = self.proto.allgather(self._inventory(d), "local-inventory")
         holders = [r for r, (has, _, _) in enumerate(inv) if has]
         if not holders:
@@ -135,8 +140,10 @@ class LocalRecovery:
         if manifest.world_size != self.size:
             return (f"written by {manifest.world_size} ranks, this job has {self.size} (the "
                     "local level restores on as many ranks as saved it; ROOT reshards)")
+        clock.lap("inventory")
         mine = self._verify(d, manifest, self.rank, verify)
         problems = self.proto.allgather(mine, "local-verify")
+        clock.lap("verify")
         lost = [r for r, p in enumerate(problems) if p]
         moves, xor_lost, why = self._plan(step, lost, problems, inv, layout)
         if why is not None:
@@ -145,11 +152,11 @@ class LocalRecovery:
             self.log.warning("step %d: rebuilding the shards of %s from the local level's "
                              "redundancy: %s", step, ranks_text(lost),
                              "; ".join(p for p in problems if p))
-        self.last = Recovered(rebuilt=lost)
+        self.last = Recovered(rebuilt=lost, phases=clock.phases)
         if not lost:
             return None
         return self._rebuild(step, inv[self.rank][0], manifest, text, level_text, moves,
-                             xor_lost, layout, verify)
+                             xor_lost, layout, verify, clock)
 
     def _verify(self, d: str, manifest: Manifest, rank: int, full: bool = True) -> str | None:
         entry = manifest.ranks[rank]
@@ -197,7 +204,8 @@ class LocalRecovery:
 
     def _rebuild(self, step: int, whole: bool, manifest: Manifest, text: str,
                  level_text: str | None, moves: list[tuple[int, int]],
-                 xor_lost: dict[int, int], layout: dict[str, Any], verify: bool) -> str | None:
+                 xor_lost: dict[int, int], layout: dict[str, Any], verify: bool,
+                 clock: _Clock) -> str | None:
         """Bring every lost shard back (``moves``: partner copies, ``xor_lost``: a rebuild per
         team), into the node's committed directory where it holds the step (``whole``), else
         into its partial directory, which its leader then publishes. Collective."""
@@ -207,16 +215,19 @@ class LocalRecovery:
         if failed := self.proto.agree(err, "local-rebuild-start", "local-rebuild-report"):
             return str(failed)
         err, received = self._receive(d, out, manifest, moves, xor_lost, layout)
+        clock.lap("transfer")
         donor = {r: dn for dn, r in moves}.get(self.rank)
         if self.rank in receivers(moves, xor_lost) and err is None:
             # fully verified only when asked: otherwise the load that follows verifies it
             err = self._verify(out, manifest, self.rank, verify)
+        clock.lap("verify-rebuilt")
         if failed := self.proto.agree(err, "local-rebuild"):
             if not whole and self.level.leader:
                 discard(out, self.run_id, self.log)
             return f"rebuilding from redundancy failed: {failed}"
         if why := self._republish(step, whole, out, text, level_text):
             return why
+        clock.lap("republish")
         source = ("own" if self.rank not in self.last.rebuilt else
                   f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
         self.last.source, self.last.received = source, received
@@ -292,6 +303,19 @@ class LocalRecovery:
 def receivers(moves: list[tuple[int, int]], xor_lost: dict[int, int]) -> set[int]:
     """The ranks that receive a rebuilt shard."""
     return {r for _, r in moves} | set(xor_lost.values())
+
+
+class _Clock:
+    """Seconds per phase, each lap from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._t
+        self._t = now
 
 
 class _Buffers:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,8 @@ class RestoreInfo:
     fetched_bytes: int = 0  # (level "local") bytes of other nodes' shards received to load
     total_fetched_bytes: int = 0  # by every rank
     root_bytes: int = 0  # read from ROOT by every rank
+    # seconds of each phase on this rank (level "local": the recovery's, then "load")
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class Restorer:
@@ -98,6 +101,7 @@ class Restorer:
                 assert local is not None
                 verdict, loaded = self._try_local(state, step, local)
                 path = local.path(step)
+                info.phases = dict(local.last.phases)
             else:
                 verdict, loaded = self._try(state, step, path)
             if verdict is None:
@@ -128,17 +132,24 @@ class Restorer:
         """A step of the local level: first as it is (each own shard present, of its size: the
         load verifies every checksum), and if that fails, once more after every rank verified
         its shard and the damaged or missing ones were rebuilt from redundancy."""
-        verdict, loaded = local.prepare(step, verify=False), {}
         nodes = local.level.topology.nodes
+
+        def load() -> tuple[str | None, dict[str, Any]]:
+            t = time.perf_counter()
+            got = self._try(state, step, local.path(step), nodes)
+            local.last.phases["load"] = time.perf_counter() - t
+            return got
+
+        verdict, loaded = local.prepare(step, verify=False), {}
         if verdict is None:
-            verdict, loaded = self._try(state, step, local.path(step), nodes)
+            verdict, loaded = load()
             if verdict is not None:
                 if self.rank == 0:
                     self.log.warning("step %d from the local level: %s; verifying every shard "
                                      "and rebuilding the damaged ones", step, verdict)
                 verdict = local.prepare(step, verify=True)
                 if verdict is None:
-                    verdict, loaded = self._try(state, step, local.path(step), nodes)
+                    verdict, loaded = load()
         return (None if verdict is None else f"from the local level: {verdict}"), loaded
 
     def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
