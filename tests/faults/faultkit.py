@@ -41,3 +41,16 @@ def reports(where: Path) -> dict[int, dict]:
     """The reports a scenario's ranks wrote to ``where``/rank-R.json, by rank."""
     found = [json.loads(p.read_text()) for p in where.glob("rank-*.json")] if where.exists() else []
     return {r["rank"]: r for r in found}
+
+
+def agreed_step(found: dict[int, dict], n: int, returncode: int = 0
+                ) -> tuple[str | None, object]:
+    """(None, the step every one of ``n`` ranks reports it restored), or, as the guarantee
+    report counts it, ("failed", why) when the job failed or a rank's report is missing and
+    ("torn", why) when the ranks restored different steps."""
+    if returncode != 0 or sorted(found) != list(range(n)):
+        return "failed", f"the job exited {returncode} with reports of ranks {sorted(found)}"
+    steps = {rep["step"] for rep in found.values()}
+    if len(steps) > 1:
+        return "torn", f"the ranks restored steps {sorted(steps, key=str)}"
+    return None, steps.pop()

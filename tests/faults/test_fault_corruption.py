@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from faultkit import losses, reports
+from faultkit import agreed_step, losses, reports
 from harness import (
     SCENARIOS,
     Job,
@@ -63,12 +63,9 @@ def loaded_outcome(job: Job, found: dict[int, dict], step: int | None,
     """How the guarantee report counts a probe: every rank restored ``step`` (None: nothing, the
     state untouched) after skipping ``skipped`` (step, the words its reason must hold), or
     (``refused``) raised."""
-    if job.returncode != 0 or sorted(found) != list(range(N)):
-        return "failed", f"the probe exited {job.returncode} with reports of {sorted(found)}"
-    steps = {rep["step"] for rep in found.values()}
-    if len(steps) > 1:
-        return "torn", f"the ranks restored steps {sorted(steps, key=str)}"
-    got = steps.pop()
+    verdict, got = agreed_step(found, N, job.returncode)
+    if verdict is not None:
+        return verdict, str(got)
     for r, rep in found.items():
         damaged = {s for s, _ in skipped}
         if got in damaged or (got is None and not rep["untouched"]):
