@@ -64,6 +64,19 @@ def save_hang(root: Path, fault: str) -> tuple[Job, float]:
     return run("save_hang.py", [str(root), "15", str(DEADLINE)], {"MPICKPT_FAULT": fault})
 
 
+@contextmanager
+def hung(tmp_path: Path, guarantees, fault: str, case: str, committed: list[int]
+         ) -> Iterator[Job]:
+    """save_hang.py with ``fault``, counted as ``case``: the job ends at the deadline (the
+    block checks what every rank said), and the steps ``committed`` before are still there."""
+    root = tmp_path / "ckpt"
+    job, took = save_hang(root, fault)
+    with counted(guarantees, case):
+        ended_at_deadline(job, took)
+        yield job
+        assert committed_steps(root) == committed, step_dirs(root)
+
+
 def timed_out(job: Job, rank: int, phase: str) -> str:
     """The details of ``rank``'s deadline log line for ``phase`` (fails if there is none)."""
     head = (f"[mpickpt rank {rank}] ERROR rank {rank}: the other ranks did not all reach phase "
@@ -95,55 +108,43 @@ def named_missing(details: str, missing: str, answered: str, phase: str) -> re.M
 @pytest.mark.guarantee("no-hang")
 @pytest.mark.quick
 def test_rank_hung_mid_write_is_named_by_every_surviving_rank(tmp_path, guarantees):
-    root = tmp_path / "ckpt"
-    job, took = save_hang(root, "mid-write:2:hang:10")
-    with counted(guarantees, "rank 2 of 4 hangs mid-write"):
-        ended_at_deadline(job, took)
+    with hung(tmp_path, guarantees, "mid-write:2:hang:10", "rank 2 of 4 hangs mid-write",
+              [5]) as job:
         for r in (0, 1, 3):
             details = timed_out(job, r, "vote")
             # rank 2 completed step 5's save (its last collective is the commit), never voted
             m = named_missing(details, "rank 2", "ranks 0-1,3", "vote")
             assert m.group(1) == "commit", details
-        assert committed_steps(root) == [5], step_dirs(root)
 
 
 @pytest.mark.guarantee("no-hang")
 def test_rank_0_hung_the_others_say_it_did_not_answer(tmp_path, guarantees):
-    root = tmp_path / "ckpt"
-    job, took = save_hang(root, "mid-write:0:hang:10")
-    with counted(guarantees, "rank 0 of 4 hangs mid-write"):
-        ended_at_deadline(job, took)
+    with hung(tmp_path, guarantees, "mid-write:0:hang:10", "rank 0 of 4 hangs mid-write",
+              [5]) as job:
         for r in (1, 2, 3):
             details = timed_out(job, r, "vote")
             assert re.match(rf"rank 0 did not answer within {GRACE} s, so rank 0 did not arrive "
                             r"\(last seen in phase 'commit' \(collective #\d+\), the last "
                             r"collective every rank completed\)", details), details
-        assert committed_steps(root) == [5], step_dirs(root)
 
 
 @pytest.mark.guarantee("no-hang")
 def test_two_hung_ranks_are_named_as_one_range(tmp_path, guarantees):
-    root = tmp_path / "ckpt"
-    job, took = save_hang(root, "mid-write:2:hang:10,mid-write:3:hang:10")
-    with counted(guarantees, "ranks 2 and 3 of 4 hang mid-write"):
-        ended_at_deadline(job, took)
+    with hung(tmp_path, guarantees, "mid-write:2:hang:10,mid-write:3:hang:10",
+              "ranks 2 and 3 of 4 hang mid-write", [5]) as job:
         for r in (0, 1):
             m = named_missing(timed_out(job, r, "vote"), "ranks 2-3", "ranks 0-1", "vote")
             assert m.group(1) == "commit", m.string
-        assert committed_steps(root) == [5], step_dirs(root)
 
 
 @pytest.mark.guarantee("no-hang")
 def test_rank_hung_after_the_last_commit_is_noticed_at_close(tmp_path, guarantees):
-    root = tmp_path / "ckpt"
-    job, took = save_hang(root, "after-commit-before-retention:0:hang:15")
-    with counted(guarantees, "rank 0 of 4 hangs after the last commit"):
-        ended_at_deadline(job, took)
+    with hung(tmp_path, guarantees, "after-commit-before-retention:0:hang:15",
+              "rank 0 of 4 hangs after the last commit", [5, 10, 15]) as job:
         for r in (1, 2, 3):
             details = timed_out(job, r, "close")
             assert details.startswith(f"rank 0 did not answer within {GRACE} s, so rank 0 did "
                                       "not arrive (last seen in phase 'commit'"), details
-        assert committed_steps(root) == [5, 10, 15], step_dirs(root)
 
 
 @pytest.mark.guarantee("no-hang")
