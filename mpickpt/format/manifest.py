@@ -146,6 +146,12 @@ class Manifest:
             raise ManifestError(f"the manifest of step {step}: {e}") from None
 
     @classmethod
+    def read(cls, directory: str) -> Manifest:
+        """The manifest of the committed checkpoint in ``directory`` (:func:`read_bytes`,
+        then :meth:`from_json`)."""
+        return cls.from_json(read_bytes(directory), os.path.join(directory, NAME))
+
+    @classmethod
     def from_json(cls, text: str | bytes, where: str, directory: str | None = None
                   ) -> Manifest:
         """Parse and validate; every problem is a :class:`ManifestError` naming ``where``.

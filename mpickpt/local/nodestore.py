@@ -18,7 +18,7 @@ import time
 
 from .. import faults, log
 from ..format.entry import RankEntry
-from ..format.manifest import Manifest, read_bytes
+from ..format.manifest import Manifest
 from ..format.names import shard_name
 from ..mpi.protocol import Protocol
 from ..save.request import SaveRequest, SaveResult
@@ -47,7 +47,7 @@ class NodeStore:
 
     def manifest(self, step: int) -> Manifest:
         """The manifest of committed step ``step`` on this node."""
-        return Manifest.from_json(read_bytes(self.final(step)).decode(), self.final(step))
+        return Manifest.read(self.final(step))
 
     def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
         entry, error = None, req.error

@@ -244,7 +244,7 @@ class Pipeline:
             self.log.info("drained step %d to ROOT in %.2f s", step, stats["drain_s"])
         last = self.last.stats if self.last and self.last.step == step else {}
         result = SaveResult(step, True, path=path, stats={"stall_s": 0.0, **last, **stats},
-                            metadata=manifest.metadata if manifest is not None else {})
+                            metadata=out.metadata)
         root.retain(result, None)
         self.drained = step
         if self.last is not None and self.last.step == step:

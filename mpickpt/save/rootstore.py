@@ -20,7 +20,7 @@ from .. import faults
 from ..errors import CheckpointError, RankFailure
 from ..format import commit, nodefile, rootdir
 from ..format.entry import RankEntry
-from ..format.manifest import Manifest, read_bytes
+from ..format.manifest import Manifest
 from ..format.names import shard_name
 from ..format.nodefile import NodeFiles
 from ..mpi.protocol import Protocol, ranks_text
@@ -51,7 +51,7 @@ class RootStore:
         return os.path.join(self.root, rootdir.step_name(step))
 
     def manifest(self, step: int) -> Manifest:
-        return Manifest.from_json(read_bytes(self.final(step)).decode(), self.final(step))
+        return Manifest.read(self.final(step))
 
     def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
         entry, error = None, req.error

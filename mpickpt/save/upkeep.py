@@ -15,7 +15,7 @@ from typing import Any
 from .. import faults, log
 from ..errors import ManifestError
 from ..format import rootdir
-from ..format.manifest import Manifest, read_bytes
+from ..format.manifest import Manifest
 from . import retention
 
 STATS = "stats.jsonl"
@@ -91,7 +91,7 @@ class Upkeep:
         """Read a committed step's manifest once: its user metadata and references. An
         unreadable one is unranked and refers to nothing (it cannot be loaded anyway)."""
         try:
-            m = Manifest.from_json(read_bytes(path), os.path.join(path, "MANIFEST.json"))
+            m = Manifest.read(path)
             self._metadata[step], self._references[step] = m.metadata, m.references
         except ManifestError as e:
             if self.policy.best:
