@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 FAULT_CELL = re.compile(
@@ -48,16 +49,36 @@ def matrix_group(nodeid: str) -> str | None:
 
 class ByGroup(dict):
     """A matrix fixture's runs by group of cells (:func:`matrix_group`: under pytest-xdist a
-    group's cells go to one worker): group -> {cell id: run}, made by ``run(group)`` on first
-    use, so that a worker runs only the groups it was given."""
+    group's cells go to one worker): group -> {cell id: run}. The cells are those of type
+    ``kind`` that the session selected; ``run(group, cells)`` runs one group's on first use, so
+    that a worker runs only the groups it was given."""
 
-    def __init__(self, run: Callable[[str], dict]) -> None:
+    def __init__(self, request: Any, kind: type, group: Callable[[Any], str],
+                 run: Callable[[str, list], dict]) -> None:
         super().__init__()
-        self._run = run
+        self._cells = [item.callspec.params["cell"] for item in request.session.items
+                       if getattr(item, "callspec", None)
+                       and isinstance(item.callspec.params.get("cell"), kind)]
+        self._group, self._run = group, run
 
     def __missing__(self, group: str) -> dict:
-        self[group] = self._run(group)
+        self[group] = self._run(group, [c for c in self._cells if self._group(c) == group])
         return self[group]
+
+
+def matrix_fixture(kind: type, group: Callable[[Any], str],
+                   run: Callable[[Any, Path, list], dict]) -> Any:
+    """A matrix module's fixture: its cells (of type ``kind``) that the session selected, run by
+    ``run(request, folder, cells)`` one group (``group(cell)``) at a time, on first use, each
+    group in a folder of its own (a :class:`ByGroup`)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def matrix(request: Any, tmp_path_factory: Any) -> ByGroup:
+        base = tmp_path_factory.mktemp(kind.__name__.lower())
+        return ByGroup(request, kind, group, lambda g, cells: run(request, base / g, cells))
+
+    return matrix
 
 
 def unit(nodeid: str) -> str:

@@ -3,7 +3,8 @@
 ``test_M.py`` runs ``M.py`` or ``M_WHAT.py``; a program that several test modules run is named for
 what they share. Every program's docstring says which modules run it (``Run by tests/...``), and
 that list is exactly the test modules that name the program, directly or through a helper module
-they import (such as tests/matrix/matrix_kit.py). No MPI: the files are only read.
+they import (such as tests/matrix/matrix_kit.py). What the programs share is in ``_*.py`` beside
+them, which are not programs. No MPI: the files are only read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from harness import REPO, SCENARIOS
 
-PROGRAMS = sorted(SCENARIOS.glob("*.py"))
+PROGRAMS = sorted(p for p in SCENARIOS.glob("*.py") if not p.name.startswith("_"))
 RUN_BY = re.compile(r"Run by (.*?)\.(?:\s|$)", re.S)
 
 

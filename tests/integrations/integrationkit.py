@@ -1,5 +1,5 @@
-"""What the framework integration tests share: the committed steps of a ROOT, and the final
-parameters and report each rank of a scenario wrote."""
+"""What the framework integration tests share: how a scenario's training job runs, the committed
+steps of a ROOT, and the final parameters and report each rank of a scenario wrote."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import run_mpi
+
+
+def launch(program: list[str], n: int, root: Path, out: Path, *extra: str,
+           fault: str | None = None) -> Any:
+    """Run a training ``program`` (its argv: ROOT and OUT follow) on ``n`` ranks, with
+    ``fault`` (an MPICKPT_FAULT spec) armed if given."""
+    return run_mpi(n, [*program, str(root), str(out), *extra],
+                   env={"MPICKPT_FAULT": fault} if fault else None, timeout=300)
 
 
 def committed_steps(root: Path) -> list[int]:
@@ -32,6 +41,25 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def killed_then_resumed(train: Callable[..., Any], n: int, tmp_path: Path, args: list[str],
+                        fault: str, committed: list[int]) -> tuple[Path, Path, Any]:
+    """A reference run of ``train`` with ``args`` and no checkpoints; a run with ``fault`` (a
+    SIGKILL) that dies with just the steps ``committed``; a rerun that resumes, ends 0 and
+    bit-identical to the reference. (ROOT, the rerun's output directory, the rerun.)"""
+    ref = train(n, tmp_path / "unused", tmp_path / "ref", *args, "--no-checkpoint")
+    assert ref.returncode == 0, ref.output
+    root = tmp_path / "root"
+    dead = train(n, root, tmp_path / "dead", *args, fault=fault)
+    assert dead.returncode != 0, f"the job survived a SIGKILL\n{dead.output}"
+    assert committed_steps(root) == committed, dead.output
+    out = tmp_path / "out"
+    resumed = train(n, root, out, *args)
+    assert resumed.returncode == 0, resumed.output
+    for got, want in zip(finals(out, n), finals(tmp_path / "ref", n), strict=True):
+        assert_same(got, want)
+    return root, out, resumed
 
 
 def preempted_then_resumed(train: Callable[..., Any], n: int, tmp_path: Path, args: list[str],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 from matrix_kit import (
@@ -27,7 +28,7 @@ from matrix_kit import (
     judge,
     run_matrix,
 )
-from scheduling import ByGroup, matrix_group
+from scheduling import matrix_fixture, matrix_group
 
 SUITE = "fault-matrix"
 WORKERS = int(os.environ.get("MPICKPT_MATRIX_WORKERS", "2"))
@@ -57,33 +58,28 @@ def group(cell: Cell) -> str:
     return f"fault-matrix-n{cell.n}-rank{cell.rank}"
 
 
-@pytest.fixture(scope="module")
-def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> dict[str, dict[str, CaseRun]]:
-    """The jobs of the cells selected in this session, run on first use per group (under
-    pytest-xdist a group's cells all go to one worker: tests/scheduling.py)."""
-    base = tmp_path_factory.mktemp("matrix")
-    chosen = [item.callspec.params["cell"] for item in request.session.items
-              if getattr(item, "callspec", None)  # this module's cells (not the level matrix's)
-              and isinstance(item.callspec.params.get("cell"), Cell)]
-
+def say(request: pytest.FixtureRequest, line: str) -> None:
+    """A line on the terminal, past pytest's capture."""
     plugins = request.config.pluginmanager
     reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\n{line}")
 
-    def say(line: str) -> None:
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(f"\n{line}")
 
-    def run(g: str) -> dict[str, CaseRun]:
-        t0 = time.monotonic()
-        runs = run_matrix([c for c in chosen if group(c) == g], base / g, WORKERS)
-        launches = {id(r.launch): r.launch for r in runs.values()}
-        launches |= {id(r.verify_launch): r.verify_launch for r in runs.values()}
-        say(f"{g}: {len(runs)} cells, {len(launches)} launches, {time.monotonic() - t0:.0f} s")
-        return runs
+def run_group(request: pytest.FixtureRequest, folder: Path, cells: list[Cell]
+              ) -> dict[str, CaseRun]:
+    """One group's cells in one batch of launches; what they took, said on the terminal."""
+    t0 = time.monotonic()
+    runs = run_matrix(cells, folder, WORKERS)
+    launches = {id(r.launch): r.launch for r in runs.values()}
+    launches |= {id(r.verify_launch): r.verify_launch for r in runs.values()}
+    say(request, f"{folder.name}: {len(runs)} cells, {len(launches)} launches, "
+                 f"{time.monotonic() - t0:.0f} s")
+    return runs
 
-    return ByGroup(run)
+
+matrix = matrix_fixture(Cell, group, run_group)
 
 
 @pytest.mark.timeout(3000)

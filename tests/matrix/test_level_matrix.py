@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from harness import SCENARIOS, Job, run_mpi
-from scheduling import ByGroup, matrix_group
+from scheduling import matrix_fixture, matrix_group
 
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from mpickpt.faults import LEVEL_PHASES
@@ -108,23 +108,15 @@ def group(cell: LevelCell) -> str:
     return f"level-matrix-{cell.action}-rank{cell.rank}"
 
 
-@pytest.fixture(scope="module")
-def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> dict[str, dict[str, CellRun]]:
-    """The jobs of the cells selected in this session, run on first use per group (under
-    pytest-xdist a group's cells all go to one worker: tests/scheduling.py)."""
-    base = tmp_path_factory.mktemp("level-matrix")
-    chosen = [item.callspec.params["cell"] for item in request.session.items
-              if getattr(item, "callspec", None) and isinstance(
-                  item.callspec.params.get("cell"), LevelCell)]
+def run_group(_request: pytest.FixtureRequest, folder: Path, cells: list[LevelCell]
+              ) -> dict[str, CellRun]:
+    """One group's cells, WORKERS at a time."""
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return dict(zip([c.id for c in cells], pool.map(lambda c: run_cell(c, folder), cells),
+                        strict=True))
 
-    def run(g: str) -> dict[str, CellRun]:
-        cells = [c for c in chosen if group(c) == g]
-        with ThreadPoolExecutor(WORKERS) as pool:
-            return dict(zip([c.id for c in cells], pool.map(lambda c: run_cell(c, base), cells),
-                            strict=True))
 
-    return ByGroup(run)
+matrix = matrix_fixture(LevelCell, group, run_group)
 
 
 def judge(cell: LevelCell, run: CellRun) -> str:

@@ -38,9 +38,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return out
 
 
-def run_code(script: Path, n: int, root: Path, code: str) -> Job:
-    """``code`` as ``script``, run on ``n`` ranks with ROOT ``root`` as its one argument."""
-    script.write_text(code)
+def save_once(script: Path, n: int, root: Path, state: str, then: str, options: str = "") -> Job:
+    """A program (written as ``script``) that saves ``state`` (an expression) as step 1 with a
+    Checkpointer of ``options`` on ROOT ``root``, then runs ``then`` (``res`` is the result),
+    run on ``n`` ranks."""
+    script.write_text("import sys, torch, mpickpt\n"
+                      f"ck = mpickpt.Checkpointer(sys.argv[1]{options})\n"
+                      f"state = {state}\n"
+                      "res = ck.save(1, state).wait()\n"
+                      f"{then}\n"
+                      "ck.close()\n")
     return run_mpi(n, [str(script), str(root)], timeout=120)
 
 
@@ -79,13 +86,10 @@ def test_replicated_tensor_is_written_once_and_uneven_pieces_tile_the_whole(save
 def test_replicated_pieces_are_spread_over_the_ranks(tmp_path):
     """Many replicated tensors: each is written once, and the bytes are shared out evenly."""
     root = tmp_path / "ck"
-    done = run_code(
+    done = save_once(
         tmp_path / "many.py", 4, root,
-        "import sys, torch, mpickpt\n"
-        "ck = mpickpt.Checkpointer(sys.argv[1], replicated=('model',))\n"
-        "state = {'model': {f'w{i}': torch.full((1000 + 97 * i,), float(i)) for i in range(24)}}\n"
-        "assert ck.save(1, state).wait().committed\n"
-        "ck.close()\n")
+        "{'model': {f'w{i}': torch.full((1000 + 97 * i,), float(i)) for i in range(24)}}",
+        "assert res.committed", options=", replicated=('model',)")
     assert done.returncode == 0, done.output
     m = manifest(root, 1)
     per_rank = [sum(t["nbytes"] for t in e["tensors"]) for e in m["ranks"]]
@@ -116,14 +120,9 @@ def test_restore_reads_only_the_byte_ranges_it_needs(tmp_path, saved):
 def test_a_shard_layout_that_does_not_tile_the_tensor_aborts_the_save(tmp_path):
     """Two ranks claiming the same rows: the save is aborted on every rank before the commit."""
     root = tmp_path / "ck"
-    done = run_code(
-        tmp_path / "overlap.py", 2, root,
-        "import sys, torch, mpickpt\n"
-        "ck = mpickpt.Checkpointer(sys.argv[1])\n"
-        "state = {'w': mpickpt.Piece(torch.ones(4, 2), (6, 2), (0, 0))}\n"
-        "res = ck.save(1, state).wait()\n"
-        "print('RESULT', ck.rank, res.committed, res.error, flush=True)\n"
-        "ck.close()\n")
+    done = save_once(
+        tmp_path / "overlap.py", 2, root, "{'w': mpickpt.Piece(torch.ones(4, 2), (6, 2), (0, 0))}",
+        "print('RESULT', ck.rank, res.committed, res.error, flush=True)")
     assert done.returncode == 0, done.output
     for r in range(2):
         line = next(x for x in done.stdout.splitlines() if x.startswith(f"RESULT {r} "))

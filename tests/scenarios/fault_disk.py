@@ -39,7 +39,8 @@ import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_restore import Trainer, fill, image, outcome, report
+from _report import write_report
+from fault_restore import Trainer, fill, image, outcome
 from train import make_state, train_step
 
 FAILED = 15
@@ -86,7 +87,7 @@ def restore_read_only(root: str, reports: str) -> None:
     train_step(state, comm)
     result = ck.save(25, state).wait()
     ck.close()
-    report(reports, {"rank": rank, "restored": restored,
+    write_report(reports, f"rank-{rank}.json", {"rank": rank, "restored": restored,
                      "save": outcome(result)})
 
 
@@ -128,7 +129,7 @@ def retention_blocked(root: str, reports: str) -> None:
         restored.append([ck.restore(fresh, step=step),
                          image(fresh) == train_and_save.images[step]])
     ck.close()
-    report(reports, {
+    write_report(reports, f"rank-{rank}.json", {
         "rank": rank,
         "saves": train_and_save.saves(),
         "after": after,
@@ -171,7 +172,7 @@ def main() -> None:
         got = ck.restore(fresh, step=None if step == 20 else step)
         restored.append([got, image(fresh) == train_and_save.images[step]])
     ck.close()
-    report(reports, {
+    write_report(reports, f"rank-{rank}.json", {
         "rank": rank,
         "saves": train_and_save.saves(),
         "after_abort": after_abort,

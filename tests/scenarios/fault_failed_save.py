@@ -29,7 +29,8 @@ from mpickpt.format import rootdir
 from mpickpt.format.names import shard_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from fault_restore import fill, image, outcome, report
+from _report import write_report
+from fault_restore import fill, image, outcome
 from train import make_state, train_step
 
 FAILED = 10
@@ -88,7 +89,7 @@ def main() -> None:
     oldest = ck.restore(fresh, step=5)
     oldest_ok = image(fresh) == images[5]
     ck.close()
-    report(reports, {
+    write_report(reports, f"rank-{rank}.json", {
         "rank": rank,
         "saves": {s: outcome(r) for s, r in results.items()},
         "after_abort": after_abort,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from mpickpt.format import state_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from _report import write_report
 from fault_restore import image
 from train import make_state
 
@@ -94,9 +94,7 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     for case in plan["cases"]:
         report = run_case(case, plan["width"], rank)
-        os.makedirs(case["reports"], exist_ok=True)
-        with open(os.path.join(case["reports"], f"rank-{rank}.json"), "w") as f:
-            json.dump(report, f)
+        write_report(case["reports"], f"rank-{rank}.json", report)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _report import write_report
 from mpi4py import MPI
 
 import mpickpt
@@ -116,14 +117,6 @@ def analyse(state: dict[str, Any], rank: int) -> dict[str, Any]:
     }
 
 
-def write(path: str, data: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
 def restore(ck: mpickpt.Checkpointer, rank: int, step: int | None = None) -> dict[str, Any]:
     """Restore into a fresh state; what came of it."""
     state = make_state(rank, FRESH)
@@ -181,11 +174,12 @@ def main() -> None:
     if mode == "fault":
         for case in plan["cases"]:
             report = fault_case(case, float(plan["timeout"]), rank)
-            write(os.path.join(case["dir"], "job", f"rank-{rank}.json"), report)
+            write_report(os.path.join(case["dir"], "job"), f"rank-{rank}.json", report)
             comm.Barrier()
     elif mode == "verify":
         for where in plan["roots"]:
-            write(os.path.join(where, "verify", f"rank-{rank}.json"), verify_root(where, rank))
+            write_report(os.path.join(where, "verify"), f"rank-{rank}.json",
+                         verify_root(where, rank))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import sys
 from dataclasses import asdict
@@ -29,6 +28,7 @@ from mpi4py import MPI
 import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from _report import write_report
 from train import make_state, train_step
 
 
@@ -97,13 +97,6 @@ class Trainer:
         return {s: outcome(r) for s, r in self.results.items()}
 
 
-def report(reports: str, data: dict) -> None:
-    """Write this rank's report (a file: lines printed by several ranks may interleave)."""
-    os.makedirs(reports, exist_ok=True)
-    with open(os.path.join(reports, f"rank-{data['rank']}.json"), "w") as f:
-        json.dump(data, f)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
@@ -123,7 +116,7 @@ def main() -> None:
         error = f"{type(e).__name__}: {e}"
     info = ck.restore_info
     ck.close()
-    report(args.reports, {
+    write_report(args.reports, f"rank-{rank}.json", {
         "rank": rank, "step": step, "error": error,
         "skipped": [list(s) for s in info.skipped] if info is not None else None,
         "untouched": image(state) == before,

@@ -24,13 +24,13 @@ Modes:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
 
 import numpy as np
 import torch
+from _report import write_report
 from mpi4py import MPI
 
 import mpickpt
@@ -42,10 +42,7 @@ def state(rank: int) -> dict:
 
 
 def record(base: str, mode: str, **what) -> None:
-    out = os.path.join(base, "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{mode}-rank-{MPI.COMM_WORLD.rank}.json"), "w") as f:
-        json.dump(what, f)
+    write_report(os.path.join(base, "out"), f"{mode}-rank-{MPI.COMM_WORLD.rank}.json", what)
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ Run by tests/integrations/test_hf.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 
 import torch
+from _report import write_report
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from mpickpt.hf import Trainer
@@ -74,8 +74,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                os.path.join(args.out, f"rank-{rank}.pt"))
-    with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
-        json.dump({"resumed_from": start, "global_step": trainer.state.global_step}, f)
+    write_report(args.out, f"rank-{rank}.json",
+                 {"resumed_from": start, "global_step": trainer.state.global_step})
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ tests/cli/test_cli_incremental.py and tests/multirank/test_node_files.py (``--pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
+from _report import write_report
 from mpi4py import MPI
 
 import mpickpt
@@ -127,7 +127,7 @@ def main() -> None:
             report["all"][step] = got == step and all(
                 matches(state, make_state(rank, world, step, fill=True)).values())
         ck.close()
-        _write(args, rank, report)
+        write_report(args.reports, f"{args.mode}-rank-{rank}.json", report)
         return
     state = make_state(rank, world, 0, fill=args.mode == "train")
     restored = ck.restore(state, step=args.step)
@@ -154,13 +154,9 @@ def main() -> None:
         report["matches"] = matches(state, expected)
         report["bytes_read"] = info.bytes_read
     ck.close()
-    _write(args, rank, report)
+    write_report(args.reports, f"{args.mode}-rank-{rank}.json", report)
 
 
-def _write(args: argparse.Namespace, rank: int, report: dict) -> None:
-    os.makedirs(args.reports, exist_ok=True)
-    with open(os.path.join(args.reports, f"{args.mode}-rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
 
 
 if __name__ == "__main__":

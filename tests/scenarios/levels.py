@@ -38,6 +38,7 @@ import sys
 from typing import Any
 
 import torch
+from _report import write_report
 from mpi4py import MPI
 
 import mpickpt
@@ -165,11 +166,8 @@ def main() -> None:
 
 
 def _write(plan: dict[str, Any], rank: int, report: dict[str, Any]) -> None:
-    out = plan.get("out")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-            json.dump(report, f)
+    if plan.get("out"):
+        write_report(plan["out"], f"rank-{rank}.json", report)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ Run by tests/integrations/test_lightning.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 
 import lightning.pytorch as pl
 import torch
+from _report import write_report
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
@@ -100,8 +100,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                os.path.join(args.out, f"rank-{rank}.pt"))
-    with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
-        json.dump({"resumed_from": start, "global_step": trainer.global_step}, f)
+    write_report(args.out, f"rank-{rank}.json",
+                 {"resumed_from": start, "global_step": trainer.global_step})
 
 
 if __name__ == "__main__":

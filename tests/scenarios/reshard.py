@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 
 import torch
+from _report import write_report
 from mpi4py import MPI
 
 import mpickpt
@@ -118,9 +118,7 @@ def main() -> None:
                         state["mine"])),
         )
     ck.close()
-    os.makedirs(args.reports, exist_ok=True)
-    with open(os.path.join(args.reports, f"{args.mode}-rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
+    write_report(args.reports, f"{args.mode}-rank-{rank}.json", report)
 
 
 if __name__ == "__main__":

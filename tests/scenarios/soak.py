@@ -25,12 +25,12 @@ from array import array
 from pathlib import Path
 
 import torch
+from _report import write_report
 from mpi4py import MPI
 
 import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_restore import report
 
 WARMUP = 50  # saves before the first sample: lazily created pools, threads and caches
 
@@ -118,7 +118,7 @@ def main() -> None:
     same = all(torch.equal(fresh[k], v) if isinstance(v, torch.Tensor) else fresh[k] == v
                for k, v in expected.items())
     ck.close()
-    report(reports, {
+    write_report(reports, f"rank-{rank}.json", {
         "rank": rank, "failed": failed, "samples": samples, "seconds": seconds.tolist(),
         "restored": [got, same],
         "most": most if rank == 0 else None,

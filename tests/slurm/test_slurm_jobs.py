@@ -59,6 +59,12 @@ class Jobs:
         self.root, self.out, self.logs = tmp / "ckpt", tmp / "out", tmp / "logs"
         self.logs.mkdir()
 
+    def __enter__(self) -> Jobs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel_all()
+
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PMI_", "MPICKPT_"))}
@@ -143,11 +149,8 @@ class Jobs:
 
 @pytest.fixture
 def jobs(slurm, tmp_path: Path) -> Iterator[Jobs]:
-    j = Jobs(slurm, tmp_path)
-    try:
+    with Jobs(slurm, tmp_path) as j:
         yield j
-    finally:
-        j.cancel_all()
 
 
 def requeued_once(slurm, jobs: Jobs, job: str) -> tuple[str, int]:

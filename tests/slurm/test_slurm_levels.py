@@ -41,11 +41,8 @@ class LocalJobs(Jobs):
 
 @pytest.fixture
 def local_jobs(slurm, tmp_path: Path) -> Iterator[LocalJobs]:
-    j = LocalJobs(slurm, tmp_path)
-    try:
+    with LocalJobs(slurm, tmp_path) as j:
         yield j
-    finally:
-        j.cancel_all()
 
 
 def committed(root: Path) -> list[int]:
@@ -84,6 +81,20 @@ def check_drained(jobs: LocalJobs, step: int, log: str) -> None:
         assert f"emergency checkpoint of step {step} committed on the nodes only" not in log, log
 
 
+def preempted_after_a_local_save(slurm, jobs: LocalJobs, job: str, local: Path
+                                 ) -> tuple[int, str]:
+    """``job`` committed step 10 on its local level ``local`` and not in ROOT (a periodic
+    checkpoint stays on the nodes); preempted, its emergency checkpoint was drained to ROOT
+    (:func:`check_drained`). (The step it stopped at, its log.)"""
+    wait_for(lambda: any(10 in committed(d) for d in node_dirs(local)), 180,
+             f"job {job}'s checkpoint of step 10 on the local level {local}")
+    assert committed(jobs.root) == [], "a periodic checkpoint reached ROOT"
+    step = preempt_and_wait_for_requeue(slurm, jobs, job)
+    log = jobs.log("train", job)
+    check_drained(jobs, step, log)
+    return step, log
+
+
 def check_finished(slurm, jobs: LocalJobs, job: str, reference: Path) -> tuple[str, int]:
     """The job ended COMPLETED after one requeue, its second run resumed from the emergency
     checkpoint, and it ends bit-identical to ``reference``; (its log, the step resumed from)."""
@@ -105,14 +116,9 @@ def test_local_level_emergency_save_drained_to_root_requeue_resumes_bit_identica
     job = jobs.train(["--time=10"], STEPS, sleep=0.2, MPICKPT_LOCAL="shm")
     local = Path(f"/dev/shm/mpickpt-{job}")
     try:
-        wait_for(lambda: any(10 in committed(d) for d in node_dirs(local)), 180,
-                 f"job {job}'s checkpoint of step 10 on the local level {local}")
-        assert committed(jobs.root) == [], "a periodic checkpoint reached ROOT"
-        step = preempt_and_wait_for_requeue(slurm, jobs, job)
-        log = jobs.log("train", job)
+        step, log = preempted_after_a_local_save(slurm, jobs, job, local)
         assert f"local level: {local} (named after the job" in log, log
         assert f"local level {local} on 1 node(s), redundancy None" in log, log
-        check_drained(jobs, step, log)
         [node] = node_dirs(local)  # kept for the requeued run: the same node may come back
         assert step in committed(node), (committed(node), log)
 
@@ -135,13 +141,8 @@ def test_local_level_wiped_before_the_requeued_run_resumes_from_root_bit_identic
     reference = reference_runs[(N, STEPS)]
     local = jobs.tmp / "local"
     job = jobs.train(["--time=10"], STEPS, sleep=0.2, MPICKPT_LOCAL=str(local))
-    wait_for(lambda: any(10 in committed(d) for d in node_dirs(local)), 180,
-             f"job {job}'s checkpoint of step 10 on the local level {local}")
-    assert committed(jobs.root) == [], "a periodic checkpoint reached ROOT"
-    step = preempt_and_wait_for_requeue(slurm, jobs, job)
-    log = jobs.log("train", job)
+    step, log = preempted_after_a_local_save(slurm, jobs, job, local)
     assert f"local level: {local}\n" in log, log
-    check_drained(jobs, step, log)
 
     shutil.rmtree(local)  # the node is gone: the requeued run must not have started yet
     assert len(jobs.starts(0)) == 1, jobs.starts(0)
