@@ -16,8 +16,9 @@ import torch
 from ..errors import ShardError
 from . import checksum, dtypes
 from .blocks import BlockFile, align
+from .iothreads import run_tasks
 from .records import TensorRecord, check_file, check_records
-from .shard import byte_view, run_tasks
+from .shard import byte_view
 
 
 def read_shard(

@@ -12,11 +12,9 @@ Reading never goes through HDF5 (:mod:`mpickpt.format.reader`).
 from __future__ import annotations
 
 import io
-import mmap
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Protocol
 
 import h5py
 import numpy as np
@@ -24,6 +22,8 @@ import torch
 
 from . import checksum, dtypes, rootdir
 from .blocks import DIRECT_ALIGN, _direct_len, _open_direct
+from .h5image import MetadataImage
+from .iothreads import pool, run_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT,
     TENSORS_GROUP,
@@ -52,50 +52,6 @@ def _io_tasks(records: Iterable[TensorRecord], block: int) -> list[tuple[int, in
     """(record index, block index) for every block of every record, largest tensors first."""
     order = sorted(enumerate(records), key=lambda r: -r[1].nbytes)
     return [(i, b) for i, r in order for b in range(checksum.block_count(r.nbytes, block))]
-
-
-def _lower_priority() -> None:
-    """Give the calling I/O thread a lower CPU priority than the training thread (nice +10)."""
-    if hasattr(os, "setpriority"):  # elsewhere the threads keep the process priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-
-def run_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], threads: int,
-         background: bool = False) -> None:
-    """Run ``fn(*task)`` for every task on ``threads`` threads; the first error cancels the rest.
-    ``background`` threads run at a lower CPU priority."""
-    if threads <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            fn(*t)
-        return
-    futures = [_pool(threads, background).submit(fn, *t) for t in tasks]
-    try:
-        for fut in futures:
-            fut.result()
-    except BaseException:
-        for fut in futures:
-            fut.cancel()
-        wait(futures)  # the tasks already running use the caller's buffers and descriptors
-        raise
-
-
-_POOLS: dict[tuple[int, bool], ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_POOLS.clear)  # a child has none of the threads
-
-
-def _pool(threads: int, background: bool) -> ThreadPoolExecutor:
-    """The I/O threads of one size and priority, started once and reused by every save and
-    restore: MPICH keeps a few hundred bytes of every thread started after MPI_Init, so new
-    threads per save made the soak test's memory grow by 1 MB per 1000 saves."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get((threads, background))
-        if pool is None:
-            init = _lower_priority if background else None
-            pool = _POOLS[threads, background] = ThreadPoolExecutor(
-                threads, thread_name_prefix="mpickpt-io", initializer=init)
-        return pool
 
 
 def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
@@ -128,6 +84,16 @@ def _set_attr(obj: h5py.h5o.ObjectID, name: str, value: str | int | np.ndarray) 
     h5py.h5a.create(obj, name.encode(), tid, space).write(arr)
 
 
+class Destination(Protocol):
+    """Where a shard goes instead of a file of its own (the node-local level's recycled, mapped
+    files): ``fd`` is open for reading and writing; ``reserve(n)`` grows the file to ``n``
+    bytes at least and gives its first ``n`` as a writable ``uint8`` tensor."""
+
+    fd: int
+
+    def reserve(self, nbytes: int) -> torch.Tensor: ...
+
+
 # one rank's part of a node's file: its HDF5 group, tensors and attributes
 Part = tuple[str, Mapping[str, torch.Tensor], Mapping[str, str | int]]
 
@@ -142,7 +108,7 @@ class ShardWriter:
         attrs: Mapping[str, str | int],
         *,
         alignment: int = DEFAULT_ALIGNMENT,
-        mapped: bool = False,
+        into: Destination | None = None,
         codecs: Mapping[str, str] | None = None,
         block: int = checksum.DEFAULT_BLOCK,
     ) -> None:
@@ -151,13 +117,17 @@ class ShardWriter:
         self._block = block
         self.records: list[TensorRecord] = []
         self._datasets: list[h5py.h5d.DatasetID] = []  # of the records, for their checksums
-        self._rw, self._map, self._dst = -1, None, None
-        # created here, so its mode is rootdir.file_mode's less the umask (HDF5 would use 0o666)
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         rootdir.file_mode(path)))
+        self._dst: torch.Tensor | None = None
+        self.metadata: list[tuple[int, bytes]] = []  # into: the bytes the seal wrote, less data
+        # into: HDF5 lays the file out in memory, the data goes straight into the destination
+        self._image = MetadataImage() if into is not None else None
+        if into is None:
+            # created here, so its mode is rootdir.file_mode's less the umask (HDF5: 0o666)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                             rootdir.file_mode(path)))
         # HDF5 writes through a Python file object when chunks are compressed: its writes
         # (the frames) then release the GIL, which HDF5's own driver holds while it writes
-        self._raw = io.FileIO(path, "r+") if self._codecs else None
+        self._raw = self._image or (io.FileIO(path, "r+") if self._codecs else None)
         self._h5 = h5py.File(
             self._raw or path, "w", libver=("v108", "v110"),
             alignment_threshold=alignment, alignment_interval=alignment,
@@ -166,24 +136,24 @@ class ShardWriter:
             _set_attr(self._h5.id, "mpickpt_format", FORMAT)
             _set_attr(self._h5.id, "mpickpt_version", VERSION)
             self._layout(tensors, attrs)
-            self._fd = os.open(path, os.O_WRONLY)
-            self._dfd = -1 if mapped else _open_direct(path, os.O_WRONLY)
-            if mapped:
-                self._map_data()
+            if into is not None:
+                self._fd, self._dfd = os.dup(into.fd), -1
+                self._dst = into.reserve(self.data_end)
+            else:
+                self._fd = os.open(path, os.O_WRONLY)
+                self._dfd = _open_direct(path, os.O_WRONLY)
         except BaseException:
             self.close()
             raise
 
-    def _map_data(self) -> None:
-        """Write through a memory map instead (tmpfs: page faults run in parallel where
-        positional writes to one file take turns), its blocks allocated first so that a full
-        filesystem is an error here rather than a SIGBUS in a copy."""
-        end = max((r.offset + r.nbytes for r in self.records), default=0)
-        if end:
-            self._rw = os.open(self.path, os.O_RDWR)
-            os.posix_fallocate(self._rw, 0, end)
-            self._map = mmap.mmap(self._rw, end)
-            self._dst = torch.frombuffer(self._map, dtype=torch.uint8)
+    @property
+    def data_end(self) -> int:
+        """Where the last tensor's bytes end in the file (its metadata may follow)."""
+        return max((r.offset + r.nbytes for r in self.records if r.codec is None), default=0)
+
+    def data_ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of every tensor's bytes that :meth:`write` puts in place."""
+        return [(r.offset, r.nbytes) for r in self.records if r.codec is None and r.nbytes]
 
     @classmethod
     def node_file(cls, path: str, parts: Sequence[Part], *, alignment: int = DEFAULT_ALIGNMENT
@@ -211,7 +181,7 @@ class ShardWriter:
         seals it)."""
         w = cls.__new__(cls)
         w.path, w._codecs, w._block, w.records = path, {}, 0, records
-        w._datasets, w._rw, w._map, w._dst, w._raw, w._h5 = [], -1, None, None, None, None
+        w._datasets, w._dst, w._raw, w._h5, w._image = [], None, None, None, None
         w._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
         try:
             w._dfd = _open_direct(path, os.O_WRONLY)
@@ -337,15 +307,15 @@ class ShardWriter:
             digest = None if known[i] else checksum.digest(raw)
             return digest, codec.compress(r.codec or "", raw, elems * item, item)
 
-        pool = _pool(threads, True) if threads > 1 else None
+        workers = pool(threads, True) if threads > 1 else None
         ahead = max(2 * threads, 2)
-        pending = [pool.submit(compress, *j) if pool else None for j in jobs[:ahead]]
+        pending = [workers.submit(compress, *j) if workers else None for j in jobs[:ahead]]
         try:
             for k, (i, b) in enumerate(jobs):
                 fut = pending[k]
                 digest, frame = fut.result() if fut else compress(i, b)
-                if pool and k + ahead < len(jobs):
-                    pending.append(pool.submit(compress, *jobs[k + ahead]))
+                if workers and k + ahead < len(jobs):
+                    pending.append(workers.submit(compress, *jobs[k + ahead]))
                 r = self.records[i]
                 if digest is not None:
                     r.checksums[b] = digest
@@ -367,11 +337,16 @@ class ShardWriter:
     def seal(self) -> int:
         """Record checksums as attributes, close HDF5, fsync; return the file's size in bytes."""
         try:
-            self._unmap()
+            self._dst = None
             for r, ds in zip(self.records, self._datasets, strict=True):
                 _set_attr(ds, "xxh3_64", ",".join(r.checksums))
             assert self._h5 is not None, "a region is sealed by its file's owner"
             self._h5.close()
+            if self._image is not None:  # HDF5's bytes into the destination, around the data
+                self.metadata = list(self._image.extents(self.data_ranges()))
+                for off, b in self.metadata:
+                    _pwrite_all(self._fd, memoryview(b), off)
+                os.ftruncate(self._fd, self._image.size)
             os.fsync(self._fd)
             return os.fstat(self._fd).st_size
         finally:
@@ -382,22 +357,15 @@ class ShardWriter:
         when HDF5 cannot flush (a full disk), and HDF5's error does not hide the first one."""
         self._datasets = []
         try:
-            self._unmap()
+            self._dst = None
             if self._h5 is not None and self._h5.id.valid:
                 self._h5.close()
         except Exception:
             pass  # the file is discarded: its metadata need not reach the disk
         finally:
-            for fd in (getattr(self, "_fd", -1), getattr(self, "_dfd", -1), self._rw):
+            for fd in (getattr(self, "_fd", -1), getattr(self, "_dfd", -1)):
                 if fd >= 0:
                     os.close(fd)
-            self._fd = self._dfd = self._rw = -1
+            self._fd = self._dfd = -1
             if getattr(self, "_raw", None) is not None:
                 self._raw.close()
-
-    def _unmap(self) -> None:
-        self._dst = None
-        if self._map is not None:
-            self._map.flush()
-            self._map.close()
-            self._map = None

@@ -34,8 +34,9 @@ import torch
 from .. import sharding
 from ..format import checksum, rootdir
 from ..format.entry import RankEntry
+from ..format.iothreads import run_tasks
 from ..format.records import TensorRecord
-from ..format.shard import byte_view, run_tasks
+from ..format.shard import byte_view
 
 CHANGED_STREAK = 2
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..format.nodefile import NodeFiles
+    from ..format.shard import Destination
     from ..mpi.protocol import Protocol
 
 
@@ -69,10 +70,13 @@ class RankShards:
         self.rank, self.world_size = rank, world_size
         self.options, self.tracker, self.log = options, tracker, logger
 
-    def write(self, req: SaveRequest, partial: str, name: str, mapped: bool = False
+    def write(self, req: SaveRequest, partial: str, name: str,
+              into: Destination | None = None,
+              started: Callable[[ShardWriter, dict[str, torch.Tensor]], None] | None = None
               ) -> RankEntry:
-        """This rank's shard ``name`` in ``partial``, written and fsynced (``mapped``: through
-        memory maps)."""
+        """This rank's shard ``name`` in ``partial``, written and fsynced (``into``: a file of
+        the node-local level, already in place and mapped). ``started(writer, tensors)`` is
+        called once the layout fixes where each tensor's bytes go, before they are written."""
         assert req.snapshot is not None and req.tree is not None
         o, stats, t0 = self.options, req.stats, time.perf_counter()
         host, decision = self._host(req)
@@ -86,8 +90,10 @@ class RankShards:
                       and o.block % t.element_size() == 0 and (c := pick(n))}
         t1 = time.perf_counter()
         writer = ShardWriter(path, host, self._attrs(req), alignment=o.alignment,
-                             mapped=mapped, codecs=codecs, block=o.block)
+                             into=into, codecs=codecs, block=o.block)
         try:
+            if started is not None:
+                started(writer, host)
             t2 = time.perf_counter()
             writer.write(host, block=o.block, threads=o.io_threads,
                          on_block=lambda: faults.hit("mid-write", self.rank, req.step),
