@@ -35,6 +35,10 @@ LEVEL_PHASES = ("mid-exchange", "after-exchange-before-vote", "mid-local-commit"
 # rank 0, after each checkpoint retention removes (incremental checkpoints: a kill there must
 # leave every kept checkpoint loadable)
 RETENTION_PHASES = ("mid-retention",)
+# the node-local level's recovery: each window of a shard copied from its partner (the donor
+# and the receiver)
+RECOVERY_PHASES = ("mid-rebuild",)
+ALL_PHASES = PHASES + LEVEL_PHASES + RETENTION_PHASES + RECOVERY_PHASES
 ACTIONS = ("kill", "raise", "hang", "exit", "delay")
 EXIT_CODE = 17
 
@@ -43,11 +47,11 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
     out: dict[str, list[tuple[str, str, int | None]]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split(":")
-        known = parts[0] in PHASES + LEVEL_PHASES + RETENTION_PHASES
+        known = parts[0] in ALL_PHASES
         if len(parts) not in (3, 4) or not known or parts[2] not in ACTIONS:
             raise ValueError(
                 f"MPICKPT_FAULT item {item!r} is not phase:rank:action[:step] with phase in "
-                f"{PHASES + LEVEL_PHASES + RETENTION_PHASES} and action in {ACTIONS}"
+                f"{ALL_PHASES} and action in {ACTIONS}"
             )
         step = int(parts[3]) if len(parts) == 4 else None
         out.setdefault(parts[0], []).append((parts[1], parts[2], step))

@@ -17,10 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..format import rootdir
 from ..mpi.protocol import Pending, Protocol
+from .pool import Mapped
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
 WINDOW = 32 << 20
@@ -61,12 +61,6 @@ class _Mapped:
     def view(self, off: int, n: int) -> np.ndarray:
         assert self._arr is not None
         return self._arr[off:off + n]
-
-    def put(self, off: int, data: memoryview) -> None:
-        """Copy ``data`` into the file at ``off`` (torch's copy lets go of the GIL)."""
-        assert self._arr is not None
-        torch.from_numpy(self._arr[off:off + len(data)]).copy_(
-            torch.frombuffer(data, dtype=torch.uint8))
 
     def __exit__(self, *exc: object) -> None:
         self._arr = None
@@ -137,6 +131,17 @@ class Moved:
     received: int = 0
 
 
+@dataclass
+class Streamed:
+    """A partner stream's outcome: the copy's file (None if it could not be made), the first
+    error of the receiving side, the tensor bytes sent and received."""
+
+    dest: Mapped | None
+    error: BaseException | None
+    sent: int
+    received: int
+
+
 class Exchange:
     """One rank's side of the redundancy of its team (``scheme`` "partner" or "xor")."""
 
@@ -155,7 +160,7 @@ class Exchange:
             np.asarray(self.buffer(name, wide * self.window))[:] = 0
         for slot in range(DEPTH):
             np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
-        self._copier = ThreadPoolExecutor(DEPTH, thread_name_prefix="mpickpt-copy")
+        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream")
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         """A reused byte buffer of at least ``nbytes``."""
@@ -165,7 +170,7 @@ class Exchange:
         return memoryview(buf)[:nbytes]
 
     def free(self) -> None:
-        self._copier.shutdown()
+        self._streamer.shutdown()
         self._bufs.clear()
         if self.team_proto is not None:
             self.team_proto.free()
@@ -173,79 +178,119 @@ class Exchange:
     # ---------------------------------------------------------------------------------- saving
 
     def protect(self, directory: str, own: str, size: int, names: Callable[[int], str],
-                on_window: Callable[[], None] = lambda: None) -> Moved:
-        """Protect this rank's shard ``own`` (``size`` bytes): ``partner``: send it to its holder
-        and store the copy of the rank this one holds as ``directory/names(source)``; ``xor``:
-        store this rank's parity as ``directory/names(rank)``. Collective over the team."""
-        if self.scheme == "partner":
-            return self._partner(directory, own, size, names, on_window)
-        return self._xor(directory, own, size, names, on_window)
+                take: Callable[[str], Mapped], on_window: Callable[[], None] = lambda: None
+                ) -> Moved:
+        """XOR: store this rank's parity of its shard ``own`` (``size`` bytes) as
+        ``directory/names(rank)``, in the file ``take(name)`` gives (recycled, mapped).
+        Collective over the team. (Partner copies stream while the shard is written:
+        :meth:`stream` and :meth:`seal`.)"""
+        assert self.scheme == "xor"
+        return self._xor(directory, own, size, names, on_window, take)
 
-    def _partner(self, directory: str, own: str, size: int, names: Callable[[int], str],
-                 on_window: Callable[[], None]) -> Moved:
-        """The shard goes out of a memory map of its file, ``DEPTH - 1`` windows in flight; the
-        copy comes into reused buffers, and threads copy each into a memory map of the copy's
-        file (in parallel: a single writer of fresh pages is the slowest part)."""
-        holder, source = partner_holder(self.teams, self.rank), partner_source(self.teams,
-                                                                               self.rank)
-        mine, theirs = np.array([size], dtype=np.int64), np.zeros(1, dtype=np.int64)
-        self.proto.transfer([(mine, holder)], [(theirs, source)], "the partner exchange")
-        other = int(theirs[0])
-        keep = _Keep()
-        copies: list[Future[None] | None] = [None] * DEPTH
-        with _Mapped(own, size) as out, _Mapped(os.path.join(directory, names(source)), other,
-                                                 create=True) as into:
-            keep.error = into.error  # no room for the copy: receive all the same, then fail
-            flying: deque[tuple[Pending, int, int, int]] = deque()
+    # ------------------------------------------------------------- partner copies, streamed
 
-            def land() -> None:
-                pending, slot, off, n = flying.popleft()
-                pending.wait()
-                if n and into.error is None:
-                    copies[slot] = self._copier.submit(into.put, off,
-                                                       self.buffer(f"in{slot}", n))
-                keep.do(on_window)
+    def stream(self, ranges: list[tuple[int, memoryview]], data_end: int,
+               take: Callable[[int], Mapped], on_window: Callable[[], None]
+               ) -> Future[Streamed]:
+        """Start sending this rank's tensor bytes (``ranges``: each one's offset in its shard
+        file and its bytes, straight from the snapshot) to its holder, and receiving the rank
+        it holds into ``take(source)`` (its copy's file, recycled and mapped) at the same
+        offsets; on the exchange's own thread, while this rank writes its shard. A rank that
+        could not lay its shard out streams no ranges, so that its partner does not wait."""
+        return self._streamer.submit(self._stream, ranges, data_end, take, on_window)
 
-            for k, off in enumerate(range(0, max(size, other), self.window)):
-                n_out, n_in = _span(size, off, self.window), _span(other, off, self.window)
-                if len(flying) >= DEPTH - 1:
-                    land()
-                slot = k % DEPTH
-                done = copies[slot]
-                if done is not None:  # its last window is in the file: the buffer is free
-                    keep.do(done.result)
-                    copies[slot] = None
-                flying.append((self.proto.start(
-                    [(out.view(off, n_out), holder)] if n_out else [],
-                    [(self.buffer(f"in{slot}", n_in), source)] if n_in else [],
-                    "the partner exchange"), slot, off, n_in))
+    def _stream(self, ranges: list[tuple[int, memoryview]], data_end: int,
+                take: Callable[[int], Mapped], on_window: Callable[[], None]) -> Streamed:
+        holder = partner_holder(self.teams, self.rank)
+        source = partner_source(self.teams, self.rank)
+        phase = "the partner exchange"
+        mine = np.array([data_end, len(ranges)], dtype=np.int64)
+        theirs = np.zeros(2, dtype=np.int64)
+        self.proto.transfer([(mine, holder)], [(theirs, source)], phase)
+        their_end, their_n = int(theirs[0]), int(theirs[1])
+        spans = np.array([[off, len(v)] for off, v in ranges], dtype=np.int64).reshape(-1, 2)
+        their = np.zeros((their_n, 2), dtype=np.int64)
+        self.proto.transfer([(spans, holder)] if len(ranges) else [],
+                            [(their, source)] if their_n else [], phase)
+        keep, dest = _Keep(), None
+        try:
+            dest = take(source)
+            dest.reserve(their_end)
+        except Exception as e:  # no room for the copy: receive all the same, then fail
+            keep.error = e
+        out = [v[lo:lo + self.window] for _, v in ranges for lo in range(0, len(v), self.window)]
+        into = [(int(off) + lo, min(self.window, int(n) - lo)) for off, n in their
+                for lo in range(0, int(n), self.window)]
+        if keep.error is None and dest is not None:
+            # every window posted at once, straight into the copy's pages: MPI keeps the link
+            # busy, and no window waits for a thread posting the next one
+            pending = self.proto.start([(v, holder) for v in out],
+                                       [(dest.view(off, n), source) for off, n in into], phase)
+            keep.do(on_window)
+            pending.wait()
+        else:  # through a scratch buffer, a few windows in flight, to be thrown away
+            flying: deque[Pending] = deque()
+            for k in range(max(len(out), len(into))):
+                while len(flying) >= DEPTH - 1:
+                    flying.popleft().wait()
+                    keep.do(on_window)
+                recv = ([(self.buffer(f"in{k % DEPTH}", into[k][1]), source)]
+                        if k < len(into) else [])
+                flying.append(self.proto.start([(out[k], holder)] if k < len(out) else [],
+                                               recv, phase))
             while flying:
-                land()
-            for done in copies:
-                if done is not None:
-                    keep.do(done.result)
-        keep.check()
-        return Moved(size, other)
+                flying.popleft().wait()
+                keep.do(on_window)
+        return Streamed(dest, keep.error, sum(len(v) for _, v in ranges),
+                        int(their[:, 1].sum()) if their_n else 0)
 
-    @staticmethod
-    def _land(sent: tuple[Pending, memoryview, int], dst: int, keep: _Keep,
-              on_window: Callable[[], None]) -> None:
-        """Wait for a window's transfer; write what came in."""
-        pending, into, off = sent
-        pending.wait()
-        keep.do(_pwrite, dst, into, off)
-        keep.do(on_window)
+    def seal(self, streamed: Streamed, size: int, metadata: list[tuple[int, bytes]]) -> Moved:
+        """After :meth:`stream`, once this rank's shard is sealed (``size`` bytes, 0 if it
+        failed): send its HDF5 metadata (``(offset, bytes)`` runs, :mod:`mpickpt.format.h5image`)
+        to the holder, receive the source's, and complete and fsync the copy. Raises the first
+        error of either leg."""
+        holder = partner_holder(self.teams, self.rank)
+        source = partner_source(self.teams, self.rank)
+        phase = "the partner exchange"
+        blob = b"".join(b for _, b in metadata)
+        mine = np.array([size, len(metadata), len(blob)], dtype=np.int64)
+        theirs = np.zeros(3, dtype=np.int64)
+        self.proto.transfer([(mine, holder)], [(theirs, source)], phase)
+        their_size, their_k, their_len = (int(x) for x in theirs)
+        spans = np.array([[off, len(b)] for off, b in metadata], dtype=np.int64).reshape(-1, 2)
+        their = np.zeros((their_k, 2), dtype=np.int64)
+        got = np.empty(their_len, dtype=np.uint8)
+        self.proto.transfer([(spans, holder), (np.frombuffer(blob, dtype=np.uint8), holder)],
+                            [(their, source), (got, source)], phase)
+        dest, keep = streamed.dest, _Keep()
+        keep.error = streamed.error
+        if dest is not None and their_size:
+            at = 0
+            for off, n in their:
+                keep.do(_pwrite, dest.fd, memoryview(got[at:at + int(n)]), int(off))
+                at += int(n)
+            keep.do(os.ftruncate, dest.fd, their_size)
+            keep.do(os.fsync, dest.fd)
+        keep.check()
+        return Moved(streamed.sent + len(blob), streamed.received + their_len)
 
     def _xor(self, directory: str, own: str, size: int, names: Callable[[int], str],
-             on_window: Callable[[], None]) -> Moved:
+             on_window: Callable[[], None], take: Callable[[str], Mapped]) -> Moved:
+        """The parity of a team, window by window: each member's chunks of its shard go out,
+        the XOR of the team's chunk for this member comes straight into its parity file (a
+        recycled one from ``take``, mapped), two windows in flight."""
         assert self.team_proto is not None
         n = len(self.team)
         chunk = xor_chunk_bytes(self.team_proto.max(size, "the XOR parity"), n)
         src = rootdir.open_regular(own)
-        dst = _create(os.path.join(directory, names(self.rank)), chunk)
         keep = _Keep()
-        prev: tuple[Pending, memoryview, int] | None = None
+        dst = take(names(self.rank))
         try:
+            try:
+                dst.reserve(chunk)
+            except OSError as e:  # no room for the parity: reduce all the same, then fail
+                keep.error = e
+            prev: Pending | None = None
             for k, off in enumerate(range(0, chunk, self.window)):
                 w = min(self.window, chunk - off)
                 out = np.frombuffer(self.buffer(f"out{k % 2}", n * w),
@@ -255,17 +300,21 @@ class Exchange:
                         out[j] = 0
                     else:
                         _read_padded(src, size, xor_chunk(n, self.pos, j) * chunk + off, out[j])
-                into = self.buffer(f"in{k % 2}", w)
-                cur = (self.team_proto.xor_scatter(out, np.frombuffer(into, dtype=np.uint8),
-                                                   "the XOR parity"), into, off)
+                into = (dst.view(off, w) if keep.error is None
+                        else self.buffer(f"in{k % 2}", w))
+                cur = self.team_proto.xor_scatter(out, np.frombuffer(into, dtype=np.uint8),
+                                                  "the XOR parity")
                 if prev is not None:
-                    self._land(prev, dst, keep, on_window)
+                    prev.wait()
+                    keep.do(on_window)
                 prev = cur
             if prev is not None:
-                self._land(prev, dst, keep, on_window)
+                prev.wait()
+                keep.do(on_window)
+            keep.do(os.ftruncate, dst.fd, chunk)
+            keep.do(os.fsync, dst.fd)
         finally:
             os.close(src)
-            _seal(dst)
         keep.check()
         return Moved((n - 1) * chunk, chunk)
 
@@ -286,50 +335,31 @@ def _read_padded(fd: int, size: int, start: int, out: np.ndarray) -> None:
 
 
 def copy_over(proto: Protocol, moves: list[tuple[int, int, str, int]], window: int,
-              buffer: Callable[[str, int], memoryview], copier: ThreadPoolExecutor) -> int:
+              on_window: Callable[[], None] = lambda: None) -> int:
     """Each ``(donor, receiver, path, size)`` in order: the donor sends its file ``path`` out of
-    a memory map, the receiver writes it to its own ``path`` (the receiver's) through one, as
-    the partner exchange does. Bytes received."""
+    a memory map, the receiver gets it straight into a memory map of its own ``path`` (the
+    receiver's). Bytes received."""
     got = 0
     for donor, receiver, path, size in moves:
         if proto.rank in (donor, receiver):
-            _copy_one(proto, donor, receiver, path, size, window, buffer, copier)
+            _copy_one(proto, donor, receiver, path, size, window, on_window)
             got += size if proto.rank == receiver else 0
     return got
 
 
-def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int, window: int,
-              buffer: Callable[[str, int], memoryview], copier: ThreadPoolExecutor) -> None:
+def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int,
+              window: int, on_window: Callable[[], None]) -> None:
+    """One file, every window posted at once (from and into memory maps)."""
     sending = proto.rank == donor
-    copies: list[Future[None] | None] = [None] * DEPTH
     with _Mapped(path, size, create=not sending) as f:
         if f.error is not None:
             raise f.error
-        flying: deque[tuple[Pending, int, int, int]] = deque()
-
-        def land() -> None:
-            pending, slot, off, n = flying.popleft()
-            pending.wait()
-            if not sending and n:
-                copies[slot] = copier.submit(f.put, off, buffer(f"in{slot}", n))
-
-        for k, off in enumerate(range(0, size, window)):
-            n = _span(size, off, window)
-            if len(flying) >= DEPTH - 1:
-                land()
-            slot = k % DEPTH
-            done = copies[slot]
-            if done is not None:
-                done.result()
-                copies[slot] = None
-            flying.append((proto.start([(f.view(off, n), receiver)] if sending else [],
-                                       [] if sending else [(buffer(f"in{slot}", n), donor)],
-                                       "the rebuild from a partner copy"), slot, off, n))
-        while flying:
-            land()
-        for done in copies:
-            if done is not None:
-                done.result()
+        views = [(f.view(off, _span(size, off, window)), receiver if sending else donor)
+                 for off in range(0, size, window)]
+        pending = proto.start(views if sending else [], [] if sending else views,
+                              "the rebuild from a partner copy")
+        on_window()
+        pending.wait()
 
 
 def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: str | None,

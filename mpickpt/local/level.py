@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import knobs, log
@@ -21,6 +21,7 @@ from ..format.names import shard_name
 from ..format.shard import DEFAULT_ALIGNMENT
 from .exchange import Exchange
 from .nodedir import NodeDir, in_memory, parity_name
+from .pool import Maps
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class LocalLevel:
     budget: int | None  # bytes per node, for the local checkpoints kept and the one written
     drain_bandwidth: float | None  # bytes per second per rank, None: as fast as it goes
     mapped: bool = False  # shards written through memory maps (the directory is in memory)
+    maps: Maps = field(default_factory=Maps)  # this rank's files kept mapped between saves
 
     @property
     def leader(self) -> bool:

@@ -8,8 +8,12 @@ holds, per committed local checkpoint, ``step-XXXXXXXX/`` with:
 * ``LEVEL.json``: the redundancy layout (scheme, every rank's node, the teams, the XOR chunk
   size): any surviving node can tell who held what;
 * ``rank-RRRRR.h5``: the shards of this node's ranks, and (``partner``) the copies of the shards
-  this node holds for other nodes' ranks, under the same names and byte for byte the same;
+  this node holds for other nodes' ranks, under the same names and with the same bytes (of
+  HDF5's and the tensors'; a recycled file's alignment padding may differ);
 * ``xor-RRRRR.bin``: (``xor``) the parity rank R stores for its team.
+
+``.pool/`` holds the files of the step retention retired last, which the next save writes over
+(:mod:`mpickpt.local.pool`): the node holds ``keep + 1`` checkpoints' worth, as while it saves.
 
 A directory holding every rank's ``rank-*.h5`` and the manifest is a complete checkpoint
 that every tool reads like one under ROOT. Being written: ``step-XXXXXXXX.partial-<run>/``.
@@ -27,6 +31,7 @@ import os
 import re
 
 from ..format import commit, rootdir
+from .pool import POOL, retire
 
 LEVEL = "LEVEL.json"
 OWNER = "OWNER.json"
@@ -80,6 +85,11 @@ class NodeDir:
             log.debug("removing %s, left by an earlier run", path)
             rootdir.remove(path, run_id)
 
+    @property
+    def pool_dir(self) -> str:
+        """Where retired steps' files wait to be written over (:mod:`mpickpt.local.pool`)."""
+        return os.path.join(self.dir, POOL)
+
     def partial(self, step: int, run_id: str) -> str:
         return os.path.join(self.dir, rootdir.partial_name(step, run_id))
 
@@ -101,8 +111,8 @@ class NodeDir:
         lower one) and the ``keep - 1`` highest others; remove the rest. The steps removed."""
         order = [newest] + [s for s in self.committed() if s != newest]
         gone = order[keep:]
-        for step in gone:
-            rootdir.remove(self.final(step), run_id)
+        for step in gone:  # their files wait in the pool for the next save to write over
+            retire(self.final(step), self.pool_dir, run_id)
         return gone
 
     def free(self) -> int:

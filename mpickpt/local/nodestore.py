@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from .. import faults, log
+from ..format import rootdir
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
 from ..format.names import shard_name
+from ..format.shard import ShardWriter, byte_view
 from ..mpi.protocol import Protocol
 from ..save.request import SaveRequest, SaveResult
 from ..save.shards import RankShards, error_text
 from ..save.store import Published, discard
+from .exchange import Streamed
 from .level import LocalLevel
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NodeStore:
@@ -38,6 +46,8 @@ class NodeStore:
                  logger: logging.Logger) -> None:
         self.proto, self.run_id, self.lv = proto, run_id, level
         self.rank, self.shards, self.log = proto.rank, shards, logger
+        # partner streams of saves written, not yet protected: step -> (outcome, metadata)
+        self._streams: dict[int, tuple[Streamed, list[tuple[int, bytes]]]] = {}
 
     def partial(self, step: int) -> str:
         return self.lv.nodedir.partial(step, self.run_id)
@@ -50,34 +60,79 @@ class NodeStore:
         return Manifest.read(self.final(step))
 
     def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
-        entry, error = None, req.error
+        """The shard, into a recycled file kept mapped (in memory) or a new one; with partner
+        redundancy its tensor bytes stream to the holder meanwhile (:meth:`Exchange.stream`),
+        straight from the snapshot, and the copy of the rank held here comes in likewise."""
+        lv, entry, error = self.lv, None, req.error
+        streaming = lv.exchange is not None and lv.scheme == "partner"
+        stream: Future[Streamed] | None = None
+        sealed: list[ShardWriter] = []
+
+        def started(writer: ShardWriter, host: dict[str, torch.Tensor]) -> None:
+            nonlocal stream
+            sealed.append(writer)
+            if streaming:
+                stream = self._stream(req, partial, writer.data_end, [
+                    (r.offset, byte_view(host[r.name])) for r in writer.records
+                    if r.codec is None and r.nbytes])
+
         try:
             if req.snapshot is not None and req.tree is not None:
-                self.lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
-                entry = self.shards.write(req, partial, shard_name(self.rank),
-                                          mapped=self.lv.mapped)
+                lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
+                into = (lv.maps.take(lv.nodedir.pool_dir, self._made(partial),
+                                     shard_name(self.rank)) if lv.mapped else None)
+                entry = self.shards.write(req, partial, shard_name(self.rank), into=into,
+                                          started=started)
         except Exception as e:
             error = error_text(e)
+        if streaming:
+            with self.proto.fatal_timeouts(self.log):
+                if stream is None:  # nothing laid out: stream nothing, the partner must not wait
+                    stream = self._stream(req, partial, 0, [])
+                self._streams[req.step] = (stream.result(),
+                                           sealed[0].metadata if sealed and entry else [])
         return entry, error
+
+    def _made(self, partial: str) -> str:
+        rootdir.make_dirs(partial)
+        return partial
+
+    def _stream(self, req: SaveRequest, partial: str, data_end: int,
+                ranges: list[tuple[int, memoryview]]) -> Future[Streamed]:
+        lv = self.lv
+        assert lv.exchange is not None
+        return lv.exchange.stream(
+            ranges, data_end,
+            lambda source: lv.maps.take(lv.nodedir.pool_dir, self._made(partial),
+                                        lv.names(source)),
+            lambda: faults.hit("mid-exchange", self.rank, req.step))
 
     def protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
                 error: str | None) -> str | None:
-        """The redundancy exchange, once every rank has its shard (a rank that could not write
-        must not leave its partner waiting)."""
+        """Partner: the copies' HDF5 metadata, once every shard is sealed, and the copies made
+        durable. XOR: the parity, once every rank has its shard (a rank that could not write
+        must not leave its team waiting)."""
         lv = self.lv
         if lv.exchange is None:
             return error
-        if not self.proto.all_ok(error is None, "local-write"):
-            return error or "the save aborted: another rank could not write its shard"
-        assert entry is not None
         t = time.perf_counter()
         try:
-            moved = lv.exchange.protect(
-                partial, f"{partial}/{entry.file}", entry.bytes, lv.names,
-                on_window=lambda: faults.hit("mid-exchange", self.rank, req.step))
+            if lv.scheme == "partner":
+                streamed, metadata = self._streams.pop(req.step)
+                moved = lv.exchange.seal(streamed, entry.bytes if entry else 0, metadata)
+                if error is not None:
+                    return error
+            else:
+                if not self.proto.all_ok(error is None, "local-write"):
+                    return error or "the save aborted: another rank could not write its shard"
+                assert entry is not None
+                moved = lv.exchange.protect(
+                    partial, f"{partial}/{entry.file}", entry.bytes, lv.names,
+                    lambda name: lv.maps.take(lv.nodedir.pool_dir, partial, name),
+                    on_window=lambda: faults.hit("mid-exchange", self.rank, req.step))
             faults.hit("after-exchange-before-vote", self.rank, req.step)
         except Exception as e:
-            return f"the {lv.scheme} exchange failed: {error_text(e)}"
+            return error or f"the {lv.scheme} exchange failed: {error_text(e)}"
         req.stats.update(protect_s=time.perf_counter() - t, sent_bytes=moved.sent)
         return None
 

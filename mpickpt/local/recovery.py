@@ -31,11 +31,10 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import log
+from .. import faults, log
 from ..errors import ManifestError, ShardError
 from ..format import rootdir
 from ..format.blocks import verify_file
@@ -253,16 +252,13 @@ class LocalRecovery:
         window = ex.window if ex is not None else 32 << 20
         buffers = ex.buffer if ex is not None else _Buffers().get
         err, received = None, 0
-        copier = ex._copier if ex is not None else ThreadPoolExecutor(4)
         try:
             received += copy_over(self.proto, [
                 (donor, r, os.path.join(out, shard_name(r)), manifest.ranks[r].bytes)
-                for donor, r in moves], window, buffers, copier)
+                for donor, r in moves], window,
+                lambda: faults.hit("mid-rebuild", self.rank, manifest.step))
         except OSError as e:
             err = f"rank {self.rank}: the copy failed: {e}"
-        finally:
-            if ex is None:
-                copier.shutdown()
         if xor_lost:
             teams: list[list[int]] = layout["teams"]
             team = team_of(teams, self.rank)

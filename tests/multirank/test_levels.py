@@ -161,6 +161,36 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
     assert reports[0]["drained"] == LAST  # close() drained the newest to ROOT
 
 
+@pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
+@pytest.mark.parametrize("case", ["damaged-recycled-files", "peer-killed-mid-rebuild"])
+def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
+        tmp_path: Path, reference, guarantees, in_memory, case: str) -> None:
+    """The pool's retired files garbage and cut short before the saves that write over them;
+    or the rank that sends a lost node its shard killed mid-copy (the restore ends, no hang,
+    and the next one recovers): either way node 1's loss is rebuilt from partner copies and
+    the run ends bit-identical."""
+    settings: dict[str, Any] = {"redundancy": "partner", "per_node": 2, "window": WINDOW}
+    if case == "damaged-recycled-files":
+        settings["damage_pool"] = 20  # step 30's and 40's saves write over the damaged files
+    crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, **settings)
+    assert crashed.returncode != 0, crashed.output
+    shutil.rmtree(local_of(tmp_path) / "n1")
+    if case == "peer-killed-mid-rebuild":
+        died, _ = job(tmp_path, "died", 4, fault="mid-rebuild:0:kill,mid-rebuild:1:kill",
+                      **settings)
+        assert died.returncode != 0, died.output
+    done, reports = job(tmp_path, "resume", 4, **settings)
+    guarantees.record(SUITE, case, outcome(reports, 4, CRASH, reference[4]),
+                      done.output[-2000:])
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(4)]
+    assert {r["step"] for r in restored} == {CRASH} and {r["level"] for r in restored} == {
+        "local"}, restored
+    assert [r["source"].startswith("partner copy") for r in restored] == [False, False, True,
+                                                                            True], restored
+    assert all(reports[r]["final"] == reference[4][r] for r in range(4))
+
+
 @pytest.mark.guarantee("local-survives-node-loss", "damage-detected")
 @pytest.mark.parametrize(("redundancy", "replicated"), [
     ("partner", False), (None, False), ("partner", True)])

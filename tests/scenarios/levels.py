@@ -11,7 +11,9 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 * ``out``: every rank writes ``out/rank-R.json``: the restore (step, level, source, bytes over the
   network and from ROOT, skipped, whether the state is bit for bit the one trained to that
   step), the saves' results, and the final state's digest;
-* ``fault``: an ``MPICKPT_FAULT`` spec armed once the Checkpointer exists;
+* ``fault``: an ``MPICKPT_FAULT`` spec armed once the Checkpointer exists (before the restore);
+* ``damage_pool``: after the save of this step, each node's lowest rank writes garbage over every
+  file in its node's ``.pool`` (the retired files the next save writes over) and cuts them short;
 * ``window``: the bytes the redundancy exchange moves at a time (default 32 MiB: one window
   for this small state; a few KiB make many, in flight two at a time);
 * ``replicated``: the model is the same on every rank (as under DDP) and saved with
@@ -155,6 +157,8 @@ def main() -> None:
                                          "error": result.error}
             except Exception as e:
                 report["saves"][step] = {"raised": f"{type(e).__name__}: {e}"}
+            if plan.get("damage_pool") == step and rank % plan.get("per_node", 1) == 0:
+                _damage_pool(os.path.join(plan["local"], os.environ["MPICKPT_NODE"], ".pool"))
             if plan.get("crash_after") == step:
                 _write(plan, rank, report)
                 comm.Barrier()
@@ -163,6 +167,17 @@ def main() -> None:
     report["final"] = digest(state)
     report["drained"] = ck.drained
     _write(plan, rank, report)
+
+
+def _damage_pool(pool: str) -> None:
+    names = sorted(os.listdir(pool))
+    assert names, f"nothing in {pool} to damage"
+    for name in names:
+        path = os.path.join(pool, name)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.write(os.urandom(size))
+        os.truncate(path, size // 3)
 
 
 def _write(plan: dict[str, Any], rank: int, report: dict[str, Any]) -> None:
