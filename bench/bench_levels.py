@@ -69,7 +69,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# isort: off
+from mpickpt.mpi import CMA  # before MPI starts: MPICH's single-copy transfers, as mpickpt.run's
 from mpi4py import MPI
+# isort: on
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu
@@ -621,7 +625,8 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
         else "cpu", "torch": torch.__version__, "layers": layers, "width": width,
         "bytes_per_rank": COMM.allgather(nbytes), "bytes": total, "root": work, "local": shm,
         "machine": bench_cpu.machine_info(work) if RANK == 0 else None,
-        "local_filesystem": bench_cpu.filesystem_of(shm)}
+        "local_filesystem": bench_cpu.filesystem_of(shm),
+        "mpich_single_copy": os.environ.get(CMA) == "1" and "MPICH" in MPI.Get_library_version()}
     s = Saves(args, work, shm, src, device, wanted)
 
     # 1. time to protected
@@ -748,7 +753,8 @@ def report(doc: dict[str, Any]) -> str:
            f"{', '.join(f'{b / 1e9:.3f}' for b in doc['bytes_per_rank'])} GB), "
            f"{doc['device']}, torch {doc['torch']}",
            f"ROOT {doc['root']} on {fs.get('type', '?')} ({fs.get('device', '?')}); local "
-           f"{doc['local']} on {lfs.get('type', '?')}; {cache}", ""]
+           f"{doc['local']} on {lfs.get('type', '?')}; {cache}; MPICH single-copy (CMA) "
+           f"transfers {'on' if doc.get('mpich_single_copy') else 'off'}", ""]
     reps = doc["args"]["reps"]
     out += [*bounds_report(doc), ""]
     out.append(f"1. time to protected: save call -> protected, slowest rank, median (best) of "

@@ -85,8 +85,14 @@ class LaunchError(RuntimeError):
 
 
 def init_mpi() -> Any:
-    """Initialise MPI with MPI_THREAD_MULTIPLE (if not yet done); return ``MPI.COMM_WORLD``."""
+    """Initialise MPI with MPI_THREAD_MULTIPLE (if not yet done), MPICH's single-copy
+    transfers within a node preferred (:func:`mpickpt.mpi.prefer_single_copy`); return
+    ``MPI.COMM_WORLD``."""
     import mpi4py
+
+    from .mpi import prefer_single_copy
+
+    prefer_single_copy()
 
     if "mpi4py.MPI" not in sys.modules:  # (importing mpickpt usually has initialised it)
         mpi4py.rc.threads = True

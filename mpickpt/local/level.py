@@ -9,6 +9,7 @@ ROOT, how many stay on the nodes, and the node's budget for them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from ..format.shard import DEFAULT_ALIGNMENT
 from .exchange import Exchange
 from .nodedir import NodeDir, in_memory, parity_name
 from .pool import Maps
-from .topology import Topology
+from .topology import Topology, partner_source
 
 if TYPE_CHECKING:
     from ..mpi.protocol import Protocol
@@ -96,7 +97,7 @@ class LocalLevel:
                 f"being written; its budget is Local(budget={self.budget}) "
                 f"({log.human_bytes(self.budget)}). Raise the budget, keep fewer "
                 "(Local(keep=)), or use another local directory")
-        free = self.nodedir.free()
+        free = self.nodedir.free() + self.recyclable()
         if free < need:
             raise LocalTierFull(
                 f"rank {rank}: the local level {self.nodedir.dir} has {log.human_bytes(free)} "
@@ -104,6 +105,19 @@ class LocalLevel:
                 f"and this rank's part of the checkpoint needs about "
                 f"{log.human_bytes(need)}: free space there, or keep fewer "
                 "local checkpoints (keep_local)")
+
+    def recyclable(self) -> int:
+        """Bytes of this rank's files in the pool, which its next save writes over (its shard,
+        and the copy or parity it stores)."""
+        held = (partner_source(self.teams, self.rank) if self.scheme == "partner"
+                else self.rank)
+        names = {shard_name(self.rank), self.names(held)} if self.scheme else {
+            shard_name(self.rank)}
+        total = 0
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(self.nodedir.pool_dir, name)).st_blocks * 512
+        return total
 
     def agree_room(self, proto: Protocol, snapshot: Snapshot | None,
                    logger: logging.Logger) -> str | None:
