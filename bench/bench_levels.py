@@ -70,12 +70,13 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's mpickpt
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 # isort: off
 from mpickpt.mpi import CMA  # before MPI starts: MPICH's single-copy transfers, as mpickpt.run's
 from mpi4py import MPI
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu
 import bench_gpu
 
