@@ -16,6 +16,12 @@ def block_count(nbytes: int, block: int) -> int:
     return max(1, -(-nbytes // block))
 
 
+def hasher() -> xxhash.xxh3_64:
+    """A running xxh3-64: ``update`` it with a block's bytes in order; ``hexdigest`` is then
+    :func:`digest` of the whole block."""
+    return xxhash.xxh3_64()
+
+
 def digest(buf: memoryview | bytes) -> str:
     """Hex xxh3-64 of one block."""
     return xxhash.xxh3_64_hexdigest(buf)

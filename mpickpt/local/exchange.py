@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,6 +141,7 @@ class Streamed:
     error: BaseException | None
     sent: int
     received: int
+    seconds: float = 0.0  # from the start of the stream to its end, the partner's wait included
 
 
 class Exchange:
@@ -201,6 +203,7 @@ class Exchange:
 
     def _stream(self, ranges: list[tuple[int, memoryview]], data_end: int,
                 take: Callable[[int], Mapped], on_window: Callable[[], None]) -> Streamed:
+        t0 = time.perf_counter()
         holder = partner_holder(self.teams, self.rank)
         source = partner_source(self.teams, self.rank)
         phase = "the partner exchange"
@@ -242,7 +245,7 @@ class Exchange:
                 flying.popleft().wait()
                 keep.do(on_window)
         return Streamed(dest, keep.error, sum(len(v) for _, v in ranges),
-                        int(their[:, 1].sum()) if their_n else 0)
+                        int(their[:, 1].sum()) if their_n else 0, time.perf_counter() - t0)
 
     def seal(self, streamed: Streamed, size: int, metadata: list[tuple[int, bytes]]) -> Moved:
         """After :meth:`stream`, once this rank's shard is sealed (``size`` bytes, 0 if it

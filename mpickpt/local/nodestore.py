@@ -89,8 +89,10 @@ class NodeStore:
             with self.proto.fatal_timeouts(self.log):
                 if stream is None:  # nothing laid out: stream nothing, the partner must not wait
                     stream = self._stream(req, partial, 0, [])
-                self._streams[req.step] = (stream.result(),
-                                           sealed[0].metadata if sealed and entry else [])
+                t = time.perf_counter()
+                done = stream.result()
+                req.stats.update(stream_s=done.seconds, stream_wait_s=time.perf_counter() - t)
+                self._streams[req.step] = (done, sealed[0].metadata if sealed and entry else [])
         return entry, error
 
     def _made(self, partial: str) -> str:
