@@ -8,11 +8,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
-
-def _lower_priority() -> None:
-    """Give the calling I/O thread a lower CPU priority than the training thread (nice +10)."""
-    if hasattr(os, "setpriority"):  # elsewhere the threads keep the process priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+from ..background import lower_priority
 
 
 def run_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], threads: int,
@@ -47,7 +43,7 @@ def pool(threads: int, background: bool) -> ThreadPoolExecutor:
     with _POOLS_LOCK:
         pool = _POOLS.get((threads, background))
         if pool is None:
-            init = _lower_priority if background else None
+            init = lower_priority if background else None
             pool = _POOLS[threads, background] = ThreadPoolExecutor(
                 threads, thread_name_prefix="mpickpt-io", initializer=init)
         return pool

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..background import lower_priority
 from ..format import rootdir
 from ..mpi.protocol import Pending, Protocol
 from .pool import Mapped
@@ -162,7 +163,8 @@ class Exchange:
             np.asarray(self.buffer(name, wide * self.window))[:] = 0
         for slot in range(DEPTH):
             np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
-        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream")
+        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream",
+                                            initializer=lower_priority)
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         """A reused byte buffer of at least ``nbytes``."""

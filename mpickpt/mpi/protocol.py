@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import knobs
+from ..background import lower_priority
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
@@ -333,5 +334,5 @@ def _waiter() -> concurrent.futures.ThreadPoolExecutor:
     for every thread started after MPI_Init)."""
     if not _WAITER:
         _WAITER.append(concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="mpickpt-transfer"))
+            1, thread_name_prefix="mpickpt-transfer", initializer=lower_priority))
     return _WAITER[0]
