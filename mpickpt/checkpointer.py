@@ -274,14 +274,15 @@ class Checkpointer:
             step=step, upto=upto, io_threads=self.io_threads, replicated=self.replicated,
             world_change=self.world_change)
         self.restore_info = info
+        if self._recovery is not None and self._recovery.pending:  # lost shards' files go
+            self._pipeline.later(self._recovery.write_back)  # back to their nodes, behind it
         if info.step is None and listed[2] is not None:
             raise CheckpointError(
                 f"no step of the node-local level can be restored, and ROOT cannot be listed "
                 f"({listed[2]}): refusing to start afresh while ROOT may hold checkpoints; make "
                 "ROOT readable, or give another ROOT for a fresh start")
-        tracker = self._pipeline.root.tracker
-        if tracker is not None and info.step is not None and manifest is not None \
-                and info.level == "root" and info.world_size == self.world_size:
+        if (tracker := self._pipeline.root.tracker) is not None and info.level == "root" and \
+                None not in (info.step, manifest) and info.world_size == self.world_size:
             tracker.resume(info.step, manifest.ranks[self.rank])
         return info.step
 

@@ -136,14 +136,16 @@ def no_setpriv() -> None:
 def test_the_local_level_is_private_to_the_jobs_user_whatever_the_umask(
         tmp_path: Path, shm: Path, no_setpriv: None) -> None:
     """With umask 022 ROOT is readable by all, the local level by the job's user only: 0700
-    directories, 0600 files (shards, partner copies, manifests); another user can neither list
-    it nor read a shard."""
+    directories, 0600 files (shards, partner copies, manifests, the recycled files of .pool/);
+    another user can neither list it nor read a shard."""
     with umask(0o022):
         job = level_job(tmp_path, shm)
     assert job.returncode == 0, job.output
     found = modes(shm)
-    shards = [p for p in found if p.endswith(".h5")]
+    shards = [p for p in found if p.endswith(".h5") and "/.pool/" not in p]
     assert len(shards) == 8, sorted(found)  # each node: its 2 ranks' shards and 2 copies
+    pooled = [p for p in found if "/.pool/" in p and p.endswith(".h5")]
+    assert len(pooled) == 8, sorted(found)  # and the files of the step it retired, recycled
     wrong = {p: oct(m) for p, (d, m) in found.items() if m != (0o700 if d else 0o600)}
     assert not wrong, wrong
     assert stat.S_IMODE((tmp_path / "root" / "step-00000020").stat().st_mode) == 0o755

@@ -21,7 +21,7 @@ from ..errors import LocalTierFull
 from ..format.names import shard_name
 from ..format.shard import DEFAULT_ALIGNMENT
 from .exchange import Exchange
-from .nodedir import NodeDir, in_memory, parity_name
+from .nodedir import NodeDir, parity_name
 from .pool import Maps
 from .topology import Topology, partner_source
 
@@ -47,7 +47,6 @@ class LocalLevel:
     keep: int
     budget: int | None  # bytes per node, for the local checkpoints kept and the one written
     drain_bandwidth: float | None  # bytes per second per rank, None: as fast as it goes
-    mapped: bool = False  # shards written through memory maps (the directory is in memory)
     maps: Maps = field(default_factory=Maps)  # this rank's files kept mapped between saves
 
     @property
@@ -158,4 +157,4 @@ def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: lo
         logger.info("local level %s on %d node(s), redundancy %s, drained to ROOT every %s "
                     "save(s)", base, len(topo.names), redundancy, persist_every or "no")
     return LocalLevel(nodedir, topo, proto.rank, redundancy, teams, exchange, persist_every,
-                      local.keep, local.budget, local.drain_bandwidth, in_memory(nodedir.dir))
+                      local.keep, local.budget, local.drain_bandwidth)

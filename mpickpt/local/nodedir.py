@@ -118,20 +118,3 @@ class NodeDir:
     def free(self) -> int:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize
-
-
-def in_memory(path: str) -> bool:
-    """Whether ``path`` lies on a tmpfs (``/dev/shm``): memory, best written through a map."""
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mount = parts[1].replace("\\040", " ")
-                    if (path == mount or path.startswith(mount.rstrip("/") + "/")) and \
-                            len(mount) > len(best):
-                        best, kind = mount, parts[2]
-    except OSError:
-        return False
-    return kind == "tmpfs"

@@ -60,7 +60,7 @@ class NodeStore:
         return Manifest.read(self.final(step))
 
     def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
-        """The shard, into a recycled file kept mapped (in memory) or a new one; with partner
+        """The shard, into its recycled file kept mapped (or a new one); with partner
         redundancy its tensor bytes stream to the holder meanwhile (:meth:`Exchange.stream`),
         straight from the snapshot, and the copy of the rank held here comes in likewise."""
         lv, entry, error = self.lv, None, req.error
@@ -79,8 +79,8 @@ class NodeStore:
         try:
             if req.snapshot is not None and req.tree is not None:
                 lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
-                into = (lv.maps.take(lv.nodedir.pool_dir, self._made(partial),
-                                     shard_name(self.rank)) if lv.mapped else None)
+                into = lv.maps.take(lv.nodedir.pool_dir, self._made(partial),
+                                    shard_name(self.rank))
                 entry = self.shards.write(req, partial, shard_name(self.rank), into=into,
                                           started=started)
         except Exception as e:

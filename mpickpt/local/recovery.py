@@ -73,6 +73,9 @@ class LocalRecovery:
         self.run_id = run_id
         self.rank, self.size = proto.rank, proto.size
         self.last = Recovered()
+        self.manifest_text: str | None = None  # of the step last prepared
+        self.served: dict[int, int] = {}  # lost rank -> the rank that serves its shard's bytes
+        self._pending: tuple[Any, ...] | None = None  # a write-back after a served restore
 
     def path(self, step: int) -> str:
         return self.level.nodedir.final(step)
@@ -112,12 +115,16 @@ class LocalRecovery:
         parity = [int(m.group(1)) for n in names if (m := PARITY_RE.match(n))]
         return MANIFEST in names, sorted(shards), sorted(parity)
 
-    def prepare(self, step: int, verify: bool = True) -> str | None:
+    def prepare(self, step: int, verify: bool = True, serve: bool = False) -> str | None:
         """Make ``step`` whole on every node; None, or why it cannot be (the same on every
         rank). Collective. Without ``verify`` a shard counts as whole when it is there with its
-        size and records (the load then verifies its checksums)."""
+        size and records (the load then verifies its checksums). With ``serve``, shards that
+        partner copies can replace are not rebuilt first: :attr:`served` names, for each lost
+        rank, the rank whose copy serves its bytes straight into the restore, and
+        :meth:`write_back` rebuilds the files afterwards."""
         d = self.path(step)
         clock = _Clock()
+        self.served, self._pending, self.manifest_text = {}, None, None
         inv = self.proto.allgather(self._inventory(d), "local-inventory")
         holders = [r for r, (has, _, _) in enumerate(inv) if has]
         if not holders:
@@ -131,6 +138,7 @@ class LocalRecovery:
         text, level_text, err = self.proto.bcast(sent, "local-manifest", root=holders[0])
         if err is not None:
             return err
+        self.manifest_text = text
         try:
             manifest = Manifest.from_json(text, os.path.join(d, MANIFEST))
             layout = json.loads(level_text) if level_text else {}
@@ -154,8 +162,43 @@ class LocalRecovery:
         self.last = Recovered(rebuilt=lost, phases=clock.phases)
         if not lost:
             return None
+        if serve and not xor_lost:
+            self.served = {r: dn for dn, r in moves}
+            self._pending = (step, inv[self.rank][0], manifest, text, level_text, moves,
+                             xor_lost, layout)
+            donor = self.served.get(self.rank)
+            self.last.source = "own" if donor is None else f"partner copy from rank {donor}"
+            return None
         return self._rebuild(step, inv[self.rank][0], manifest, text, level_text, moves,
                              xor_lost, layout, verify, clock)
+
+    def write_back(self) -> None:
+        """After a restore that loaded lost shards from partner copies (:attr:`served`): copy
+        the files into the lost nodes and publish the step there, each copy verified, as
+        :meth:`prepare` does without ``serve``. Collective; it runs on the save thread once
+        ``restore()`` has returned. A failure is logged: the copies still protect the step."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t = time.perf_counter()
+        step, whole, manifest, text, level_text, moves, xor_lost, layout = pending
+        source, received = self.last.source, self.last.received
+        why = self._rebuild(step, whole, manifest, text, level_text, moves, xor_lost, layout,
+                            True, _Clock())
+        self.last.source, self.last.received = source, received
+        if self.rank == 0:
+            if why is not None:
+                self.log.error("step %d was restored, but writing the lost shards back to their "
+                               "nodes failed (the partner copies still protect it): %s", step,
+                               why)
+            else:
+                self.log.info("step %d: the shards of %s written back to their nodes in %.2f s",
+                              step, ranks_text(sorted(self.served)), time.perf_counter() - t)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a restore left lost shards to write back (:meth:`write_back`)."""
+        return self._pending is not None
 
     def _verify(self, d: str, manifest: Manifest, rank: int, full: bool = True) -> str | None:
         entry = manifest.ranks[rank]

@@ -13,6 +13,11 @@ sharded tensor) asks that shard's rank for them. Collective over every rank:
 
 A rank that could not plan its restore takes part asking for nothing, and the vote stops the
 transfer everywhere.
+
+A lost node's shards come the same way, straight into the restore's buffers: their spans are
+asked of the rank that holds a partner copy (``servers``), which reads them from that copy; the
+files are written back to the lost node after the restore
+(:meth:`~mpickpt.local.recovery.LocalRecovery.write_back`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import os
 
 import torch
 
+from .. import faults
 from ..errors import ShardError
 from ..format.manifest import Manifest
 from ..format.reader import Span, read_spans
+from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 
 WINDOW = 256 << 20  # bytes per message at most
@@ -35,14 +42,18 @@ def _pieces(t: torch.Tensor) -> list[object]:
 
 
 def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
-          threads: int, failed: bool) -> tuple[bool, str | None]:
-    """Fill the spans of ``wanted`` (owner rank -> spans of its shard) from their owners, and
-    serve this rank's shard to the others. ``failed``: this rank could not plan (it asks for
-    nothing). (whether every rank's transfer happened, this rank's reason if it failed
-    serving); collective."""
-    asks: list[list[tuple[str, int, int]]] = [[] for _ in range(proto.size)]
+          threads: int, failed: bool, servers: dict[int, int] | None = None
+          ) -> tuple[bool, str | None]:
+    """Fill the spans of ``wanted`` (shard's rank -> spans of that shard) from the rank that
+    serves each shard (its own rank, or in ``servers`` the rank that holds a copy of a lost
+    one), and serve what others ask of the shards on this rank's node. ``failed``: this rank
+    could not plan (it asks for nothing). (whether every rank's transfer happened, this rank's
+    reason if it failed serving); collective."""
+    servers = servers or {}
+    asks: list[list[tuple[int, str, int, int]]] = [[] for _ in range(proto.size)]
     for owner, spans in ({} if failed else wanted).items():
-        asks[owner] = [(s.record.name, s.lo, s.hi) for s in spans if s.nbytes]
+        asks[servers.get(owner, owner)] += [(owner, s.record.name, s.lo, s.hi) for s in spans
+                                            if s.nbytes]
     requests = proto.alltoall(asks, "local-ask")
     sends: list[tuple[object, int]] = []
     why = None
@@ -54,38 +65,49 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
         why = f"rank {proto.rank}: {directory}: {type(e).__name__}: {e}"
     if not proto.all_ok(why is None and not failed, "local-serve"):
         return False, why
-    recvs = [(b, owner) for owner, spans in wanted.items() for s in spans if s.nbytes
-             for b in _pieces(s.dest)]
-    proto.transfer(sends, recvs, "local-fetch")
+    recvs = [(b, servers.get(owner, owner)) for owner, spans in wanted.items() for s in spans
+             if s.nbytes for b in _pieces(s.dest)]
+    pending = proto.start(sends, recvs, "local-fetch")
+    if any(owner != proto.rank for asked in requests for owner, *_ in asked):
+        faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
+    pending.wait()
     return True, None
 
 
-def _serve(rank: int, requests: list[list[tuple[str, int, int]]], manifest: Manifest,
+def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest: Manifest,
            directory: str, threads: int) -> list[tuple[object, int]]:
-    """Read what each rank asked of this rank's shard (each distinct request once); the
-    buffers to send, in the order asked."""
-    entry = manifest.ranks[rank]
-    records = {r.name: r for r in entry.tensors}
-    path = os.path.join(directory, entry.file)
-    done: dict[tuple[tuple[str, int, int], ...], list[torch.Tensor]] = {}
+    """Read what each rank asked of the shards this rank serves (its own; a copy it holds of a
+    lost rank's), each distinct request once, every block verified; the buffers to send, in
+    the order asked."""
+    done: dict[tuple[tuple[int, str, int, int], ...], list[torch.Tensor]] = {}
     sends: list[tuple[object, int]] = []
+    records: dict[int, dict[str, TensorRecord]] = {}
     for requester, asked in enumerate(requests):
         if not asked:
             continue
         key = tuple(asked)
         parts = done.get(key)
         if parts is None:
-            buf = torch.empty(sum(hi - lo for _, lo, hi in asked), dtype=torch.uint8)
+            buf = torch.empty(sum(hi - lo for _, _, lo, hi in asked), dtype=torch.uint8)
+            by_owner: dict[int, list[Span]] = {}
             spans, pos = [], 0
-            for name, lo, hi in asked:
-                rec = records.get(name)
+            for owner, name, lo, hi in asked:
+                entry = manifest.ranks[owner]
+                if owner not in records:
+                    records[owner] = {r.name: r for r in entry.tensors}
+                rec = records[owner].get(name)
                 if rec is None:
-                    raise ShardError(rank, path, f"rank {requester} asked for a tensor this "
-                                     "shard does not hold", tensor=name)
-                spans.append(Span(rec, lo, hi, buf[pos: pos + hi - lo]))
+                    raise ShardError(owner, os.path.join(directory, entry.file),
+                                     f"rank {requester} asked for a tensor this shard does not "
+                                     "hold", tensor=name)
+                span = Span(rec, lo, hi, buf[pos: pos + hi - lo])
+                spans.append(span)
+                by_owner.setdefault(owner, []).append(span)
                 pos += hi - lo
-            read_spans(rank, path, entry.bytes, spans, block=manifest.checksum_block,
-                       threads=threads)
+            for owner, mine in by_owner.items():
+                entry = manifest.ranks[owner]
+                read_spans(owner, os.path.join(directory, entry.file), entry.bytes, mine,
+                           block=manifest.checksum_block, threads=threads)
             parts = done[key] = [s.dest for s in spans]
         sends += [(b, requester) for part in parts for b in _pieces(part)]
     return sends

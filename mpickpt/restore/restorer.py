@@ -84,6 +84,7 @@ class Restorer:
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
         self.fetched_bytes = 0  # the node-local level: received from other nodes' ranks
+        self.served_bytes = 0  # and of its own lost shard, from the rank holding its copy
         self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
@@ -136,11 +137,15 @@ class Restorer:
 
         def load() -> tuple[str | None, dict[str, Any]]:
             t = time.perf_counter()
-            got = self._try(state, step, local.path(step), nodes)
+            got = self._try(state, step, local.path(step), nodes, local.served,
+                            local.manifest_text)
             local.last.phases["load"] = time.perf_counter() - t
+            if local.served:
+                local.last.received = self.served_bytes
             return got
 
-        verdict, loaded = local.prepare(step, verify=False), {}
+        # a lost node's shards come straight into the restore from their partner copies
+        verdict, loaded = local.prepare(step, verify=False, serve=True), {}
         if verdict is None:
             verdict, loaded = load()
             if verdict is not None:
@@ -159,12 +164,16 @@ class Restorer:
         except ManifestError as e:
             return None, str(e)
 
-    def _open(self, path: str, step: int) -> tuple[Manifest | None, str | None]:
-        """Collective: the manifest of step ``step`` at ``path`` as rank 0 reads it, checked
-        against this job (another number of ranks: refused, or said and resharded), or why it
-        cannot be loaded."""
-        text, reason = self.proto.bcast(
-            self._read_manifest(path) if self.rank == 0 else None, "manifest")
+    def _open(self, path: str, step: int, known: str | None = None
+              ) -> tuple[Manifest | None, str | None]:
+        """Collective: the manifest of step ``step`` at ``path`` as rank 0 reads it (or
+        ``known``, its text every rank has), checked against this job (another number of
+        ranks: refused, or said and resharded), or why it cannot be loaded."""
+        if known is not None:
+            text, reason = known, None
+        else:
+            text, reason = self.proto.bcast(
+                self._read_manifest(path) if self.rank == 0 else None, "manifest")
         if text is None:
             return None, reason
         try:
@@ -193,12 +202,15 @@ class Restorer:
         return manifest, None
 
     def _try(self, state: dict[str, Any], step: int, path: str,
-             nodes: Sequence[str] | None = None) -> tuple[str | None, dict[str, Any]]:
+             nodes: Sequence[str] | None = None, served: dict[int, int] | None = None,
+             text: str | None = None) -> tuple[str | None, dict[str, Any]]:
         """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
         ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
-        step), the bytes of shards of other nodes' ranks come from those ranks
+        step, ``text`` its manifest), the bytes of shards of other nodes' ranks come from those
+        ranks, and those of a lost rank's shard from the rank that ``served`` names
         (:mod:`mpickpt.local.remote`)."""
-        manifest, reason = self._open(path, step)
+        served = served or {}
+        manifest, reason = self._open(path, step, text)
         if manifest is None:
             return reason, {}
         self._written_by = manifest.world_size
@@ -224,10 +236,11 @@ class Restorer:
             needed = {rank for rank, _ in plan.spans}
             _check_records(manifest, needed - {source}, path)
             # the node-local level: other nodes' shards are their ranks' to check and send
-            _check_files(manifest, {r for r in needed
-                                    if nodes is None or nodes[r] == nodes[self.rank]}, path)
+            _check_files(manifest, {r for r in needed if r not in served and (
+                nodes is None or nodes[r] == nodes[self.rank])}, path)
             staged = reshard.stage(plan, buffer)
-            here = [r for r in staged.by_rank if nodes is None or nodes[r] == nodes[self.rank]]
+            here = [r for r in staged.by_rank if r not in served and (
+                nodes is None or nodes[r] == nodes[self.rank])]
             remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
             staged.read(manifest, path, here, threads=self.io_threads,
                         on_block=lambda: faults.hit("mid-restore-read", self.rank,
@@ -241,10 +254,13 @@ class Restorer:
             verdict, err = _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
         if nodes is not None:  # collective: also where this rank failed
             moved, why = remote_fetch(self.proto, remote, manifest, path, self.io_threads,
-                                      failed=verdict != _OK)
+                                      failed=verdict != _OK, servers=served)
             if not moved:
                 verdict, err = max(verdict, _CORRUPT), err or why
-            self.fetched_bytes = sum(s.nbytes for spans in remote.values() for s in spans)
+            # this rank's own lost shard, and the rest (other ranks' shards, replicated shares)
+            self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
+            self.fetched_bytes = sum(s.nbytes for r, spans in remote.items() if r != self.rank
+                                     for s in spans)
         if verdict == _OK and staged is not None:
             arrays = staged.finish()
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
@@ -77,6 +78,15 @@ class Pipeline:
         already (the end of a job: SCR's scavenge)."""
         if self.drains:
             self._track(self._thread.submit(self._scavenge))
+
+    def later(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (collective, on every rank alike) on the save thread, after what is
+        queued there: the write-back of a restore's rebuilt shards."""
+        def run() -> None:
+            with self.proto.fatal_timeouts(self.log):
+                job()
+
+        self._track(self._thread.submit(run))
 
     def _track(self, job: Future[None]) -> None:
         self._jobs = [j for j in self._jobs if not j.done()] + [job]

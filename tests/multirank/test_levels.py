@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import h5py
 import pytest
 from harness import NO_DAC, SCENARIOS, run_mpi
 
@@ -50,7 +51,7 @@ def local_of(tmp: Path) -> Path:
 
 @pytest.fixture
 def in_memory(tmp_path: Path):
-    """Put the test's local level in /dev/shm (tmpfs: shards written through memory maps)."""
+    """Put the test's local level in /dev/shm (tmpfs: memory, as in production)."""
     where = Path(f"/dev/shm/mpickpt-test-{uuid.uuid4().hex[:8]}")
     (tmp_path / "LOCAL").write_text(str(where))
     yield where
@@ -78,6 +79,12 @@ def crash_then_resume(tmp: Path, n: int, wipe: list[int], **settings: Any
     """Train to CRASH and die there, wipe the nodes ``wipe``, resume to LAST."""
     crashed, _ = job(tmp, "crash", n, crash_after=CRASH, **settings)
     assert crashed.returncode != 0, crashed.output
+    copies: dict[str, list[Path]] = {}  # a shard and its partner copies: the same HDF5 file
+    for f in sorted(local_of(tmp).glob(f"*/step-{CRASH:08d}/rank-*.h5")):
+        copies.setdefault(f.name, []).append(f)
+    for first, *others in copies.values():
+        for other in others:
+            assert_same_hdf5(first, other)
     assert (tmp / "root" / f"step-{DRAINED:08d}" / "MANIFEST.json").exists()
     assert not (tmp / "root" / f"step-{CRASH:08d}").exists()  # the crash came before its drain
     for node in wipe:
@@ -161,6 +168,18 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
     assert reports[0]["drained"] == LAST  # close() drained the newest to ROOT
 
 
+def assert_same_hdf5(a: Path, b: Path) -> None:
+    """Both files open with h5py, with the same attributes and every dataset's values."""
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        assert dict(fa.attrs) == dict(fb.attrs), (a, b)
+        names: list[str] = []
+        fa.visit(lambda n: names.append(n) if isinstance(fa[n], h5py.Dataset) else None)
+        assert names, a
+        for n in names:
+            assert fa[n][()].tobytes() == fb[n][()].tobytes(), (a, b, n)
+            assert dict(fa[n].attrs).keys() == dict(fb[n].attrs).keys()
+
+
 @pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
 @pytest.mark.parametrize("case", ["damaged-recycled-files", "peer-killed-mid-rebuild"])
 def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
@@ -174,6 +193,10 @@ def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
         settings["damage_pool"] = 20  # step 30's and 40's saves write over the damaged files
     crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, **settings)
     assert crashed.returncode != 0, crashed.output
+    for r in range(4):  # each partner copy is the shard HDF5 reads, tensor for tensor
+        own, copy = (local_of(tmp_path) / f"n{n}" / f"step-{CRASH:08d}" / f"rank-{r:05d}.h5"
+                     for n in (r // 2, 1 - r // 2))
+        assert_same_hdf5(own, copy)
     shutil.rmtree(local_of(tmp_path) / "n1")
     if case == "peer-killed-mid-rebuild":
         died, _ = job(tmp_path, "died", 4, fault="mid-rebuild:0:kill,mid-rebuild:1:kill",

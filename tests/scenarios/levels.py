@@ -139,9 +139,10 @@ def main() -> None:
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
         "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
         "fetched_bytes": info.fetched_bytes,
-        "exact": digest(state) == digest(trained(rank, start)),
-        # this rank's node directory right after the restore (a rebuilt node: whole again)
-        "node_dir": _node_listing(plan["local"], os.environ["MPICKPT_NODE"])}
+        "exact": digest(state) == digest(trained(rank, start))}
+    ck.wait()  # a lost node's shards, loaded from their copies, are written back behind it
+    # this rank's node directory once the restore's write-back is done (a rebuilt node: whole)
+    report["restore"]["node_dir"] = _node_listing(plan["local"], os.environ["MPICKPT_NODE"])
     if plan.get("verify"):
         ck.close()
         report["root_steps"] = check_root(plan, rank)
