@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,6 +226,7 @@ class Restorer:
         where = path
         staged: reshard.Staged | None = None
         remote: dict[int, list[Span]] = {}
+        reading: Future[None] | None = None
         try:
             # records that cannot be are damage (fall back), before they are compared with the
             # state (a mismatch stops the restore) or anything is allocated for them
@@ -242,19 +244,28 @@ class Restorer:
             here = [r for r in staged.by_rank if r not in served and (
                 nodes is None or nodes[r] == nodes[self.rank])]
             remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
-            staged.read(manifest, path, here, threads=self.io_threads,
-                        on_block=lambda: faults.hit("mid-restore-read", self.rank,
-                                                    manifest.step))
+
+            def read_here() -> None:
+                assert staged is not None
+                staged.read(manifest, path, here, threads=self.io_threads,
+                            on_block=lambda: faults.hit("mid-restore-read", self.rank,
+                                                        manifest.step))
+
+            if nodes is None:
+                read_here()
+            else:  # this node's shards read while the others' bytes come over MPI below
+                reading = _reader().submit(read_here)
             self.bytes_read = sum(s.nbytes for r in here for s in staged.by_rank[r])
-        except StateMismatchError as e:
-            verdict, err = _MISMATCH, f"rank {self.rank}: {where}: {e}"
-        except ShardError as e:
-            verdict, err = _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
         except Exception as e:
-            verdict, err = _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
+            verdict, err = self._verdict(e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed
             moved, why = remote_fetch(self.proto, remote, manifest, path, self.io_threads,
                                       failed=verdict != _OK, servers=served)
+            if reading is not None:
+                try:
+                    reading.result()
+                except Exception as e:
+                    verdict, err = self._verdict(e, where, manifest, path)
             if not moved:
                 verdict, err = max(verdict, _CORRUPT), err or why
             # this rank's own lost shard, and the rest (other ranks' shards, replicated shares)
@@ -270,6 +281,16 @@ class Restorer:
             arrays.clear()
             for buf in held:
                 self.pool.release(buf)
+
+    def _verdict(self, e: Exception, where: str, manifest: Manifest, path: str
+                 ) -> tuple[int, str]:
+        """What a failure to plan or read means: the state does not match, or the checkpoint
+        is damaged (named, and whose the shard really is)."""
+        if isinstance(e, StateMismatchError):
+            return _MISMATCH, f"rank {self.rank}: {where}: {e}"
+        if isinstance(e, ShardError):
+            return _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
+        return _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
 
     def _agree_and_apply(self, path: str, manifest: Manifest, tree: dict[str, Any],
                          state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
@@ -328,3 +349,14 @@ def _check_files(manifest: Manifest, ranks: set[int], directory: str) -> None:
     for src in sorted(ranks):
         for f in manifest.ranks[src].files(directory):
             check_file(src, f.path, f.bytes)
+
+
+_READER: list[ThreadPoolExecutor] = []
+
+
+def _reader() -> ThreadPoolExecutor:
+    """The one thread that reads a node's own shards while a local restore's transfers run
+    (started once: MPICH keeps a little memory for every thread started after MPI_Init)."""
+    if not _READER:
+        _READER.append(ThreadPoolExecutor(1, thread_name_prefix="mpickpt-restore-read"))
+    return _READER[0]
