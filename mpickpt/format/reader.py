@@ -8,6 +8,8 @@ resharding) on a few threads.
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ from ..errors import ShardError
 from . import checksum, dtypes
 from .blocks import BlockFile, align
 from .iothreads import run_tasks
-from .records import TensorRecord, check_file, check_records
+from .records import TensorRecord, check_file, check_records, open_shard
 from .shard import byte_view
 
 
@@ -108,3 +110,40 @@ def read_spans(
                 on_block()
 
         run_tasks(tasks, task, threads)
+
+
+def mapped_spans(rank: int, path: str, file_bytes: int,
+                 spans: list[tuple[TensorRecord, int, int]], *,
+                 block: int = checksum.DEFAULT_BLOCK, threads: int = 4) -> list[memoryview]:
+    """Bytes ``lo..hi`` of each ``(record, lo, hi)`` (whole checksum blocks of uncompressed
+    records, as :func:`read_spans` takes them) as read-only views of the file mapped into
+    memory, every block verified where it lies: nothing is copied (a partner copy served to
+    the node that lost it). :class:`ShardError` naming the file, tensor and block at the first
+    mismatch. The views keep the map; it goes with the last of them."""
+    try:
+        fd = open_shard(rank, path, file_bytes)
+    except OSError as e:
+        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+    try:
+        whole = memoryview(mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)) \
+            if file_bytes else memoryview(b"")
+    finally:
+        os.close(fd)
+    for r, lo, hi in spans:
+        if r.codec is not None or lo % block or not (0 <= lo <= hi <= r.nbytes) \
+                or (hi % block and hi != r.nbytes):
+            raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks of "
+                             "an uncompressed record")
+    tasks = [(i, b) for i, (_, lo, hi) in enumerate(spans)
+             for b in range(lo // block, -(-hi // block))]
+
+    def task(i: int, n: int) -> None:
+        r = spans[i][0]
+        at = r.offset + n * block
+        size = min(block, r.nbytes - n * block)
+        if checksum.digest(whole[at:at + size]) != r.checksums[n]:
+            raise ShardError(rank, path, f"checksum mismatch in block {n} (bytes "
+                             f"{at}..{at + size}): the data is corrupt", tensor=r.name)
+
+    run_tasks(tasks, task, threads)
+    return [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]

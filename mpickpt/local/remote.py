@@ -29,16 +29,20 @@ import torch
 from .. import faults
 from ..errors import ShardError
 from ..format.manifest import Manifest
-from ..format.reader import Span, read_spans
+from ..format.reader import Span, mapped_spans, read_spans
 from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 
 WINDOW = 256 << 20  # bytes per message at most
 
 
-def _pieces(t: torch.Tensor) -> list[object]:
-    """``t`` (contiguous uint8) as buffers of at most :data:`WINDOW` bytes."""
-    return [t[a: a + WINDOW].numpy() for a in range(0, t.numel(), WINDOW)]
+def _pieces(t: object) -> list[object]:
+    """``t`` (a contiguous uint8 tensor, or a memoryview) as buffers of at most :data:`WINDOW`
+    bytes."""
+    if isinstance(t, torch.Tensor):
+        return [t[a: a + WINDOW].numpy() for a in range(0, t.numel(), WINDOW)]
+    assert isinstance(t, memoryview)
+    return [t[a: a + WINDOW] for a in range(0, len(t), WINDOW)]
 
 
 def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
@@ -76,10 +80,11 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
 
 def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest: Manifest,
            directory: str, threads: int) -> list[tuple[object, int]]:
-    """Read what each rank asked of the shards this rank serves (its own; a copy it holds of a
-    lost rank's), each distinct request once, every block verified; the buffers to send, in
-    the order asked."""
-    done: dict[tuple[tuple[int, str, int, int], ...], list[torch.Tensor]] = {}
+    """What each rank asked of the shards this rank serves (its own; a copy it holds of a
+    lost rank's), every block verified: uncompressed bytes straight out of the file mapped
+    into memory, compressed ones decompressed into a buffer (each distinct request once); the
+    buffers to send, in the order asked."""
+    done: dict[tuple[tuple[int, str, int, int], ...], list[object]] = {}
     sends: list[tuple[object, int]] = []
     records: dict[int, dict[str, TensorRecord]] = {}
     for requester, asked in enumerate(requests):
@@ -88,9 +93,7 @@ def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest:
         key = tuple(asked)
         parts = done.get(key)
         if parts is None:
-            buf = torch.empty(sum(hi - lo for _, _, lo, hi in asked), dtype=torch.uint8)
-            by_owner: dict[int, list[Span]] = {}
-            spans, pos = [], 0
+            spans: list[tuple[int, TensorRecord, int, int]] = []
             for owner, name, lo, hi in asked:
                 entry = manifest.ranks[owner]
                 if owner not in records:
@@ -100,14 +103,31 @@ def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest:
                     raise ShardError(owner, os.path.join(directory, entry.file),
                                      f"rank {requester} asked for a tensor this shard does not "
                                      "hold", tensor=name)
-                span = Span(rec, lo, hi, buf[pos: pos + hi - lo])
-                spans.append(span)
-                by_owner.setdefault(owner, []).append(span)
-                pos += hi - lo
-            for owner, mine in by_owner.items():
-                entry = manifest.ranks[owner]
-                read_spans(owner, os.path.join(directory, entry.file), entry.bytes, mine,
-                           block=manifest.checksum_block, threads=threads)
-            parts = done[key] = [s.dest for s in spans]
+                spans.append((owner, rec, lo, hi))
+            parts = done[key] = _read(spans, manifest, directory, threads)
         sends += [(b, requester) for part in parts for b in _pieces(part)]
     return sends
+
+
+def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, directory: str,
+          threads: int) -> list[object]:
+    """Each span's bytes, in order, verified (see :func:`_serve`)."""
+    out: list[object] = [None] * len(spans)
+    for owner in sorted({o for o, *_ in spans}):
+        entry = manifest.ranks[owner]
+        path = os.path.join(directory, entry.file)
+        at = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec is None]
+        views = mapped_spans(owner, path, entry.bytes, [spans[i][1:] for i in at],
+                             block=manifest.checksum_block, threads=threads)
+        for i, v in zip(at, views, strict=True):
+            out[i] = v
+        rest = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec]
+        if rest:
+            bufs = [torch.empty(spans[i][3] - spans[i][2], dtype=torch.uint8) for i in rest]
+            read_spans(owner, path, entry.bytes,
+                       [Span(spans[i][1], spans[i][2], spans[i][3], b)
+                        for i, b in zip(rest, bufs, strict=True)],
+                       block=manifest.checksum_block, threads=threads)
+            for i, b in zip(rest, bufs, strict=True):
+                out[i] = b
+    return out

@@ -214,6 +214,31 @@ def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
     assert all(reports[r]["final"] == reference[4][r] for r in range(4))
 
 
+@pytest.mark.guarantee("damage-detected", "resume-bit-identical")
+def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
+        tmp_path: Path, reference, guarantees) -> None:
+    """Node 1 lost, and node 0's copy of rank 2's shard has a flipped byte: the copy is
+    verified where it lies as it is served, the restore names the file and the tensor and
+    falls back to ROOT; the run ends bit-identical."""
+    settings: dict[str, Any] = {"redundancy": "partner", "per_node": 2}
+    crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, **settings)
+    assert crashed.returncode != 0, crashed.output
+    shutil.rmtree(local_of(tmp_path) / "n1")
+    copy = local_of(tmp_path) / "n0" / f"step-{CRASH:08d}" / "rank-00002.h5"
+    m = json.loads((copy.parent / "MANIFEST.json").read_text())
+    rec = max(m["ranks"][2]["tensors"], key=lambda t: t["nbytes"])
+    data = bytearray(copy.read_bytes())
+    data[rec["offset"] + rec["nbytes"] // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    done, reports = job(tmp_path, "resume", 4, **settings)
+    guarantees.record(SUITE, "damaged-copy-served", outcome(reports, 4, DRAINED, reference[4]),
+                      done.output[-2000:])
+    assert done.returncode == 0, done.output
+    assert str(copy) in done.stderr and rec["name"] in done.stderr, done.output
+    assert {reports[r]["restore"]["level"] for r in range(4)} == {"root"}
+    assert all(reports[r]["final"] == reference[4][r] for r in range(4))
+
+
 @pytest.mark.guarantee("local-survives-node-loss", "damage-detected")
 @pytest.mark.parametrize(("redundancy", "replicated"), [
     ("partner", False), (None, False), ("partner", True)])
