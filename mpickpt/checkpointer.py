@@ -351,8 +351,8 @@ class Checkpointer:
             self._pipeline.scavenge()  # the newest local checkpoint reaches ROOT
             self.wait()
             self._pipeline.shutdown()
-            if self._local is not None and self._local.exchange is not None:
-                self._local.exchange.free()
+            if self._local is not None:
+                self._local.close()
             if self._pipeline.root.node is not None:
                 self._pipeline.root.node.proto.free()
             self._closed = True

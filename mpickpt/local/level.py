@@ -67,6 +67,12 @@ class LocalLevel:
             return 1.0 / (len(self.teams[0]) - 1)
         return 0.0
 
+    def close(self) -> None:
+        """Let go of the exchange's buffers and the files kept mapped."""
+        if self.exchange is not None:
+            self.exchange.free()
+        self.maps.close()
+
     def names(self, rank: int) -> str:
         """The file name of what this rank stores for ``rank`` (a partner copy: the shard's own
         name; XOR: its parity)."""
