@@ -14,7 +14,7 @@ import torch
 
 from mpickpt.format import reader, shard
 from mpickpt.format.h5image import MetadataImage
-from mpickpt.local import pool
+from mpickpt.local import nodedir, pool
 
 BLOCK = 1 << 16
 pytestmark = pytest.mark.quick
@@ -61,7 +61,7 @@ def test_a_recycled_file_written_over_reads_back_as_a_fresh_one(tmp_path):
     """Three saves through one name: the second and third write over the first's file (the
     same inode, still mapped), a damaged pool file included: garbage over every byte, and
     another time cut short; each reads back exact through our reader and h5py."""
-    maps, pool_dir = pool.Maps(), str(tmp_path / pool.POOL)
+    maps, pool_dir = pool.Maps(), str(tmp_path / nodedir.POOL)
     inodes = []
     for step, damage in enumerate([None, "garbage", "short"]):
         d = tmp_path / f"step-{step}"
@@ -71,7 +71,7 @@ def test_a_recycled_file_written_over_reads_back_as_a_fresh_one(tmp_path):
         path = str(d / "rank-00000.h5")
         inodes.append(os.stat(path).st_ino)
         assert_reads_back(path, w, size, state)
-        pool.retire(str(d), pool_dir, "test")
+        nodedir.retire(str(d), pool_dir, "test")
         assert not d.exists() and os.listdir(pool_dir) == ["rank-00000.h5"]
         pooled = os.path.join(pool_dir, "rank-00000.h5")
         if damage == "garbage" or step == 0:
@@ -86,7 +86,7 @@ def test_a_recycled_file_written_over_reads_back_as_a_fresh_one(tmp_path):
 @pytest.mark.skipif(shutil.which("h5dump") is None, reason="no h5dump")
 def test_h5dump_reads_a_shard_written_into_a_destination(tmp_path):
     maps = pool.Maps()
-    write_into(maps, str(tmp_path / pool.POOL), str(tmp_path), tensors(1))
+    write_into(maps, str(tmp_path / nodedir.POOL), str(tmp_path), tensors(1))
     out = subprocess.run(["h5dump", "-H", str(tmp_path / "rank-00000.h5")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -98,7 +98,7 @@ def test_compressed_records_go_through_the_metadata_image(tmp_path):
     pytest.importorskip("zstandard")
     maps, state = pool.Maps(), tensors(2)
     state["big"] = torch.zeros(600_000)  # compressible
-    w, size = write_into(maps, str(tmp_path / pool.POOL), str(tmp_path), state,
+    w, size = write_into(maps, str(tmp_path / nodedir.POOL), str(tmp_path), state,
                          codecs={"big": "zstd"})
     assert size < 600_000 * 4
     assert_reads_back(str(tmp_path / "rank-00000.h5"), w, size, state, h5py_data=False)
@@ -123,7 +123,7 @@ def test_the_image_gives_back_every_byte_but_the_data_ranges():
 
 
 def test_a_deleted_file_is_let_go_and_a_new_one_made(tmp_path):
-    maps, pool_dir = pool.Maps(), str(tmp_path / pool.POOL)
+    maps, pool_dir = pool.Maps(), str(tmp_path / nodedir.POOL)
     first = maps.take(pool_dir, str(tmp_path), "rank-00000.h5")
     first.reserve(1 << 16)[:] = 7
     os.unlink(tmp_path / "rank-00000.h5")

@@ -25,15 +25,16 @@ there, is refused (``/dev/shm`` and ``/tmp`` are every user's to create in).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 
 from ..format import commit, rootdir
-from .pool import POOL, retire
 
 LEVEL = "LEVEL.json"
+POOL = ".pool"  # the files of the step retention retired last (mpickpt.local.pool)
 OWNER = "OWNER.json"
 
 
@@ -118,3 +119,14 @@ class NodeDir:
     def free(self) -> int:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize
+
+
+def retire(step_dir: str, pool_dir: str, run_id: str) -> None:
+    """Move a retired step's shard, copy and parity files into the pool (replacing what is
+    there under the same name), then remove the step's directory."""
+    os.makedirs(pool_dir, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(step_dir):
+            if entry.is_file(follow_symlinks=False) and entry.name.endswith((".h5", ".bin")):
+                os.replace(entry.path, os.path.join(pool_dir, entry.name))
+    rootdir.remove(step_dir, run_id)

@@ -1,10 +1,10 @@
 """Recycled files of the node-local level: no fresh pages on the hot path.
 
 A step that retention retires leaves its files in ``LOCAL/<node>/.pool/`` under their names
-(``rank-RRRRR.h5``, ``xor-RRRRR.bin``) instead of being deleted, and the next save of the same
-name takes the file back (a rename) and writes over it. A file of the level holds at most
-``keep + 1`` steps' worth of bytes, as before: the ``keep`` committed ones and the one being
-written, whose files come from the pool.
+(``rank-RRRRR.h5``, ``xor-RRRRR.bin``: :func:`mpickpt.local.nodedir.retire`) instead of being
+deleted, and the next save of the same name takes the file back (a rename) and writes over it.
+A node holds at most ``keep + 1`` steps' worth of bytes, as before: the ``keep`` committed ones
+and the one being written, whose files come from the pool.
 
 The rank that writes a file keeps it memory-mapped between saves (:class:`Maps`, by inode): the
 next save of that name writes into pages that are allocated and already in its page tables. A
@@ -23,7 +23,6 @@ import torch
 
 from ..format import rootdir
 
-POOL = ".pool"
 MAX_MAPS = 16  # files a rank keeps mapped between saves (shard, copy or parity, per kept step)
 
 
@@ -116,14 +115,3 @@ class Maps:
             for m in self._maps.values():
                 m.close()
             self._maps.clear()
-
-
-def retire(step_dir: str, pool_dir: str, run_id: str) -> None:
-    """Move a retired step's shard, copy and parity files into the pool (replacing what is
-    there under the same name), then remove the step's directory."""
-    os.makedirs(pool_dir, mode=0o700, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(step_dir):
-            if entry.is_file(follow_symlinks=False) and entry.name.endswith((".h5", ".bin")):
-                os.replace(entry.path, os.path.join(pool_dir, entry.name))
-    rootdir.remove(step_dir, run_id)
