@@ -11,8 +11,9 @@ the metadata is a few kilobytes that follow once the shard is sealed.
 from __future__ import annotations
 
 import io
+import os
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 PAGE = 4096
 
@@ -116,3 +117,14 @@ def _merged(spans: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
+
+
+def place(fd: int, runs: Iterable[tuple[int, bytes | memoryview]], size: int) -> None:
+    """Write each ``(offset, bytes)`` run of a shard's metadata (:meth:`MetadataImage.extents`)
+    into the file ``fd``, around its tensors' bytes, and end the file at ``size``."""
+    for off, data in runs:
+        view = memoryview(data)
+        while len(view):
+            n = os.pwrite(fd, view, off)
+            view, off = view[n:], off + n
+    os.ftruncate(fd, size)

@@ -22,7 +22,7 @@ import torch
 
 from . import checksum, dtypes, rootdir
 from .blocks import DIRECT_ALIGN, _direct_len, _open_direct
-from .h5image import MetadataImage
+from .h5image import MetadataImage, place
 from .iothreads import pool, run_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT,
@@ -354,9 +354,7 @@ class ShardWriter:
             self._h5.close()
             if self._image is not None:  # HDF5's bytes into the destination, around the data
                 self.metadata = list(self._image.extents(self.data_ranges()))
-                for off, b in self.metadata:
-                    _pwrite_all(self._fd, memoryview(b), off)
-                os.ftruncate(self._fd, self._image.size)
+                place(self._fd, self.metadata, self._image.size)
             os.fsync(self._fd)
             return os.fstat(self._fd).st_size
         finally:

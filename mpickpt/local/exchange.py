@@ -21,6 +21,7 @@ import numpy as np
 
 from ..background import lower_priority
 from ..format import rootdir
+from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
 from .pool import Mapped
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
@@ -35,7 +36,6 @@ class _Mapped:
 
     def __init__(self, path: str, size: int, create: bool = False) -> None:
         self.path, self.size, self.create = path, size, create
-        self.error: OSError | None = None
         self._map: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
 
@@ -54,10 +54,8 @@ class _Mapped:
                     mmap.PROT_WRITE if self.create else 0))
                 self._arr = np.frombuffer(self._map, dtype=np.uint8)
         except OSError as e:
-            if not self.create:
-                os.close(fd)
-                raise
-            self.error = OSError(e.errno, e.strerror, self.path)
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, self.path) from e
         return self
 
     def view(self, off: int, n: int) -> np.ndarray:
@@ -181,15 +179,14 @@ class Exchange:
 
     # ---------------------------------------------------------------------------------- saving
 
-    def protect(self, directory: str, own: str, size: int, names: Callable[[int], str],
+    def protect(self, own: str, size: int, names: Callable[[int], str],
                 take: Callable[[str], Mapped], on_window: Callable[[], None] = lambda: None
                 ) -> Moved:
-        """XOR: store this rank's parity of its shard ``own`` (``size`` bytes) as
-        ``directory/names(rank)``, in the file ``take(name)`` gives (recycled, mapped).
-        Collective over the team. (Partner copies stream while the shard is written:
-        :meth:`stream` and :meth:`seal`.)"""
+        """XOR: store this rank's parity of its shard ``own`` (``size`` bytes) in the file
+        ``take(names(rank))`` gives (recycled, mapped). Collective over the team. (Partner
+        copies stream while the shard is written: :meth:`stream` and :meth:`seal`.)"""
         assert self.scheme == "xor"
-        return self._xor(directory, own, size, names, on_window, take)
+        return self._xor(own, size, names, on_window, take)
 
     # ------------------------------------------------------------- partner copies, streamed
 
@@ -270,16 +267,14 @@ class Exchange:
         dest, keep = streamed.dest, _Keep()
         keep.error = streamed.error
         if dest is not None and their_size:
-            at = 0
-            for off, n in their:
-                keep.do(_pwrite, dest.fd, memoryview(got[at:at + int(n)]), int(off))
-                at += int(n)
-            keep.do(os.ftruncate, dest.fd, their_size)
+            ends = np.cumsum(their[:, 1])
+            keep.do(place, dest.fd, [(int(off), got[end - n:end]) for (off, n), end
+                                     in zip(their, ends, strict=True)], their_size)
             keep.do(os.fsync, dest.fd)
         keep.check()
         return Moved(streamed.sent + len(blob), streamed.received + their_len)
 
-    def _xor(self, directory: str, own: str, size: int, names: Callable[[int], str],
+    def _xor(self, own: str, size: int, names: Callable[[int], str],
              on_window: Callable[[], None], take: Callable[[str], Mapped]) -> Moved:
         """The parity of a team, window by window: each member's chunks of its shard go out,
         the XOR of the team's chunk for this member comes straight into its parity file (a
@@ -357,8 +352,6 @@ def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int,
     """One file, every window posted at once (from and into memory maps)."""
     sending = proto.rank == donor
     with _Mapped(path, size, create=not sending) as f:
-        if f.error is not None:
-            raise f.error
         views = [(f.view(off, _span(size, off, window)), receiver if sending else donor)
                  for off in range(0, size, window)]
         pending = proto.start(views if sending else [], [] if sending else views,

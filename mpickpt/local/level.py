@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 from .. import knobs, log
 from ..errors import LocalTierFull
+from ..format import rootdir
 from ..format.names import shard_name
 from ..format.shard import DEFAULT_ALIGNMENT
 from .exchange import Exchange
 from .nodedir import NodeDir, parity_name
-from .pool import Maps
+from .pool import Mapped, Maps
 from .topology import Topology, partner_source
 
 if TYPE_CHECKING:
@@ -66,6 +67,12 @@ class LocalLevel:
         if self.scheme == "xor":
             return 1.0 / (len(self.teams[0]) - 1)
         return 0.0
+
+    def take(self, directory: str, name: str) -> Mapped:
+        """This rank's file ``directory/name`` of a save, recycled from the pool when it can
+        be, open and mapped (:meth:`Maps.take`); ``directory`` is made if need be."""
+        rootdir.make_dirs(directory)
+        return self.maps.take(self.nodedir.pool_dir, directory, name)
 
     def close(self) -> None:
         """Let go of the exchange's buffers and the files kept mapped."""

@@ -19,7 +19,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from .. import faults, log
-from ..format import rootdir
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
 from ..format.names import shard_name
@@ -79,8 +78,7 @@ class NodeStore:
         try:
             if req.snapshot is not None and req.tree is not None:
                 lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
-                into = lv.maps.take(lv.nodedir.pool_dir, self._made(partial),
-                                    shard_name(self.rank))
+                into = lv.take(partial, shard_name(self.rank))
                 entry = self.shards.write(req, partial, shard_name(self.rank), into=into,
                                           started=started)
         except Exception as e:
@@ -95,18 +93,13 @@ class NodeStore:
                 self._streams[req.step] = (done, sealed[0].metadata if sealed and entry else [])
         return entry, error
 
-    def _made(self, partial: str) -> str:
-        rootdir.make_dirs(partial)
-        return partial
-
     def _stream(self, req: SaveRequest, partial: str, data_end: int,
                 ranges: list[tuple[int, memoryview]]) -> Future[Streamed]:
         lv = self.lv
         assert lv.exchange is not None
         return lv.exchange.stream(
             ranges, data_end,
-            lambda source: lv.maps.take(lv.nodedir.pool_dir, self._made(partial),
-                                        lv.names(source)),
+            lambda source: lv.take(partial, lv.names(source)),
             lambda: faults.hit("mid-exchange", self.rank, req.step))
 
     def protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
@@ -129,8 +122,8 @@ class NodeStore:
                     return error or "the save aborted: another rank could not write its shard"
                 assert entry is not None
                 moved = lv.exchange.protect(
-                    partial, f"{partial}/{entry.file}", entry.bytes, lv.names,
-                    lambda name: lv.maps.take(lv.nodedir.pool_dir, partial, name),
+                    f"{partial}/{entry.file}", entry.bytes, lv.names,
+                    lambda name: lv.take(partial, name),
                     on_window=lambda: faults.hit("mid-exchange", self.rank, req.step))
             faults.hit("after-exchange-before-vote", self.rank, req.step)
         except Exception as e:

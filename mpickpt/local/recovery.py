@@ -166,11 +166,19 @@ class LocalRecovery:
             self.served = {r: dn for dn, r in moves}
             self._pending = (step, inv[self.rank][0], manifest, text, level_text, moves,
                              xor_lost, layout)
-            donor = self.served.get(self.rank)
-            self.last.source = "own" if donor is None else f"partner copy from rank {donor}"
+            self.last.source = self._source(moves)
             return None
-        return self._rebuild(step, inv[self.rank][0], manifest, text, level_text, moves,
-                             xor_lost, layout, verify, clock)
+        why, received = self._rebuild(step, inv[self.rank][0], manifest, text, level_text,
+                                      moves, xor_lost, layout, verify, clock)
+        if why is None:
+            self.last.source, self.last.received = self._source(moves), received
+        return why
+
+    def _source(self, moves: list[tuple[int, int]]) -> str:
+        """Where this rank's shard of the step comes from (``moves``: (donor, receiver))."""
+        donor = {r: dn for dn, r in moves}.get(self.rank)
+        return ("own" if self.rank not in self.last.rebuilt else
+                f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
 
     def write_back(self) -> None:
         """After a restore that loaded lost shards from partner copies (:attr:`served`): copy
@@ -182,10 +190,8 @@ class LocalRecovery:
             return
         t = time.perf_counter()
         step, whole, manifest, text, level_text, moves, xor_lost, layout = pending
-        source, received = self.last.source, self.last.received
-        why = self._rebuild(step, whole, manifest, text, level_text, moves, xor_lost, layout,
-                            True, _Clock())
-        self.last.source, self.last.received = source, received
+        why, _ = self._rebuild(step, whole, manifest, text, level_text, moves, xor_lost,
+                               layout, True, _Clock())
         if self.rank == 0:
             if why is not None:
                 self.log.error("step %d was restored, but writing the lost shards back to their "
@@ -247,18 +253,18 @@ class LocalRecovery:
     def _rebuild(self, step: int, whole: bool, manifest: Manifest, text: str,
                  level_text: str | None, moves: list[tuple[int, int]],
                  xor_lost: dict[int, int], layout: dict[str, Any], verify: bool,
-                 clock: _Clock) -> str | None:
+                 clock: _Clock) -> tuple[str | None, int]:
         """Bring every lost shard back (``moves``: partner copies, ``xor_lost``: a rebuild per
         team), into the node's committed directory where it holds the step (``whole``), else
-        into its partial directory, which its leader then publishes. Collective."""
+        into its partial directory, which its leader then publishes. Collective. (Why it
+        failed, or None; the bytes this rank received.)"""
         d = self.path(step)
         out = d if whole else self.level.nodedir.partial(step, self.run_id)
         err = self._clear(out) if self.rank in receivers(moves, xor_lost) else None
         if failed := self.proto.agree(err, "local-rebuild-start", "local-rebuild-report"):
-            return str(failed)
+            return str(failed), 0
         err, received = self._receive(d, out, manifest, moves, xor_lost, layout)
         clock.lap("transfer")
-        donor = {r: dn for dn, r in moves}.get(self.rank)
         if self.rank in receivers(moves, xor_lost) and err is None:
             # fully verified only when asked: otherwise the load that follows verifies it
             err = self._verify(out, manifest, self.rank, verify)
@@ -266,14 +272,11 @@ class LocalRecovery:
         if failed := self.proto.agree(err, "local-rebuild"):
             if not whole and self.level.leader:
                 discard(out, self.run_id, self.log)
-            return f"rebuilding from redundancy failed: {failed}"
+            return f"rebuilding from redundancy failed: {failed}", received
         if why := self._republish(step, whole, out, text, level_text):
-            return why
+            return why, received
         clock.lap("republish")
-        source = ("own" if self.rank not in self.last.rebuilt else
-                  f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
-        self.last.source, self.last.received = source, received
-        return None
+        return None, received
 
     def _clear(self, out: str) -> str | None:
         """Make room in ``out`` for this rank's shard, which it is to receive."""
