@@ -94,10 +94,9 @@ def read_spans(
         raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
     with f:
         for s in spans:
-            r = s.record
-            if s.lo % block or not (0 <= s.lo <= s.hi <= r.nbytes) \
-                    or (s.hi % block and s.hi != r.nbytes) or s.dest.numel() != s.nbytes:
-                raise ValueError(f"span {s.lo}..{s.hi} of {r.name!r} is not whole checksum blocks")
+            if not _whole_blocks(s.record, s.lo, s.hi, block) or s.dest.numel() != s.nbytes:
+                raise ValueError(f"span {s.lo}..{s.hi} of {s.record.name!r} is not whole "
+                                 "checksum blocks")
         views = [byte_view(s.dest) for s in spans]
         largest_first = sorted(range(len(spans)), key=lambda i: -spans[i].nbytes)
         tasks = [(i, b) for i in largest_first
@@ -130,8 +129,7 @@ def mapped_spans(rank: int, path: str, file_bytes: int,
     finally:
         os.close(fd)
     for r, lo, hi in spans:
-        if r.codec is not None or lo % block or not (0 <= lo <= hi <= r.nbytes) \
-                or (hi % block and hi != r.nbytes):
+        if r.codec is not None or not _whole_blocks(r, lo, hi, block):
             raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks of "
                              "an uncompressed record")
     tasks = [(i, b) for i, (_, lo, hi) in enumerate(spans)
@@ -147,3 +145,9 @@ def mapped_spans(rank: int, path: str, file_bytes: int,
 
     run_tasks(tasks, task, threads)
     return [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]
+
+
+def _whole_blocks(r: TensorRecord, lo: int, hi: int, block: int) -> bool:
+    """Whether bytes ``lo..hi`` of record ``r`` are whole checksum blocks (``hi`` may be the
+    record's end)."""
+    return not lo % block and 0 <= lo <= hi <= r.nbytes and (not hi % block or hi == r.nbytes)

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..format import rootdir, state_tree
 from ..format.entry import RankEntry
+from ..format.iothreads import pool
 from ..format.manifest import NAME as MANIFEST
 from ..format.manifest import Manifest, read_bytes
 from ..format.reader import Span
@@ -254,7 +255,7 @@ class Restorer:
             if nodes is None:
                 read_here()
             else:  # this node's shards read while the others' bytes come over MPI below
-                reading = _reader().submit(read_here)
+                reading = pool(1, False).submit(read_here)
             self.bytes_read = sum(s.nbytes for r in here for s in staged.by_rank[r])
         except Exception as e:
             verdict, err = self._verdict(e, where, manifest, path)
@@ -349,14 +350,3 @@ def _check_files(manifest: Manifest, ranks: set[int], directory: str) -> None:
     for src in sorted(ranks):
         for f in manifest.ranks[src].files(directory):
             check_file(src, f.path, f.bytes)
-
-
-_READER: list[ThreadPoolExecutor] = []
-
-
-def _reader() -> ThreadPoolExecutor:
-    """The one thread that reads a node's own shards while a local restore's transfers run
-    (started once: MPICH keeps a little memory for every thread started after MPI_Init)."""
-    if not _READER:
-        _READER.append(ThreadPoolExecutor(1, thread_name_prefix="mpickpt-restore-read"))
-    return _READER[0]
