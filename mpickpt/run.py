@@ -259,14 +259,15 @@ def abort(code: int, why: str) -> NoReturn:
     """End every rank of the job now (MPI_Abort), after saying why on stderr."""
     from mpi4py import MPI
 
+    from .mpi import abort_world
+
     why = why.rstrip(".")
     print_prefixed(f"mpickpt.run: {why}; aborting the job with exit code {code}",
                    MPI.COMM_WORLD.rank)
     # The launcher forwards our stderr through a pipe; MPI_Abort can tear the job down before
     # the traceback got through it (seen with MPICH's hydra): give the forwarder a moment.
     time.sleep(knobs.ABORT_DELAY.get())
-    MPI.COMM_WORLD.Abort(code)
-    raise SystemExit(code)  # not reached
+    abort_world(code)
 
 
 def agree_on_exit(comm: Any, code: int, grace: float) -> int:

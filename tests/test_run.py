@@ -178,8 +178,8 @@ def test_torch_env_of_a_world_of_one_and_preset_values_win(monkeypatch):
 def test_set_torch_env_keeps_what_is_set_and_refuses_a_contradicting_rank(monkeypatch):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
-    for name in env:
-        monkeypatch.delenv(name, raising=False)
+    # a copy: what set_torch_env sets must not leak into the MPI jobs of later tests
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in env})
     monkeypatch.setenv("LOCAL_RANK", "7")
     run.set_torch_env(env)
     assert os.environ["LOCAL_RANK"] == "7" and os.environ["MASTER_PORT"] == "1234"
@@ -205,3 +205,15 @@ def test_select_gpu_does_nothing_without_cuda(monkeypatch):
     cuda = types.SimpleNamespace(is_available=lambda: False)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     assert run.select_gpu() is None
+
+
+def test_a_missed_deadline_on_a_background_thread_ends_the_job_with_75_and_nothing_after():
+    """MPICH's MPI_Abort returned to its caller in about one call of two on this machine (the
+    fault matrix's hang/rank3/before-snapshot/n4 once printed the timeout as uncaught)."""
+    for _ in range(3):
+        job, elapsed = timed(N, [*WRAP, str(SCENARIOS / "run_deadline_thread.py")])
+        assert job.returncode == run.EXIT_COLLECTIVE_TIMEOUT, job.output
+        assert elapsed < 30, job.output
+        assert "did not all reach phase 'everyone'" in job.stderr, job.output
+        assert "went on after the abort" not in job.output, job.output
+        assert "uncaught" not in job.output and "Traceback" not in job.output, job.output

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -26,6 +26,7 @@ from ..background import lower_priority
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
+from . import abort_world
 from .rollcall import RollCall
 
 T = TypeVar("T")
@@ -226,7 +227,7 @@ class Protocol:
         self.collectives += 1
         return self.comm.alltoall(objs)
 
-    def abort(self, code: int) -> None:
+    def abort(self, code: int) -> NoReturn:
         """End the whole job (after a missed deadline the communicator cannot be trusted).
 
         After a missed deadline, first wait a moment so that the other ranks, which learn of it
@@ -237,7 +238,7 @@ class Protocol:
         """
         if self._abort_delay:
             time.sleep(self._abort_delay)
-        MPI.COMM_WORLD.Abort(code)
+        abort_world(code)
 
     @contextlib.contextmanager
     def fatal_timeouts(self, log: logging.Logger) -> Iterator[None]:
@@ -249,7 +250,6 @@ class Protocol:
             log.error("%s; aborting the job (exit code %d), the last committed checkpoint stays "
                       "loadable", e, EXIT_COLLECTIVE_TIMEOUT)
             self.abort(EXIT_COLLECTIVE_TIMEOUT)
-            raise
 
     def everywhere(self, fn: Callable[[], T], phase: str, log: logging.Logger,
                    root_only: bool = False) -> T:
