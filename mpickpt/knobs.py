@@ -94,11 +94,22 @@ ABORT_DELAY = Knob("MPICKPT_ABORT_DELAY", 1.0, _non_negative, "seconds",
 NODE = Knob[str | None]("MPICKPT_NODE", None, str, "a node name",
                         "this rank's node, for the local level (default: the ranks that share "
                         "memory); for tests that simulate nodes on one host, and odd launchers")
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be a whole number, 0 or more")
+    return value
+
+
+CHECK_PIECES_RANKS = Knob("MPICKPT_CHECK_PIECES_RANKS", 64, _count, "a number of ranks",
+                          "with index parts, rank 0 reads every part at the commit to check "
+                          "that sharded tensors tile, up to this many ranks (above, a restore "
+                          "checks the pieces it reads); 0 never")
 FAULT = Knob("MPICKPT_FAULT", "", str, "phase:rank:action[:step],...",
              "fault injection for tests (mpickpt/faults.py); unset in production")
 
 ALL: tuple[Knob, ...] = (TIMEOUT, TIMEOUT_GRACE, DEADLINE, REQUEUE, SIGNAL, LOG, EXIT_GRACE,
-                         ABORT_DELAY, NODE, FAULT)
+                         ABORT_DELAY, NODE, CHECK_PIECES_RANKS, FAULT)
 
 
 def markdown_table() -> str:

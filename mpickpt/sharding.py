@@ -19,6 +19,7 @@ it, whatever the number of ranks or the sharding was (:mod:`mpickpt.restore.resh
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -33,12 +34,14 @@ from .errors import StateTreeError
 @dataclass(frozen=True)
 class Placement:
     """A rank's piece of a global tensor. ``holders``: the ranks holding the same piece (those
-    that could write it), or None when the piece is this rank's alone."""
+    that could write it), in increasing order, or None when the piece is this rank's alone; a
+    ``range`` when they are evenly spaced (every rank: DDP), so that nothing per tensor grows
+    with the number of ranks."""
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
-    holders: tuple[int, ...] | None = None
+    holders: Sequence[int] | None = None
 
 
 class Piece:
@@ -125,38 +128,59 @@ def _replica_group(mesh: Any, sharded_dims: tuple[int, ...], coord: tuple[int, .
     """The ranks of ``mesh`` that share this rank's coordinates along ``sharded_dims``: they hold
     the same piece. Computed once per mesh and placements, not at every save."""
     ranks = mesh.mesh
-    return tuple(sorted(
+    return compact(sorted(
         int(ranks[idx]) for idx in itertools.product(*(range(n) for n in ranks.shape))
         if all(idx[d] == coord[d] for d in sharded_dims)
     ))
 
 
+def compact(ranks: Sequence[int]) -> Sequence[int]:
+    """Sorted distinct ``ranks`` as a ``range`` when they are evenly spaced (constant size,
+    hashed and compared at once), else as a tuple."""
+    if len(ranks) > 1:
+        step = ranks[1] - ranks[0]
+        if step > 0 and all(b - a == step for a, b in itertools.pairwise(ranks)):
+            return range(ranks[0], ranks[-1] + 1, step)
+    return tuple(ranks)
+
+
 def placement_of(x: Any, where: str, replicated: bool, world: int) -> Placement | None:
     """The placement of a state value, or None for a per-rank tensor."""
     if isinstance(x, Piece):
-        holders = tuple(range(world)) if x.replicated else None
+        holders = range(world) if x.replicated else None
         return Placement(x.global_shape, x.offsets, tuple(x.tensor.shape), holders)
     if is_dtensor(x):
         return dtensor_placement(x, where)
     if replicated:
         shape = tuple(x.shape)
-        return Placement(shape, (0,) * len(shape), shape, tuple(range(world)))
+        return Placement(shape, (0,) * len(shape), shape, range(world))
     return None
 
 
-def writers(pieces: Iterable[tuple[str, int, tuple[int, ...]]]) -> dict[str, int]:
+def writers(pieces: Iterable[tuple[str, int, Sequence[int]]]) -> dict[str, int]:
     """Who writes each replicated piece: (name, nbytes, holders) in, name -> rank out.
 
     Every holder computes the same answer from the same input (the pieces of a replica group are
-    the same on all its ranks): largest pieces first, each to the holder with the fewest bytes so
-    far, so the bytes are spread evenly over the holders instead of all falling on the first.
+    the same on all its ranks): within each group of holders, largest pieces first, each to the
+    holder with the fewest bytes so far (the lowest rank among equals), so the bytes are spread
+    evenly over the holders instead of all falling on the first. O(T log T) for T pieces,
+    whatever the number of holders: the holders given nothing yet wait in rank order.
     """
-    load: dict[int, int] = {}
+    groups: dict[Sequence[int], list[tuple[str, int]]] = {}
+    for name, nbytes, holders in pieces:
+        groups.setdefault(holders, []).append((name, nbytes))
     out: dict[str, int] = {}
-    for name, nbytes, holders in sorted(pieces, key=lambda p: (-p[1], p[0])):
-        rank = min(holders, key=lambda r: (load.get(r, 0), r))
-        load[rank] = load.get(rank, 0) + nbytes
-        out[name] = rank
+    for holders, group in groups.items():
+        load: list[tuple[int, int]] = []  # (bytes so far, rank) of the holders given a piece
+        fresh = iter(holders if isinstance(holders, range) else sorted(holders))
+        unused = next(fresh, None)
+        for name, nbytes in sorted(group, key=lambda p: (-p[1], p[0])):
+            if unused is not None and (not load or (0, unused) < load[0]):
+                given, rank, unused = 0, unused, next(fresh, None)
+            else:
+                given, rank = heapq.heappop(load)
+            heapq.heappush(load, (given + nbytes, rank))
+            out[name] = rank
     return out
 
 
@@ -206,16 +230,9 @@ def writers_of(tensors: dict[str, torch.Tensor], placements: dict[str, Placement
                ) -> dict[str, int]:
     """Who writes each replicated piece of ``tensors`` (what :func:`keep_mine` keeps on each
     rank): name -> rank, for the pieces held by more than one rank."""
-    groups: dict[tuple[int, ...], list[tuple[str, int, tuple[int, ...]]]] = {}
-    for name, placement in placements.items():
-        if placement.holders is not None and len(placement.holders) > 1:
-            t = tensors[name]
-            groups.setdefault(placement.holders, []).append(
-                (name, t.numel() * t.element_size(), placement.holders))
-    out: dict[str, int] = {}
-    for pieces in groups.values():
-        out.update(writers(pieces))
-    return out
+    return writers((name, tensors[name].numel() * tensors[name].element_size(), p.holders)
+                   for name, p in placements.items()
+                   if p.holders is not None and len(p.holders) > 1)
 
 
 def keep_mine(tensors: dict[str, torch.Tensor], placements: dict[str, Placement],

@@ -175,4 +175,6 @@ def test_to_dict_gives_what_asdict_gives():
     expected = dataclasses.asdict(m)
     expected["ranks"] = [entry.to_dict()]
     assert expected.pop("references") == [] and "references" not in text  # version 1
+    for unwritten in ("replicated", "directory", "_replicas"):  # none with index parts alone
+        assert expected.pop(unwritten) is None and unwritten not in text
     assert {k: text[k] for k in expected} == expected

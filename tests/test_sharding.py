@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -58,6 +59,31 @@ def test_writers_spread_bytes_evenly_and_agree_whatever_the_order():
     assert max(load) - min(load) <= 290, load
     only = sharding.writers([("x", 5, (2, 5))])
     assert only == {"x": 2}
+
+
+def test_writers_pick_as_the_plain_rule_does_and_a_world_of_holders_is_a_range():
+    """The heap gives what "each piece, largest first, to the holder with the fewest bytes,
+    the lowest rank among equals" gives, for any holders; replicated tensors of a world of
+    100,000 ranks carry range(100000), not a tuple per tensor."""
+    def plain(pieces):
+        load, out = {}, {}
+        for name, nbytes, holders in sorted(pieces, key=lambda p: (-p[1], p[0])):
+            rank = min(holders, key=lambda r: (load.get(r, 0), r))
+            load[rank] = load.get(rank, 0) + nbytes
+            out[name] = rank
+        return out
+
+    rng = random.Random(3)
+    for holders in [(0, 1, 2, 3), (1, 4, 9), range(0, 12, 3), range(7)]:
+        pieces = [(f"t{i}", rng.choice([0, 8, 8, 100, 4096]), holders) for i in range(40)]
+        assert sharding.writers(pieces) == plain(pieces)
+    p = sharding.placement_of(torch.zeros(3), "w", True, 100_000)
+    assert p is not None and p.holders == range(100_000)
+    many = [(f"t{i}", 10 + i % 7, range(100_000)) for i in range(2000)]
+    got = sharding.writers(many)
+    assert sorted(got.values()) == list(range(2000))  # 2000 pieces, 2000 different writers
+    assert sharding.compact([2, 5, 8]) == range(2, 9, 3)
+    assert sharding.compact([1, 2, 4]) == (1, 2, 4)
 
 
 def test_coverage_refuses_gaps_overlaps_and_disagreements():

@@ -124,17 +124,26 @@ class RankEntry:
         """Whether the tree and records are in memory (always, for a version-1 entry)."""
         return self._tensors is not None
 
+    @property
+    def at_hand(self) -> bool:
+        """Whether the tree and records come without reading a file: loaded, or in a node's
+        index part another rank's entry has read."""
+        return self.loaded or (self._parts is not None and self._part_key() in self._parts)
+
+    def _part_key(self) -> str:
+        assert self.index is not None and self.directory is not None
+        path = os.path.join(self.directory, self.index.file)
+        return f"{path}:{self.index.bytes}:{self.index.xxh3}"  # as this entry says it is
+
     def _load(self) -> None:
-        global _PARTS_READ
         if self.index is None or self.directory is None:
             raise ManifestError(f"rank {self.rank}'s entry has no records and no index part")
         path = os.path.join(self.directory, self.index.file)
-        key = f"{path}:{self.index.bytes}:{self.index.xxh3}"  # as this entry says it is
+        key = self._part_key()
         d = self._parts.get(key) if self._parts is not None else None
         try:
             if d is None:
                 data = read_part(path, self.index.bytes)
-                _PARTS_READ += 1
                 if checksum.digest(data) != self.index.xxh3:
                     raise ManifestError(f"{path}: checksum mismatch: the index part of rank "
                                         f"{self.rank} is corrupt")
@@ -169,21 +178,38 @@ class RankEntry:
         return d
 
     def summary(self) -> dict[str, Any]:
-        """A version-2 (or 3) manifest's entry: the shard and the index part, no records."""
+        """A version-2 (or 3) manifest's entry: the shard and the index part, no records. An
+        entry made from a summary gives the steps it refers to as the summary did: its index
+        part is not read (rank 0's commit reads none)."""
         assert self.index is not None
         d = {"rank": self.rank, "file": self.file, "bytes": self.bytes,
              "index": self.index.to_dict()}
-        if self.sources:
-            d["references"] = self.referred_steps()
+        refs = self.referred_steps() if self._sources is not None else sorted(
+            self.references or ())
+        if refs:
+            d["references"] = refs
         return d
 
 
 _PARTS_READ = 0
+_BYTES_READ = 0
 
 
 def parts_read() -> int:
     """How many index parts this process has read (each rank reads its own at a restore)."""
     return _PARTS_READ
+
+
+def metadata_bytes_read() -> int:
+    """How many bytes of manifests and index parts this process has read."""
+    return _BYTES_READ
+
+
+def count_read(nbytes: int, part: bool) -> None:
+    """Count a manifest (``part`` False) or an index part read."""
+    global _PARTS_READ, _BYTES_READ
+    _PARTS_READ += part
+    _BYTES_READ += nbytes
 
 
 def open_regular(path: str, what: str) -> tuple[BinaryIO, int]:
@@ -203,7 +229,9 @@ def read_part(path: str, size: int) -> bytes:
         if actual != size:
             raise ManifestError(f"{path}: the index part has {actual} bytes, the manifest says "
                                 f"{size} (truncated or replaced)")
-        return f.read(size + 1)
+        data = f.read(size + 1)
+    count_read(len(data), True)
+    return data
 
 
 class Bad(Exception):
@@ -298,6 +326,35 @@ def parse_entry(i: int, r: Any, w: str, references: frozenset[int] | None = None
     version 3: records may refer to older shards, of the steps in ``references``)."""
     name, size = _shard(i, r, w, references is not None)
     sources = _sources(r, w, references)
+    tensors = _records(r, w, sources, references)
+    tree = field_of(r, "tree", dict, w)
+    if _depth(tree) > MAX_TREE_DEPTH:
+        raise Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+    return RankEntry(i, name, size, tree, tensors, sources=sources, references=references)
+
+
+def parse_replicas(d: Any, w: str, ranks: list[RankEntry]) -> dict[int, RankEntry]:
+    """The replicated part (:data:`~mpickpt.format.names.REPLICATED_PART`): ``{"ranks": [{"rank",
+    "tensors", "sources"}]}``, the records of the tensors every rank holds alike, by the rank
+    whose shard holds them. Each comes back as an entry of that rank's shard (as ``ranks``, the
+    manifest's, give it) with those records alone and no tree: what a restore needs of the
+    writers of replicated tensors, without their index parts."""
+    out: dict[int, RankEntry] = {}
+    for j, r in enumerate(field_of(d, "ranks", list, w)):
+        rank = field_of(r, "rank", int, f"{w} entry {j}")
+        if not 0 <= rank < len(ranks) or rank in out:
+            raise Bad(f"{w} entry {j}: rank {rank} is not a rank of the checkpoint, or twice")
+        e, rw = ranks[rank], f"{w} rank {rank}"
+        sources = _sources(r, rw, e.references)
+        out[rank] = RankEntry(rank, e.file, e.bytes, None, _records(r, rw, sources, e.references),
+                              sources=sources, references=e.references)
+    return out
+
+
+def _records(r: Any, w: str, sources: dict[str, int], references: frozenset[int] | None
+             ) -> list[TensorRecord]:
+    """An entry's tensor records, checked (a source among ``sources``; compressed records and
+    sources in version 3 only)."""
     tensors = []
     for j, t in enumerate(field_of(r, "tensors", list, w)):
         tw = f"{w} tensor {j}"
@@ -321,10 +378,7 @@ def parse_entry(i: int, r: Any, w: str, references: frozenset[int] | None = None
             field_of(t, "offset", int, tw), field_of(t, "nbytes", int, tw), sums,
             *_piece(t, len(shape), tw), source=src, codec=codec, chunks=chunks,
         ))
-    tree = field_of(r, "tree", dict, w)
-    if _depth(tree) > MAX_TREE_DEPTH:
-        raise Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
-    return RankEntry(i, name, size, tree, tensors, sources=sources, references=references)
+    return tensors
 
 
 def parse_summary(i: int, r: Any, w: str, directory: str | None,

@@ -21,6 +21,12 @@ Rules, in one place:
   that part (its entry, as in version 1) before it voted; a reader loads it only when it needs
   that rank's records, checked against the size and checksum the manifest gives, so the
   manifest's checksum protects the parts too. Version 1 (every entry inline) is still read.
+* With index parts (version 2 or 3), ``replicated``, when present, is the part
+  ``index/replicated.json`` (its exact size and xxh3-64): the records of the tensors every rank
+  holds alike (DDP's), by the rank that wrote each, sent to rank 0 with the summaries and
+  written by it before the manifest. They are in their writers' parts too: the replicated part
+  spares a restoring rank one part per writer (:meth:`Manifest.replica_entry`). Older readers
+  ignore it.
 * Version 3 (written with incremental checkpoints, compression, node files or sub-directories):
   as version 1 or 2, and a record may be compressed (``codec`` and ``chunks``:
   :mod:`mpickpt.format.records`) or carry ``source``, the shard of an older checkpoint its bytes
@@ -48,14 +54,19 @@ from . import checksum
 from .entry import (
     MAX_BYTES,
     Bad,
+    IndexRef,
     RankEntry,
+    count_read,
     entry_refs,
     field_of,
     open_regular,
     parse_entry,
+    parse_replicas,
     parse_summary,
+    read_part,
     steps_field,
 )
+from .names import REPLICATED_PART
 
 NAME = "MANIFEST.json"
 FORMAT = "mpickpt"
@@ -79,6 +90,10 @@ class Manifest:
     format: str = FORMAT
     version: int = VERSION
     references: list[int] = field(default_factory=list)  # steps whose shards records refer to
+    # with index parts: the records of the tensors every rank holds alike, in one part
+    replicated: IndexRef | None = None
+    directory: str | None = field(default=None, compare=False, repr=False)
+    _replicas: dict[int, RankEntry] | None = field(default=None, compare=False, repr=False)
 
     @property
     def extended(self) -> bool:
@@ -98,6 +113,35 @@ class Manifest:
             _ = r.tensors
         return self
 
+    def replica_entry(self, rank: int) -> RankEntry:
+        """Rank ``rank``'s entry as a restore needs it for the replicated tensors it wrote: from
+        the replicated part when there is one and the rank's own part is not read yet (every
+        writer's records in one read, not one part per writer), else the whole entry."""
+        entry = self.ranks[rank]
+        if self.replicated is None or entry.at_hand:
+            return entry
+        if self._replicas is None:
+            self._replicas = self._read_replicas()
+        return self._replicas.get(rank, entry)
+
+    def _read_replicas(self) -> dict[int, RankEntry]:
+        assert self.replicated is not None
+        ref = self.replicated
+        if self.directory is None:
+            raise ManifestError(f"step {self.step}: the replicated part, and no directory")
+        path = os.path.join(self.directory, ref.file)
+        data = read_part(path, ref.bytes)
+        if checksum.digest(data) != ref.xxh3:
+            raise ManifestError(f"{path}: checksum mismatch: the replicated part is corrupt")
+        try:
+            return parse_replicas(json.loads(data), path, self.ranks)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError(f"{path}: nested too deeply to be an index part") from None
+        except Bad as e:
+            raise ManifestError(str(e)) from None
+
     @property
     def split(self) -> bool:
         """Whether the ranks' records are in index parts (version 2)."""
@@ -113,6 +157,8 @@ class Manifest:
              "version": EXT_VERSION if self.extended else SPLIT_VERSION if split else VERSION}
         if self.extended:
             d["references"] = list(self.references)
+        if self.replicated is not None:
+            d["replicated"] = self.replicated.to_dict()
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         d[CHECKSUM_FIELD] = _digest(d)
         # one line: json's C encoder runs only without indent (10x faster: 3 ms of rank 0's CPU
@@ -123,11 +169,12 @@ class Manifest:
     def assemble(cls, step: int, world_size: int, run_id: str,
                  entries: list[dict[str, Any]], metadata: dict[str, Any],
                  checksum_block: int, directory: str | None = None,
-                 extended: bool = False) -> Manifest:
+                 extended: bool = False, replicated: IndexRef | None = None) -> Manifest:
         """The manifest of the ranks' entries (each a :class:`RankEntry` as a dict, or its
         :meth:`RankEntry.summary` with its index part in ``directory``, as the ranks send
         them), held to the rules a parsed manifest obeys; ManifestError otherwise.
-        ``extended``: version 3 (incremental or compressed records) whatever the records say."""
+        ``extended``: version 3 (incremental or compressed records) whatever the records say;
+        ``replicated``: the replicated part rank 0 wrote into ``directory``."""
         split = bool(entries) and all(isinstance(e, dict) and "index" in e for e in entries)
         refs: set[int] = set()
         for e in entries:
@@ -140,6 +187,8 @@ class Manifest:
              "checksum_algorithm": checksum.ALGORITHM, "checksum_block": checksum_block}
         if refs or extended:
             d["references"] = sorted(refs)
+        if replicated is not None:
+            d["replicated"] = replicated.to_dict()
         try:
             return _parse(d, directory)
         except Bad as e:
@@ -186,11 +235,14 @@ def read_bytes(directory: str) -> bytes:
                             "checkpoints are never read through one")
     f, size = open_regular(path, "")
     with f:
-        data = f.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
+        # the size fstat gave and a byte more, not the largest size allowed: a read of n
+        # bytes allocates n bytes first (1 GiB per manifest read, before)
+        data = f.read(size + 1) if size <= MAX_BYTES else b""
         if size > MAX_BYTES or len(data) > MAX_BYTES:
             raise ManifestError(f"{path}: {max(size, len(data))} bytes is too large for a "
                                 "manifest")
-        return data
+    count_read(len(data), False)
+    return data
 
 
 def _digest(d: dict[str, Any]) -> str:
@@ -243,11 +295,21 @@ def _parse(d: Any, directory: str | None = None) -> Manifest:
         if used != refs:
             raise Bad(f"references {sorted(refs)} are not the steps the ranks refer to "
                        f"({sorted(used)})")
+    replicated = None
+    if "replicated" in d:
+        ix = field_of(d, "replicated", dict, "manifest")
+        replicated = IndexRef(field_of(ix, "file", str, "replicated"),
+                              field_of(ix, "bytes", int, "replicated"),
+                              field_of(ix, "xxh3", str, "replicated"))
+        if not split or replicated.file != REPLICATED_PART or not (
+                0 <= replicated.bytes <= MAX_BYTES):
+            raise Bad(f"replicated part {ix!r}: not {REPLICATED_PART!r} of at most "
+                       f"{MAX_BYTES} bytes in a manifest with index parts")
     created = field_of(d, "created", (int, float), "manifest")
     return Manifest(
         step=step, world_size=world,
         run_id=field_of(d, "run_id", str, "manifest"), ranks=ranks,
         metadata=field_of(d, "metadata", dict, "manifest"), created=float(created),
         checksum_algorithm=algo, checksum_block=block, version=version,
-        references=sorted(refs or ()),
+        references=sorted(refs or ()), replicated=replicated, directory=directory,
     )

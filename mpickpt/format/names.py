@@ -2,7 +2,8 @@
 
 A rank's shard is ``rank-RRRRR.h5``, a node's (``Files(per="node")``) ``node-NNNNN.h5``, either
 in a sub-directory ``shards-NNNN/`` once a checkpoint has more than :data:`FANOUT` of them; the
-index parts are ``index/rank-RRRRR.json`` (``index/part-NNNN/...`` past :data:`FANOUT`); an
+index parts are ``index/rank-RRRRR.json`` (``index/part-NNNN/...`` past :data:`FANOUT`), and
+the records of the tensors every rank holds alike ``index/replicated.json``; an
 incremental record's source is ``step-XXXXXXXX/`` and a shard's name. Every parser and writer
 names files through here; none slices a name.
 """
@@ -19,6 +20,8 @@ SOURCE_RE = re.compile(r"^step-(\d{8,})/((?:shards-\d{4,}/)?(?:rank|node)-\d{5,}
 INDEX_DIR = "index"
 INDEX_RE = re.compile(r"^index/(?:part-\d{4,}/)?(rank|node)-(\d{5,})\.json$")
 FANOUT = 1024  # files per directory, at most: more go into sub-directories of this many
+# the records of the tensors every rank holds alike (DDP), written once by rank 0 at the commit
+REPLICATED_PART = f"{INDEX_DIR}/replicated.json"
 
 
 def _fanned(name: str, n: int, count: int, fanout: int, group: str) -> str:

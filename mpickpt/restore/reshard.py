@@ -102,6 +102,9 @@ class Plan:
     targets: dict[str, Target]
     # stored record -> the sorted disjoint byte ranges of it to read, block-aligned
     spans: dict[RecordKey, list[ByteRange]]
+    # the entries whose records it reads, by rank (a writer of replicated tensors: maybe only
+    # those records, from the manifest's replicated part)
+    entries: dict[int, RankEntry] = field(default_factory=dict)
 
     def specs(self) -> dict[str, ArraySpec]:
         return {n: ArraySpec(t.dtype, t.shape) for n, t in self.targets.items()}
@@ -159,25 +162,29 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     _, live, placements = state_tree.flatten_placed(state, replicated, world, strict=False)
     names = list(dict.fromkeys(_array_names(entry.tree, [])))
     if manifest.world_size == world:
-        # the same ranks: this rank's pieces are in its own entry, and the replicated ones
-        # in their writers' (whose records a version-2 manifest keeps in parts of their own)
-        ranks = sorted({source, *sharding.writers_of(live, placements).values()})
+        # the same ranks: this rank's pieces are in its own entry, and the replicated ones in
+        # their writers' (those every rank holds: all in the manifest's replicated part, when
+        # it has one; the others in their writers' index parts)
+        every, some = {source}, {source}
+        for name, writer in sharding.writers_of(live, placements).items():
+            (every if len(placements[name].holders or ()) == world else some).add(writer)
+        entries = {r: manifest.replica_entry(r) for r in sorted(every - some)}
+        entries |= {r: manifest.ranks[r] for r in sorted(some)}
         try:
-            return _plan(manifest, source, names, own, ranks, live, placements, where)
+            return _plan(manifest, source, names, own, entries, live, placements, where)
         except ShardError:
             pass  # not where they would be: look in every rank's records
-    return _plan(manifest, source, names, own, range(manifest.world_size), live, placements,
-                 where)
+    return _plan(manifest, source, names, own, dict(enumerate(manifest.ranks)), live,
+                 placements, where)
 
 
 def _plan(manifest: Manifest, source: int, names: list[str], own: dict[str, TensorRecord],
-          ranks: Iterable[int], live: dict[str, torch.Tensor],
+          entries: dict[int, RankEntry], live: dict[str, torch.Tensor],
           placements: dict[str, sharding.Placement], where: str) -> Plan:
-    """:func:`plan` with the stored pieces of ``ranks``' records."""
+    """:func:`plan` with the stored pieces of ``entries``' records."""
     entry = manifest.ranks[source]
     pieces: dict[str, list[Piece]] = {}
-    for rank in ranks:
-        e = manifest.ranks[rank]
+    for e in entries.values():
         for r in e.tensors:
             if r.global_shape is not None:
                 pieces.setdefault(r.name, []).append(Piece(e.rank, r))
@@ -194,7 +201,8 @@ def _plan(manifest: Manifest, source: int, names: list[str], own: dict[str, Tens
             hi = min(-(-end * item // block) * block, s.record.nbytes)
             wanted.setdefault(s.key, []).append(ByteRange(lo, hi))
     spans = {k: _merge(v) for k, v in wanted.items()}
-    return Plan(source, entry.tree, targets, spans)
+    return Plan(source, entry.tree, targets, spans,
+                {k.rank: entries[k.rank] for k in spans})
 
 
 def _target(name: str, own: dict[str, TensorRecord],
@@ -278,7 +286,7 @@ class Staged:
              on_block: Callable[[], None] | None = None) -> None:
         """Read and verify the spans of these ranks' shards under ``directory``."""
         for src_rank in ranks:
-            entry: RankEntry = manifest.ranks[src_rank]
+            entry = self.plan.entries.get(src_rank) or manifest.ranks[src_rank]
             by_file: dict[tuple[str, int], list[Span]] = {}  # incremental: some in older shards
             for s in self.by_rank.get(src_rank, []):
                 by_file.setdefault(entry.file_of(directory, s.record), []).append(s)

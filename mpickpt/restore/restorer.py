@@ -232,14 +232,14 @@ class Restorer:
             # records that cannot be are damage (fall back), before they are compared with the
             # state (a mismatch stops the restore) or anything is allocated for them
             source = self.rank % manifest.world_size
-            _check_records(manifest, {source}, path)
+            _check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
             plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
             where = os.path.join(path, manifest.ranks[source].file)
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
-            _check_records(manifest, needed - {source}, path)
+            _check_records(plan, needed - {source}, path, manifest.checksum_block)
             # the node-local level: other nodes' shards are their ranks' to check and send
-            _check_files(manifest, {r for r in needed if r not in served and (
+            _check_files(plan, {r for r in needed if r not in served and (
                 nodes is None or nodes[r] == nodes[self.rank])}, path)
             staged = reshard.stage(plan, buffer)
             here = [r for r in staged.by_rank if r not in served and (
@@ -336,17 +336,21 @@ def _per_rank_state_differs(manifest: Manifest) -> bool:
     return any(signature(e) != first for e in manifest.ranks[1:])
 
 
-def _check_records(manifest: Manifest, ranks: set[int], directory: str) -> None:
-    """The records of these ranks' shards fit the sizes the manifest gives
-    (:class:`ShardError` otherwise); before anything is allocated for them."""
+def _check_entry(rank: int, entry: RankEntry, directory: str, block: int) -> None:
+    """The records of ``entry`` fit the sizes of the files they lie in, as the manifest gives
+    them (:class:`ShardError` otherwise); before anything is allocated for them."""
+    for f in entry.files(directory):  # incremental: older shards too
+        check_records(rank, f.path, f.records, f.bytes, block)
+
+
+def _check_records(plan: reshard.Plan, ranks: set[int], directory: str, block: int) -> None:
     for src in sorted(ranks):
-        for f in manifest.ranks[src].files(directory):  # incremental: older shards too
-            check_records(src, f.path, f.records, f.bytes, manifest.checksum_block)
+        _check_entry(src, plan.entries[src], directory, block)
 
 
-def _check_files(manifest: Manifest, ranks: set[int], directory: str) -> None:
+def _check_files(plan: reshard.Plan, ranks: set[int], directory: str) -> None:
     """Each of these ranks' shards is a regular file of the size its manifest gives
     (:class:`ShardError` otherwise); before anything is allocated for it."""
     for src in sorted(ranks):
-        for f in manifest.ranks[src].files(directory):
+        for f in plan.entries[src].files(directory):
             check_file(src, f.path, f.bytes)

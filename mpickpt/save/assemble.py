@@ -8,23 +8,23 @@ that failed after its yes vote is named, and the save aborts.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from typing import Any
 
-from .. import faults, sharding
+from .. import faults, knobs, sharding
 from ..errors import CheckpointError
-from ..format.entry import RankEntry
+from ..format import checksum, rootdir
+from ..format.entry import IndexRef, RankEntry
 from ..format.manifest import Manifest
+from ..format.names import REPLICATED_PART
 from ..mpi.protocol import Protocol
 from . import metadata as user_metadata
 from .incremental import size_problem
 from .request import SaveRequest
 from .shards import error_text
-
-# with index parts, rank 0 reads them all to check that sharded tensors tile at the commit up to
-# this many ranks; beyond, restore checks the pieces it reads (and names any that do not tile)
-CHECK_PIECES_RANKS = 64
 
 
 def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
@@ -40,6 +40,10 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
             faults.hit("after-vote-before-manifest", rank, step)
         payload = None if entry is None else (
             entry.summary() if entry.index is not None else entry.to_dict())
+        if payload is not None and entry is not None and entry.index is not None:
+            shared = replicated_records(entry, req.placements, proto.size)
+            if shared is not None:
+                payload["replicated"] = shared
     except Exception as e:  # rank 0 aborts the commit, naming this rank
         payload = {"error": f"rank {rank}: {error_text(e)}"}
     entries = proto.gather(payload, "gather")
@@ -56,15 +60,47 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
         if failed:
             raise CheckpointError("; ".join(failed))
         metadata = user_metadata.resolve(req.metadata)
+        replicas = [{"rank": i, **e.pop("replicated")} for i, e in enumerate(entries or [])
+                    if isinstance(e, dict) and "replicated" in e]
         manifest = Manifest.assemble(step, proto.size, run_id, entries or [],
-                                     metadata, block, directory=partial, extended=extended)
-        if not manifest.split or proto.size <= CHECK_PIECES_RANKS:
+                                     metadata, block, directory=partial, extended=extended,
+                                     replicated=write_replicated(partial, replicas))
+        # with index parts, reading every part to check the tiling is for small jobs; beyond,
+        # a restore checks the pieces it reads (and names any that do not tile)
+        if not manifest.split or proto.size <= knobs.CHECK_PIECES_RANKS.get():
             check_pieces(manifest.ranks)  # with index parts: reads them all
             check_sources(partial, manifest.ranks)
     except Exception as e:
         return None, f"rank 0: commit failed: {error_text(e)}"
     req.stats.update(bytes=manifest.total_bytes, commit_s=time.perf_counter() - t)
     return manifest, None
+
+
+def replicated_records(entry: RankEntry, placements: dict[str, sharding.Placement],
+                       world: int) -> dict[str, Any] | None:
+    """What this rank sends rank 0 for the replicated part: the records it wrote of the tensors
+    every rank holds alike (and the older shards they refer to), or None if it wrote none."""
+    mine = [r for r in entry.tensors if (p := placements.get(r.name)) is not None
+            and p.holders is not None and world > 1 and len(p.holders) == world]
+    if not mine:
+        return None
+    out: dict[str, Any] = {"tensors": [r.to_dict() for r in mine]}
+    sources = {r.source: entry.sources[r.source] for r in mine if r.source is not None}
+    if sources:
+        out["sources"] = sources
+    return out
+
+
+def write_replicated(partial: str, replicas: list[dict[str, Any]]) -> IndexRef | None:
+    """Rank 0, at the commit: the replicated part (``{"ranks": replicas}``) written durably
+    into ``partial``; where the manifest finds it. None when no rank wrote such records."""
+    if not replicas:
+        return None
+    data = json.dumps({"ranks": replicas}, allow_nan=False).encode()
+    path = os.path.join(partial, REPLICATED_PART)
+    rootdir.make_dirs(os.path.dirname(path))
+    rootdir.atomic_write(path, data)
+    return IndexRef(REPLICATED_PART, len(data), checksum.digest(data))
 
 
 def check_pieces(ranks: list[RankEntry]) -> None:

@@ -48,7 +48,8 @@ def test_four_ranks_on_two_nodes_write_two_files_that_h5py_reads(saved: Path):
     parts = [f"index/node-0000{n}.json" for n in (0, 0, 1, 1)]  # one index part per node
     assert [e["index"]["file"] for e in m["ranks"]] == parts
     assert sorted(str(p.relative_to(d)) for p in d.rglob("*.json")) == [
-        "MANIFEST.json", "index/node-00000.json", "index/node-00001.json"]
+        "MANIFEST.json", "index/node-00000.json", "index/node-00001.json",
+        "index/replicated.json"]  # the records of "rep", which every rank holds
     assert m["ranks"][0]["bytes"] == m["ranks"][1]["bytes"] == (d / "node-00000.h5").stat().st_size
     with h5py.File(d / "node-00001.h5", "r") as f:
         assert sorted(f) == ["rank-00002", "rank-00003"]
