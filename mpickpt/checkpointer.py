@@ -248,7 +248,7 @@ class Checkpointer:
 
     @property
     def pinned_bytes(self) -> int:
-        """Host buffer memory this rank holds for snapshots."""
+        """Host buffer memory this rank holds for snapshots (page-locked or not: pinned_pool)."""
         return self._pool.allocated_bytes
 
     # ----------------------------------------------------------------------------------- restore
@@ -343,15 +343,15 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
-        """Wait for the saves in flight, meet the other ranks and release the private
-        communicators. Collective: a rank that never gets here (hung after a commit, say) makes
-        the others miss the deadline of the 'close' barrier and abort the job, rather than hang
-        in MPI_Finalize."""
+        """Wait for the saves in flight, meet the other ranks, release the communicators and
+        buffers. Collective: a rank that never gets here (hung after a commit, say) makes the
+        others miss the 'close' barrier's deadline and abort the job, not hang in MPI_Finalize."""
         if not self._closed:
             self._pipeline.scavenge()  # the newest local checkpoint reaches ROOT
             self.wait()
             self._pipeline.shutdown()
-            if self._local is not None:
+            self._pool.close()  # its page-locked buffers unlocked before they are freed
+            if self._local is not None:  # the level's mapped files let go
                 self._local.close()
             if self._pipeline.root.node is not None:
                 self._pipeline.root.node.proto.free()

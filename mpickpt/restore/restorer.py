@@ -222,6 +222,7 @@ class Restorer:
 
         def buffer(nbytes: int) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
+            self.pool.lock(held[-1])  # before the loop: fast copies to the GPU (pinned_pool)
             return held[-1]
 
         where = path

@@ -57,17 +57,18 @@ class Capture:
         keep_mine(tensors, placements, self.rank)
         return tree, tensors, placements
 
-    def _hint(self, nbytes: int, allocating: bool) -> None:
-        """Rank 0, once: a save that page-locks a large buffer stalls training for seconds
-        (the CUDA driver is held, whichever thread does it); prepare() does it before the loop."""
-        if (self._hinted or self.rank != 0 or not allocating or not self.pool.pin
-                or nbytes < HINT_BYTES):
+    def _hint(self, nbytes: int) -> None:
+        """Rank 0, once: a save that page-locked a large buffer (no room on the GPU to stage
+        the snapshot, so it is copied straight into host memory) stalled training for seconds
+        (the CUDA driver is held); prepare() does it before the loop."""
+        if self._hinted or self.rank != 0 or nbytes < HINT_BYTES:
             return
         self._hinted = True
         self.log.warning(
-            "this save page-locks %.1f GB of host memory for its snapshot: the CUDA driver is "
-            "held meanwhile and training steps wait for it (about 0.6 s per GB); call "
-            "Checkpointer.prepare(state) before the training loop to do it there", nbytes / 1e9)
+            "this save page-locked %.1f GB of host memory for its snapshot (the GPU has no room "
+            "to stage it): the CUDA driver was held meanwhile and training steps waited for it "
+            "(about 0.6 s per GB); call Checkpointer.prepare(state) before the training loop to "
+            "do it there", nbytes / 1e9)
 
     def take(self, step: int, state: dict[str, Any], metadata: dict[str, Any] | None
              ) -> tuple[SaveRequest, CheckpointError | None]:
@@ -89,10 +90,10 @@ class Capture:
                 request.busy = True
                 request.stats["stall_s"] = time.perf_counter() - t0
                 return request, None
-            held = self.pool.allocated_bytes
+            locked = self.pool.locked_bytes
             request.snapshot = self.snapshotter.take(tensors, lazy)
-            self._hint(request.snapshot.nbytes, request.snapshot.lease.buffer is None
-                       or self.pool.allocated_bytes > held)
+            if self.pool.locked_bytes > locked:
+                self._hint(request.snapshot.nbytes)
             if self._waits is not None:
                 self._waits.saw(step, waits, self.pool.waited_s)
         except (StateTreeError, MetadataError) as e:

@@ -115,6 +115,72 @@ def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, allo
 
 
 
+def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_path):
+    """Without prepare(), the pool's buffer stays pageable: the snapshot's GPU staging buffer is
+    emptied through the small page-locked ring, bit exact; a restore page-locks the buffer (it
+    runs before the loop), and the next save empties the staging buffer into it straight."""
+    from mpickpt.save import snapshot
+
+    m, opt = model_and_opt(0)
+    x = torch.randn(1024, 1024, device="cuda")
+    step(m, opt, x)
+    rings: list[bool] = []
+    real = snapshot._unstage
+
+    def spy(stream, src, dst, ring=None):
+        rings.append(ring is not None)
+        return real(stream, src, dst, ring)
+
+    snapshot._unstage = spy
+    try:
+        with mpickpt.Checkpointer(tmp_path) as ck:
+            expected = values(m, opt)
+            h = ck.save(0, {"model": m, "optim": opt})
+            step(m, opt, x)  # the copy must not see this step
+            assert h.wait().committed
+            assert ck._pool.allocated_bytes > 0 and ck._pool.locked_bytes == 0
+            assert rings == [True]
+            m2, opt2 = model_and_opt(1)
+            step(m2, opt2, x)
+            ck.restore({"model": m2, "optim": opt2}, step=0)
+            for a, b in zip(values(m2, opt2), expected, strict=True):
+                assert torch.equal(a, b)
+            assert ck._pool.locked_bytes > 0  # the restore's buffer, the pool's
+            after = values(m2, opt2)
+            assert ck.save(1, {"model": m2, "optim": opt2}).wait().committed
+            assert rings == [True, False]
+            step(m2, opt2, x)
+            ck.restore({"model": m2, "optim": opt2}, step=1)
+            for a, b in zip(values(m2, opt2), after, strict=True):
+                assert torch.equal(a, b)
+    finally:
+        snapshot._unstage = real
+
+
+def test_prepare_page_locks_and_no_room_to_stage_page_locks_with_a_hint(tmp_path, monkeypatch,
+                                                                        caplog):
+    import logging
+
+    from mpickpt.save import capture
+
+    monkeypatch.setattr(capture, "HINT_BYTES", 1)
+    caplog.set_level(logging.INFO, logger="mpickpt")
+    m, opt = model_and_opt(0)
+    step(m, opt, torch.randn(1024, 1024, device="cuda"))
+    state = {"model": m, "optim": opt}
+    with mpickpt.Checkpointer(tmp_path / "a") as ck:
+        ck.prepare(state)
+        assert ck._pool.locked_bytes >= ck._pool.allocated_bytes > 0
+        assert ck.save(0, state).wait().committed
+    assert "Checkpointer.prepare(state)" not in caplog.text
+    no_staging = mpickpt.Snapshots(device_staging=False)
+    with mpickpt.Checkpointer(tmp_path / "b", snapshots=no_staging) as ck:
+        assert ck.save(0, state).wait().committed  # copied straight: page-locked on the spot
+        assert ck._pool.locked_bytes > 0
+        assert ck.save(1, state).wait().committed
+    assert caplog.text.count("call Checkpointer.prepare(state) before the training loop") == 1
+
+
 @pytest.mark.parametrize("compression", [None, "zstd+shuffle"])
 def test_incremental_saves_of_a_partly_frozen_cuda_model_restore_bit_exact(tmp_path, compression):
     if compression:
