@@ -134,6 +134,8 @@ def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_pat
     snapshot._unstage = spy
     try:
         with mpickpt.Checkpointer(tmp_path) as ck:
+            # the ring is page-locked with the Checkpointer: CUDA was in use already
+            assert ck._capture.snapshotter._ring is not None
             expected = values(m, opt)
             h = ck.save(0, {"model": m, "optim": opt})
             step(m, opt, x)  # the copy must not see this step
