@@ -6,8 +6,10 @@ naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -141,13 +143,9 @@ class RankEntry:
         path = os.path.join(self.directory, self.index.file)
         key = self._part_key()
         d = self._parts.get(key) if self._parts is not None else None
-        try:
+        with part_errors(path):
             if d is None:
-                data = read_part(path, self.index.bytes)
-                if checksum.digest(data) != self.index.xxh3:
-                    raise ManifestError(f"{path}: checksum mismatch: the index part of rank "
-                                        f"{self.rank} is corrupt")
-                d = json.loads(data)
+                d = read_json_part(path, self.index, f"the index part of rank {self.rank}")
                 if self._parts is not None and isinstance(d, dict) and "ranks" in d:
                     self._parts[key] = d  # a node's part: its other ranks need it too
             if isinstance(d, dict) and "ranks" in d:  # a node's part: this rank's entry in it
@@ -158,12 +156,6 @@ class RankEntry:
                                "index part, not 1")
                 d = mine[0]
             entry = parse_entry(self.rank, d, f"{path}: rank entry {self.rank}", self.references)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{path}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise ManifestError(f"{path}: nested too deeply to be an index part") from None
-        except Bad as e:
-            raise ManifestError(str(e)) from None
         if entry.file != self.file or entry.bytes != self.bytes:
             raise ManifestError(f"{path}: says {entry.file} has {entry.bytes} bytes, the "
                                 f"manifest {self.file} with {self.bytes}")
@@ -232,6 +224,28 @@ def read_part(path: str, size: int) -> bytes:
         data = f.read(size + 1)
     count_read(len(data), True)
     return data
+
+
+def read_json_part(path: str, ref: IndexRef, what: str) -> Any:
+    """An index part's JSON, of the size and checksum ``ref`` gives (:class:`ManifestError`
+    naming it as ``what`` otherwise; invalid JSON raises ValueError: see :func:`part_errors`)."""
+    data = read_part(path, ref.bytes)
+    if checksum.digest(data) != ref.xxh3:
+        raise ManifestError(f"{path}: checksum mismatch: {what} is corrupt")
+    return json.loads(data)
+
+
+@contextlib.contextmanager
+def part_errors(path: str) -> Iterator[None]:
+    """What goes wrong parsing the index part ``path``, as a :class:`ManifestError` naming it."""
+    try:
+        yield
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ManifestError(f"{path}: nested too deeply to be an index part") from None
+    except Bad as e:
+        raise ManifestError(str(e)) from None
 
 
 class Bad(Exception):

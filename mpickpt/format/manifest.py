@@ -63,7 +63,8 @@ from .entry import (
     parse_entry,
     parse_replicas,
     parse_summary,
-    read_part,
+    part_errors,
+    read_json_part,
     steps_field,
 )
 from .names import REPLICATED_PART
@@ -130,17 +131,9 @@ class Manifest:
         if self.directory is None:
             raise ManifestError(f"step {self.step}: the replicated part, and no directory")
         path = os.path.join(self.directory, ref.file)
-        data = read_part(path, ref.bytes)
-        if checksum.digest(data) != ref.xxh3:
-            raise ManifestError(f"{path}: checksum mismatch: the replicated part is corrupt")
-        try:
-            return parse_replicas(json.loads(data), path, self.ranks)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{path}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise ManifestError(f"{path}: nested too deeply to be an index part") from None
-        except Bad as e:
-            raise ManifestError(str(e)) from None
+        with part_errors(path):
+            return parse_replicas(read_json_part(path, ref, "the replicated part"), path,
+                                  self.ranks)
 
     @property
     def split(self) -> bool:
