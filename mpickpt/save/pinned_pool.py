@@ -121,6 +121,12 @@ class HostPool:
         if self._locked.pop(buf.data_ptr(), None) is not None:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
+    def __del__(self) -> None:
+        """A pool dropped without close() (its Checkpointer never closed): its buffers are
+        about to be freed, so unlock them first (freed memory must not stay registered)."""
+        for ptr in list(getattr(self, "_locked", {})):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
     def close(self) -> None:
         """Unlock the free buffers and let them go (every save and restore is over)."""
         with self._cond:
