@@ -17,7 +17,9 @@ config (``--gpt-layers`` by ``--gpt-width``); both save every ``--every`` steps 
 steps. Per method: the state's size, the median time of the save call (the stall the training
 loop sees directly: Lightning's ``trainer.save_checkpoint``, the Trainer's ``_save_checkpoint``),
 and the slowdown of the whole run per checkpoint against the baseline (the stall plus what
-background writing takes from the training steps, and the wait for the last save at the end).
+background writing takes from the training steps, and the wait for the last save at the end);
+then the tail (from the end of the last training step to the end of the run: the wait for the
+last save) and the slowdown per checkpoint up to the end of the last step, the tail apart.
 Neither framework fsyncs its files; mpickpt does. On CUDA the models are on the GPU.
 
     python bench/bench_frameworks.py                  # ~6 minutes on 2 cores
@@ -105,6 +107,13 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
     if how != "none":
         callbacks = [ModelCheckpoint(dirpath=os.path.join(work, "ckpt"), save_top_k=-1,
                                      every_n_train_steps=args.every)]
+    ends: list[float] = []  # when each training step ended: the last one starts the tail
+
+    class Clock(pl.Callback):
+        def on_train_batch_end(self, *_: Any) -> None:
+            ends.append(time.perf_counter())
+
+    callbacks.append(Clock())
     trainer = pl.Trainer(accelerator=args.device if args.device == "cuda" else "cpu", devices=1,
                          max_steps=args.steps, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=how != "none",
@@ -116,7 +125,8 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
     t = time.perf_counter()
     trainer.fit(model, loader)
     _sync(args.device)
-    return {"total_s": time.perf_counter() - t, "calls": calls, "state_bytes": state_bytes}
+    return {"total_s": time.perf_counter() - t, "steps_s": ends[-1] - t, "calls": calls,
+            "state_bytes": state_bytes}
 
 
 def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
@@ -154,11 +164,19 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
     calls: list[float] = []
     trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, args.device)  # type: ignore[method-assign]
+    ends: list[float] = []  # when each training step ended: the last one starts the tail
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            ends.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     t = time.perf_counter()
     trainer.train()
     _sync(args.device)
-    return {"total_s": time.perf_counter() - t, "calls": calls, "state_bytes": state_bytes}
+    return {"total_s": time.perf_counter() - t, "steps_s": ends[-1] - t, "calls": calls,
+            "state_bytes": state_bytes}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -216,18 +234,24 @@ def main() -> None:
         fw = m.split()[0]
         base_runs = runs.get(f"{fw} none") or [{"total_s": 0.0}]
         base = statistics.median(x["total_s"] for x in base_runs)
+        base_steps = statistics.median(x.get("steps_s", x["total_s"]) for x in base_runs)
         total = statistics.median(x["total_s"] for x in runs[m])
+        steps = statistics.median(x["steps_s"] for x in runs[m])
+        tail = statistics.median(x["total_s"] - x["steps_s"] for x in runs[m])
         calls = [c for x in runs[m] for c in x["calls"]]
         saves = len(runs[m][0]["calls"])
         stall = statistics.median(calls) if calls else 0.0
         slow = (total - base) / saves if saves else 0.0
+        # to the end of the last training step: the tail (the wait for the last save) apart
+        rest = (steps - base_steps) / saves if saves else 0.0
         out.append({"method": m, "state_bytes": runs[m][0]["state_bytes"], "saves": saves,
                     "save_call_s": stall, "total_s": total, "slowdown_per_save_s": slow,
-                    "runs": runs[m]})
+                    "tail_s": tail, "slowdown_per_save_less_tail_s": rest, "runs": runs[m]})
         rows.append((m, f"{runs[m][0]['state_bytes'] / 1e6:.0f}", str(saves),
-                     f"{stall:.3f}", f"{total:.2f}", f"{slow:.3f}" if saves else "-"))
+                     f"{stall:.3f}", f"{total:.2f}", f"{slow:.3f}" if saves else "-",
+                     f"{tail:.2f}", f"{rest:.3f}" if saves else "-"))
     print(columns(("method", "state MB", "saves", "save call s (median)", "run s",
-                   "slowdown per save s"), rows))
+                   "slowdown per save s", "tail s", "per save less the tail s"), rows))
     for fw in ("lightning", "hf"):
         own = next((o for o in out if o["method"] == f"{fw} own"), None)
         mine = next((o for o in out if o["method"] == f"{fw} mpickpt"), None)
