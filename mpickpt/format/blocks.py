@@ -68,6 +68,13 @@ def _pread_all(fd: int, buf: memoryview, offset: int) -> int:
     return got
 
 
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
 def _pread(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> int:
     """Read ``buf`` (at address ``addr``) from ``offset``: the aligned part with O_DIRECT on
     ``dfd``, the rest through the page cache on ``fd``; the number of bytes read (fewer only at

@@ -15,6 +15,8 @@ import os
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 
+from .blocks import pwrite_all
+
 PAGE = 4096
 
 
@@ -123,8 +125,5 @@ def place(fd: int, runs: Iterable[tuple[int, bytes | memoryview]], size: int) ->
     """Write each ``(offset, bytes)`` run of a shard's metadata (:meth:`MetadataImage.extents`)
     into the file ``fd``, around its tensors' bytes, and end the file at ``size``."""
     for off, data in runs:
-        view = memoryview(data)
-        while len(view):
-            n = os.pwrite(fd, view, off)
-            view, off = view[n:], off + n
+        pwrite_all(fd, memoryview(data), off)
     os.ftruncate(fd, size)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import checksum, dtypes, rootdir
-from .blocks import DIRECT_ALIGN, _direct_len, _open_direct
+from .blocks import DIRECT_ALIGN, _direct_len, _open_direct, pwrite_all
 from .h5image import MetadataImage, place
 from .iothreads import pool, run_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
@@ -57,12 +57,6 @@ def _io_tasks(records: Iterable[TensorRecord], block: int) -> list[tuple[int, in
     return [(i, b) for i, r in order for b in range(checksum.block_count(r.nbytes, block))]
 
 
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.pwrite(fd, buf, offset)
-        buf, offset = buf[n:], offset + n
-
-
 def _pwrite(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> None:
     """Write ``buf`` (at address ``addr``) at ``offset``: the aligned part with O_DIRECT on
     ``dfd``, the rest through the page cache on ``fd``."""
@@ -72,7 +66,7 @@ def _pwrite(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> None:
         buf, offset, d = buf[n:], offset + n, d - n
         if n % DIRECT_ALIGN:  # a short odd-sized write: finish through the page cache
             break
-    _pwrite_all(fd, buf, offset)
+    pwrite_all(fd, buf, offset)
 
 
 def _set_attr(obj: h5py.h5o.ObjectID, name: str, value: str | int | np.ndarray) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..background import lower_priority
 from ..format import rootdir
+from ..format.blocks import pwrite_all
 from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
 from .pool import Mapped
@@ -80,12 +81,6 @@ def _pread(fd: int, buf: memoryview, offset: int) -> None:
         n = os.preadv(fd, [buf], offset)
         if n <= 0:
             raise OSError(f"unexpected end of file at byte {offset}")
-        buf, offset = buf[n:], offset + n
-
-
-def _pwrite(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.pwrite(fd, buf, offset)
         buf, offset = buf[n:], offset + n
 
 
@@ -388,12 +383,12 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
             if recv is not None:
                 for k in range(n):
                     if k == lost:
-                        _pwrite(outp, memoryview(recv[k]), off)
+                        pwrite_all(outp, memoryview(recv[k]), off)
                         continue
                     start = xor_chunk(n, lost, k) * chunk + off
                     have = max(0, min(w, sizes[lost] - start))
                     if have:
-                        _pwrite(out, memoryview(recv[k][:have]), start)
+                        pwrite_all(out, memoryview(recv[k][:have]), start)
         return sizes[lost] + chunk if me == lost else 0
     finally:
         for fd in (src, par):

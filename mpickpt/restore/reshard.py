@@ -286,7 +286,7 @@ class Staged:
              on_block: Callable[[], None] | None = None) -> None:
         """Read and verify the spans of these ranks' shards under ``directory``."""
         for src_rank in ranks:
-            entry = self.plan.entries.get(src_rank) or manifest.ranks[src_rank]
+            entry = self.plan.entries[src_rank]
             by_file: dict[tuple[str, int], list[Span]] = {}  # incremental: some in older shards
             for s in self.by_rank.get(src_rank, []):
                 by_file.setdefault(entry.file_of(directory, s.record), []).append(s)

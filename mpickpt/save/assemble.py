@@ -38,9 +38,12 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
     try:
         if rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
             faults.hit("after-vote-before-manifest", rank, step)
-        payload = None if entry is None else (
-            entry.summary() if entry.index is not None else entry.to_dict())
-        if payload is not None and entry is not None and entry.index is not None:
+        if entry is None:
+            payload = None
+        elif entry.index is None:  # the records inline, in the manifest
+            payload = entry.to_dict()
+        else:  # a summary, and the records of tensors every rank holds for the replicated part
+            payload = entry.summary()
             shared = replicated_records(entry, req.placements, proto.size)
             if shared is not None:
                 payload["replicated"] = shared

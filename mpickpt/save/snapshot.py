@@ -256,23 +256,23 @@ class Snapshotter:
             self.pool.release(lease)
 
     def warm(self) -> None:
-        """Page-lock the ring now when this process already uses CUDA (a Checkpointer made after
-        the model went to the GPU, before the training loop): about 20 ms of the driver that the
-        first save's window would otherwise pay. Otherwise it is made when first needed."""
-        if (self.device_staging and self.pool.pin and self._ring is None
-                and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        """Page-lock the ring now if this process uses CUDA already (a Checkpointer made after
+        the model went to the GPU): the first save's window would pay it otherwise."""
+        if self.device_staging and self.pool.pin and torch.cuda.is_initialized():
+            self._page_locked_ring()
+
+    def _page_locked_ring(self) -> torch.Tensor:
+        """The ring, page-locked when first asked for (32 MiB: about 20 ms of the driver)."""
+        if self._ring is None:
             self._ring = torch.empty(2 * RING_PIECE, dtype=torch.uint8, pin_memory=True)
+        return self._ring
 
     def _ring_for(self, lease: Lease) -> Callable[[], torch.Tensor | None]:
         """What empties the staging buffer into ``lease``'s buffer once it is allocated: the
         ring, unless that buffer is page-locked (then straight)."""
         def ring() -> torch.Tensor | None:
             assert lease.buffer is not None
-            if self.pool.is_locked(lease.buffer):
-                return None
-            if self._ring is None:  # 32 MiB page-locked, once: about 20 ms of the driver
-                self._ring = torch.empty(2 * RING_PIECE, dtype=torch.uint8, pin_memory=True)
-            return self._ring
+            return None if self.pool.is_locked(lease.buffer) else self._page_locked_ring()
         return ring
 
     def _fill(self, snap: Snapshot, offsets: dict[str, int],
