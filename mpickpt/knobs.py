@@ -94,6 +94,19 @@ ABORT_DELAY = Knob("MPICKPT_ABORT_DELAY", 1.0, _non_negative, "seconds",
 NODE = Knob[str | None]("MPICKPT_NODE", None, str, "a node name",
                         "this rank's node, for the local level (default: the ranks that share "
                         "memory); for tests that simulate nodes on one host, and odd launchers")
+def _backend(raw: str) -> str:
+    name = raw.strip().lower()
+    if name not in ("auto", "mpi", "torch"):
+        raise ValueError("must be auto, mpi or torch")
+    return name
+
+
+BACKEND = Knob("MPICKPT_BACKEND", "auto", _backend, "auto, mpi or torch",
+               "what the protocol's collectives run over: auto takes MPI under an MPI launcher "
+               "(or where mpi4py is initialised) and torch.distributed's gloo under torchrun "
+               "(RANK, WORLD_SIZE, MASTER_ADDR set)")
+
+
 def _count(raw: str) -> int:
     value = int(raw)
     if value < 0:
@@ -109,7 +122,7 @@ FAULT = Knob("MPICKPT_FAULT", "", str, "phase:rank:action[:step],...",
              "fault injection for tests (mpickpt/faults.py); unset in production")
 
 ALL: tuple[Knob, ...] = (TIMEOUT, TIMEOUT_GRACE, DEADLINE, REQUEUE, SIGNAL, LOG, EXIT_GRACE,
-                         ABORT_DELAY, NODE, CHECK_PIECES_RANKS, FAULT)
+                         ABORT_DELAY, NODE, BACKEND, CHECK_PIECES_RANKS, FAULT)
 
 
 def markdown_table() -> str:

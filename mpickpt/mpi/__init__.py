@@ -1,11 +1,11 @@
 """The protocol layer: every collective with a deadline on a private communicator, the roll call
-when one is missed, the exit vote. With :mod:`mpickpt.run`, the only code that talks MPI."""
+when one is missed, the exit vote. With :mod:`mpickpt.run`, the only code that talks MPI (or,
+under torchrun without MPI, gloo: :mod:`mpickpt.mpi.comm`)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
 
 CMA = "MPIR_CVAR_CH4_CMA_ENABLE"
 
@@ -33,16 +33,4 @@ def prefer_single_copy() -> bool:
 
 prefer_single_copy()
 
-
-def abort_world(code: int) -> NoReturn:
-    """End every rank of the job with exit code ``code``: ``MPI_Abort`` on ``MPI_COMM_WORLD``,
-    then this process's own end. MPICH's ``MPI_Abort`` can return to the caller while the
-    launcher tears the job down (the mpich wheel with hydra: about one call in two, from the
-    main thread or another), and what ran next (an uncaught exception's ``abort(1)``) could
-    win the race for the job's exit code; ``os._exit`` makes sure nothing does."""
-    from mpi4py import MPI
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
+from .comm import abort_world as abort_world  # noqa: E402  (re-exported)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
+from .comm import Request
 from .rollcall import RollCall
 
 if TYPE_CHECKING:
@@ -29,11 +29,11 @@ class ExitVote:
 
     def __init__(self, proto: Protocol) -> None:
         self._proto = proto
-        self.comm = proto.comm.Dup()
+        self.comm = proto.comm.dup()
         self._roll = RollCall(self.comm, proto.grace)
         self._send = np.zeros(2, dtype=np.int64)
         self._recv = np.zeros(2, dtype=np.int64)
-        self._req: MPI.Request | None = None
+        self._req: Request | None = None
         self._label = ""
 
     def _complete(self) -> None:
@@ -55,11 +55,11 @@ class ExitVote:
             self._send[:] = (flag, rank + 1 if flag else 0)
             self._label = (f"phase {self.PHASE!r} (call #{self._roll.seq + 1}"
                            f"{f', step {step}' if step is not None else ''})")
-            self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+            self._req = self.comm.iallreduce(self._send, self._recv, "max")
         return agreed
 
     def free(self) -> None:
         """Collective: complete the allreduce in flight (every rank has the same one), release."""
         if self._req is not None:
             self._complete()
-        self.comm.Free()
+        self.comm.free()

@@ -1,6 +1,7 @@
 """The collectives of the checkpoint protocol, each with a deadline, on a private communicator.
 
-This module and :mod:`mpickpt.run` are the only ones that talk MPI. Every collective is started
+This module and :mod:`mpickpt.run` are the only ones that talk MPI (or, without MPI, gloo:
+:mod:`mpickpt.mpi.comm` says which, and holds the two). Every collective is started
 non-blocking and polled until it completes or its deadline passes; object collectives are preceded
 by such a barrier, so a blocking transfer only starts once every rank has arrived. A missed
 deadline raises :class:`~mpickpt.errors.CollectiveTimeout`; the communicator is unusable after it.
@@ -19,14 +20,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import knobs
 from ..background import lower_priority
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
-from . import abort_world
+from .comm import CommError, Request, abort_world, open_comm
+from .comm import world_rank as world_rank  # re-exported
 from .rollcall import RollCall
 
 T = TypeVar("T")
@@ -53,13 +54,9 @@ def resolve_grace(grace: float | None) -> float:
     return float(grace) if grace is not None else knobs.TIMEOUT_GRACE.get()
 
 
-def world_rank() -> int | None:
-    """This process's rank in ``MPI.COMM_WORLD``, or None before MPI is initialized."""
-    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else None
-
-
 class Protocol:
-    """Collectives with deadlines on ``comm.Dup()`` (``MPI.COMM_WORLD`` when ``comm`` is None).
+    """Collectives with deadlines on a duplicate of ``comm`` (an mpi4py communicator or a
+    :class:`~mpickpt.mpi.comm.Comm`; the whole job when None, over MPI or gloo).
 
     ``timeout`` (default ``$MPICKPT_TIMEOUT``, else 900 s) is each collective's deadline;
     ``grace`` (default ``$MPICKPT_TIMEOUT_GRACE``, else 5 s) bounds the roll call after a missed
@@ -68,9 +65,9 @@ class Protocol:
 
     def __init__(self, comm: Any = None, timeout: float | None = None,
                  grace: float | None = None) -> None:
-        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
+        self.comm = open_comm(comm).dup()
+        self.rank: int = self.comm.rank
+        self.size: int = self.comm.size
         self.timeout = resolve_timeout(timeout)
         self.grace = resolve_grace(grace)
         self._roll = RollCall(self.comm, self.grace)
@@ -78,23 +75,16 @@ class Protocol:
         self.collectives = 0  # collective operations this rank has completed (a statistic)
 
     def local_size(self) -> int:
-        """How many ranks of this communicator share this rank's node."""
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            return local.Get_size()
-        finally:
-            local.Free()
+        """How many ranks of this communicator share this rank's node (collective)."""
+        keys = self.comm.node_keys()
+        return sum(1 for k in keys if k[0] == keys[self.rank][0])
 
     def nodes(self, override: str | None) -> list[str]:
         """The node name of every rank: ranks that share memory (MPI's shared-memory split) are
         one node, named after the host of its lowest rank; ``override`` (``$MPICKPT_NODE``),
         when every rank sets it, names the nodes instead (several simulated nodes on one host)."""
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            leader = local.allreduce(self.rank, op=MPI.MIN)
-        finally:
-            local.Free()
-        keys = self.allgather((override or None, leader, MPI.Get_processor_name()), "nodes")
+        leader, host = self.comm.node_keys()[self.rank]
+        keys = self.allgather((override or None, leader, host), "nodes")
         set_on = [r for r, k in enumerate(keys) if k[0]]
         if set_on and len(set_on) != self.size:
             raise ValueError(
@@ -110,18 +100,18 @@ class Protocol:
     def sub(self, color: int, key: int) -> Protocol:
         """The ranks of the same ``color``, ordered by ``key``, as a Protocol of their own
         (collective)."""
-        split = self.comm.Split(color, key)
+        split = self.comm.split(color, key)
         try:
             return Protocol(split, self.timeout, self.grace)
         finally:
-            split.Free()
+            split.free()
 
     def start(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
               phase: str) -> Pending:
         """Start sending each buffer to its rank and receiving each from its rank, point to
         point; :meth:`Pending.wait` ends them within the deadline."""
-        reqs = [self.comm.Irecv(buf, src, TAG_DATA) for buf, src in recvs]
-        reqs += [self.comm.Isend(buf, dest, TAG_DATA) for buf, dest in sends]
+        reqs = [self.comm.irecv(buf, src, TAG_DATA) for buf, src in recvs]
+        reqs += [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
         peers = sorted({p for _, p in sends} | {p for _, p in recvs})
         return Pending(self, reqs, f"{phase} with {ranks_text(peers)}")
 
@@ -133,23 +123,23 @@ class Protocol:
     def xor_scatter(self, send: np.ndarray, recv: np.ndarray, phase: str) -> Pending:
         """Start a reduce-scatter (bitwise XOR) of equal blocks: rank k gets the XOR of every
         rank's block k."""
-        return Pending(self, [self.comm.Ireduce_scatter_block(send, recv, op=MPI.BXOR)],
+        return Pending(self, [self.comm.ireduce_scatter_xor(send, recv)],
                        f"{phase} of {self.size} ranks")
 
     def xor_reduce(self, send: np.ndarray, recv: np.ndarray | None, root: int,
                    phase: str) -> None:
         """The bitwise XOR of every rank's ``send``, into ``recv`` on ``root``."""
-        Pending(self, [self.comm.Ireduce(send, recv, op=MPI.BXOR, root=root)],
+        Pending(self, [self.comm.ireduce_xor(send, recv, root)],
                 f"{phase} of {self.size} ranks").wait()
 
-    def complete(self, req: MPI.Request, roll: RollCall, phase: str) -> None:
+    def complete(self, req: Request, roll: RollCall, phase: str) -> None:
         """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
         MPI error) account for the missing ranks and raise :class:`CollectiveTimeout`."""
         deadline = time.monotonic() + self.timeout
         spins, look, nap = 0, 0.0, POLL_NAP_S
         error = ""
         try:
-            while not req.Test():
+            while not req.test():
                 spins += 1
                 if spins > POLL_SPINS:
                     now = time.monotonic()
@@ -161,8 +151,8 @@ class Protocol:
                     nap = min(2 * nap, POLL_NAP_MAX_S)
             else:
                 return
-        except MPI.Exception as e:
-            error = f" (MPI reported: {e.Get_error_string().strip()})"
+        except CommError as e:
+            error = f" ({e})"
         details = roll.account()
         # rank 0 reported: everyone heard at once; else the others' deadlines may come later
         self._abort_delay = min(1.0, self.grace) if roll.coordinated else self.grace
@@ -171,24 +161,24 @@ class Protocol:
             f"{self.timeout:g} s{error}; {details}"
         )
 
-    def _wait(self, req: MPI.Request, phase: str) -> None:
+    def _wait(self, req: Request, phase: str) -> None:
         self._roll.enter(f"phase {phase!r} (collective #{self._roll.seq + 1})")
         self.complete(req, self._roll, phase)
         self._roll.complete()
         self.collectives += 1
 
     def barrier(self, phase: str) -> None:
-        self._wait(self.comm.Ibarrier(), phase)
+        self._wait(self.comm.ibarrier(), phase)
 
-    def _allreduce(self, value: int, op: MPI.Op, phase: str) -> int:
+    def _allreduce(self, value: int, op: str, phase: str) -> int:
         send = np.array([value], dtype=np.int64)
         recv = np.empty(1, dtype=np.int64)
-        self._wait(self.comm.Iallreduce(send, recv, op=op), phase)
+        self._wait(self.comm.iallreduce(send, recv, op), phase)
         return int(recv[0])
 
     def all_ok(self, ok: bool, phase: str) -> bool:
         """The vote: True only if every rank says ok."""
-        return bool(self._allreduce(int(ok), MPI.MIN, phase))
+        return bool(self._allreduce(int(ok), "min", phase))
 
     def agree(self, error: str | None, phase: str, report: str | None = None
               ) -> Failures | None:
@@ -201,20 +191,20 @@ class Protocol:
         return Failures(tuple(RankFailure(r, phase, m) for r, m in enumerate(reasons) if m))
 
     def max(self, value: int, phase: str) -> int:
-        return self._allreduce(value, MPI.MAX, phase)
+        return self._allreduce(value, "max", phase)
 
     def sum(self, value: int, phase: str) -> int:
-        return self._allreduce(value, MPI.SUM, phase)
+        return self._allreduce(value, "sum", phase)
 
     def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
         self.barrier(phase)
         self.collectives += 1
-        return self.comm.bcast(obj, root=root)
+        return self.comm.bcast(obj, root)
 
     def gather(self, obj: Any, phase: str, root: int = 0) -> list[Any] | None:
         self.barrier(phase)
         self.collectives += 1
-        return self.comm.gather(obj, root=root)
+        return self.comm.gather(obj, root)
 
     def allgather(self, obj: Any, phase: str) -> list[Any]:
         self.barrier(phase)
@@ -234,7 +224,8 @@ class Protocol:
         at about the same time (or, when rank 0 was silent, within ``grace``), log it too.
         ``MPI_COMM_WORLD`` is aborted, not the private communicator: MPICH ends only the calling
         process for another communicator, the launcher then SIGKILLs the rest, and the job's exit
-        code came out as 9 instead of ``code`` about one time in three.
+        code came out as 9 instead of ``code`` about one time in three. Without MPI the process
+        ends with ``code``, and torchrun's agent ends the others.
         """
         if self._abort_delay:
             time.sleep(self._abort_delay)
@@ -271,8 +262,7 @@ class Protocol:
         return value  # type: ignore[return-value]
 
     def free(self) -> None:
-        if self.comm != MPI.COMM_NULL:
-            self.comm.Free()
+        self.comm.free()
 
 
 class Pending:
@@ -282,17 +272,9 @@ class Pending:
     deadline, else raises :class:`CollectiveTimeout` (the communicator, and the helper thread,
     are then given up: the job aborts)."""
 
-    def __init__(self, proto: Protocol, reqs: list[MPI.Request], what: str) -> None:
+    def __init__(self, proto: Protocol, reqs: list[Request], what: str) -> None:
         self._proto, self._what = proto, what
-        self._future = _waiter().submit(self._run, reqs)
-
-    @staticmethod
-    def _run(reqs: list[MPI.Request]) -> str | None:
-        try:
-            MPI.Request.Waitall(reqs)
-        except MPI.Exception as e:
-            return str(e.Get_error_string().strip())
-        return None
+        self._future = _waiter().submit(proto.comm.waitall, reqs)
 
     def wait(self) -> None:
         p = self._proto
@@ -303,8 +285,7 @@ class Pending:
             raise CollectiveTimeout(f"rank {p.rank}: {self._what} did not complete within "
                                     f"{p.timeout:g} s: a peer died or hangs") from None
         if error is not None:
-            raise CollectiveTimeout(f"rank {p.rank}: {self._what} failed (MPI reported: "
-                                    f"{error})")
+            raise CollectiveTimeout(f"rank {p.rank}: {self._what} failed ({error})")
 
 
 _WAITER: list[concurrent.futures.ThreadPoolExecutor] = []

@@ -14,12 +14,8 @@ passed; none while the job is healthy beyond one ``Iprobe`` per poll of a collec
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from typing import Any
-
-from mpi4py import MPI
 
 from ..ranks import ranks_text, spans, unspan
 
@@ -32,16 +28,15 @@ class RollCall:
     deadline (see the module docstring). Used by one thread at a time."""
 
     def __init__(self, comm: Any, grace: float) -> None:
-        self.comm = comm
-        self.rank: int = comm.Get_rank()
-        self.size: int = comm.Get_size()
+        self.comm = comm  # a mpickpt.mpi.comm.Comm
+        self.rank: int = comm.rank
+        self.size: int = comm.size
         self.grace = grace
         self.seq = 0  # the collective this rank is in, or last was in
         self.where = ""  # its name, e.g. "phase 'vote' (collective #8)"
         self.last_done = "the creation of this communicator"
         self._heard: dict[str, Any] | None = None  # rank 0: an alarm; the others: a call
         self._report: dict[str, Any] | None = None
-        self._sends: list[tuple[Any, bytearray]] = []  # never waited on: a dead rank never acks
         self.coordinated = False  # whether rank 0's report came (else rank 0 was silent)
 
     def enter(self, where: str) -> None:
@@ -54,23 +49,11 @@ class RollCall:
     # -------------------------------------------------------------------------------- messages
 
     def _send(self, obj: dict[str, Any], dest: int, tag: int) -> None:
-        buf = bytearray(json.dumps(obj).encode())
-        with contextlib.suppress(MPI.Exception):  # a dead peer: it is reported missing anyway
-            self._sends.append((self.comm.Isend([buf, MPI.BYTE], dest, tag), buf))
+        self.comm.post(obj, dest, tag)  # a dead peer: it is reported missing anyway
 
     def _take(self, tag: int) -> tuple[int, dict[str, Any]] | None:
         """A message of ``tag`` that has arrived (any source), or None."""
-        status = MPI.Status()
-        try:
-            msg = self.comm.Improbe(MPI.ANY_SOURCE, tag, status)
-            if msg is None:
-                return None
-            buf = bytearray(status.Get_count(MPI.BYTE))
-            msg.Recv([buf, MPI.BYTE])
-            obj = json.loads(buf.decode())
-        except (MPI.Exception, ValueError):
-            return None
-        return status.Get_source(), obj if isinstance(obj, dict) else {}
+        return self.comm.take(tag)
 
     def alarmed(self) -> bool:
         """Cheap check while waiting: rank 0, did another rank's deadline pass? Others: did rank
