@@ -1,6 +1,8 @@
 """A small deterministic multi-rank training job that checkpoints with mpickpt.
 
 Run it under MPI:  mpiexec -n 4 python examples/train.py --root /tmp/run --steps 40 --every 5
+or under torchrun: torchrun --standalone --nproc-per-node 4 examples/train.py --root /tmp/run
+(gradients averaged over torch.distributed's gloo, mpickpt's protocol over gloo groups of its own)
 
 Each rank trains its own MLP (with dropout, Adam and a step LR schedule) on batches drawn from a
 per-rank generator, and averages its gradients with the other ranks, so the job is deterministic:
@@ -13,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 import mpickpt
 
@@ -37,7 +39,29 @@ def make_state(rank: int, width: int) -> dict:
     }
 
 
-def train_step(state: dict, comm: MPI.Comm) -> float:
+class World:
+    """The job's ranks and a sum over them: MPI under mpiexec or srun (or ``comm``, an mpi4py
+    communicator), torch.distributed's gloo under torchrun (``mpickpt.backend()`` says which)."""
+
+    def __init__(self, comm: Any = None) -> None:
+        if comm is not None or mpickpt.backend() == "mpi":
+            from mpi4py import MPI
+
+            comm = comm if comm is not None else MPI.COMM_WORLD
+            self.rank, self.size = comm.rank, comm.size
+            self.sum = lambda a: comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+        else:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.sum = lambda a: dist.all_reduce(torch.from_numpy(a))
+
+
+def train_step(state: dict, comm: Any) -> float:
+    """One step; ``comm`` is a :class:`World`, or an mpi4py communicator."""
+    if not isinstance(comm, World):
+        comm = World(comm)
     x = torch.randn(64, 32, generator=state["data"])
     y = x.sum(dim=1, keepdim=True).sin()
     loss = torch.nn.functional.mse_loss(state["model"](x), y)
@@ -45,7 +69,7 @@ def train_step(state: dict, comm: MPI.Comm) -> float:
     loss.backward()
     for p in state["model"].parameters():  # data parallel: average gradients over the ranks
         g = p.grad.numpy()
-        comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+        comm.sum(g)
         g /= comm.size
     state["optim"].step()
     state["sched"].step()
@@ -80,7 +104,7 @@ def main() -> None:
                     help="at most N shards per directory; more go into sub-directories")
     args = ap.parse_args()
 
-    comm = MPI.COMM_WORLD
+    comm = World()
     state = make_state(comm.rank, args.width)
     start = 0
     ckpt = None

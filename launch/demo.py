@@ -137,9 +137,17 @@ def run_job(cmd: list[str], env: dict[str, str], timeout: float,
     return rc, lines, time.monotonic() - t0
 
 
-def train_cmd(mpiexec: list[str], args: argparse.Namespace, root: Path, out: Path,
+def launcher_command(args: argparse.Namespace) -> list[str]:
+    """What starts the ranks, up to the script: mpiexec (MPI), or torchrun (no MPI)."""
+    if args.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={args.ranks}", "--monitor-interval=0.1"]
+    return [*mpiexec_command(), "-n", str(args.ranks), sys.executable]
+
+
+def train_cmd(launcher: list[str], args: argparse.Namespace, root: Path, out: Path,
               checkpoint: bool) -> list[str]:
-    cmd = [*mpiexec, "-n", str(args.ranks), sys.executable, str(TRAIN), "--root", str(root),
+    cmd = [*launcher, str(TRAIN), "--root", str(root),
            "--steps", str(args.steps), "--every", str(args.every), "--keep", str(args.keep)]
     if not checkpoint:
         cmd.append("--no-checkpoint")
@@ -156,6 +164,8 @@ def job_env(fault: str | None) -> dict[str, str]:
 
 def show_cmd(cmd: list[str], short: Shortener, fault: str | None = None) -> None:
     shown = [Path(cmd[0]).name, *cmd[1:]]
+    if shown[:3] == [Path(sys.executable).name, "-m", "torch.distributed.run"]:
+        shown = ["torchrun", *shown[3:]]
     shown = ["python" if c == sys.executable else c for c in shown]
     shown = [os.path.relpath(c, REPO) if c == str(TRAIN) else c for c in shown]
     prefix = f"MPICKPT_FAULT={fault} " if fault else ""
@@ -285,7 +295,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description="Kill a rank in the middle of a checkpoint, restart, and check the result "
                     "bit for bit against an uninterrupted run.")
-    ap.add_argument("--ranks", type=int, default=4, help="MPI ranks (default 4)")
+    ap.add_argument("--ranks", type=int, default=4, help="ranks (default 4)")
+    ap.add_argument("--launcher", choices=["mpiexec", "torchrun"], default="mpiexec",
+                    help="what starts the ranks: mpiexec (the protocol over MPI), or torchrun "
+                         "(no MPI: the protocol over gloo); default mpiexec")
     ap.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     ap.add_argument("--every", type=int, default=10, help="checkpoint every K steps (default 10)")
     ap.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
@@ -297,7 +310,7 @@ def main() -> int:
     ap.add_argument("--keep-workdir", action="store_true",
                     help="keep the work directory after a successful run (it is always kept after "
                          "a failure)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds allowed per MPI job")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds allowed per job")
     args = ap.parse_args()
     if args.ranks < 2 or not 0 <= args.kill_rank < args.ranks:
         ap.error("need at least 2 ranks and 0 <= --kill-rank < --ranks")
@@ -333,25 +346,26 @@ def main() -> int:
 
 def stages(args: argparse.Namespace, work: Path) -> bool:
     short = Shortener(work)
-    mpiexec = mpiexec_command()
+    launcher = launcher_command(args)
+    by = args.launcher
     root, ref, resumed = work / "checkpoints", work / "reference", work / "resumed"
     n, k, victim, kstep = args.steps, args.every, args.kill_rank, args.kill_step
     last_good = kstep - k  # the newest checkpoint committed before the crash (0: none)
 
     say("mpickpt demo: what happens to a training job when one of its processes dies while it "
         "is saving a checkpoint.")
-    say(f"{args.ranks} MPI ranks train a small model together (examples/train.py: an MLP with "
+    say(f"{args.ranks} ranks ({by}) train a small model together (examples/train.py: an MLP with "
         f"dropout, Adam and a learning-rate schedule; gradients averaged over the ranks) for {n} "
         f"steps. With checkpoints on, every rank saves its whole state every {k} steps, and "
         f"mpickpt makes each save all-or-nothing across the ranks.")
     print(f"  work directory: WORK={work}")
-    print(f"  MPI launcher:   {' '.join(mpiexec)}")
+    print(f"  launcher:       {' '.join(launcher)}")
 
     # ---------------------------------------------------------------- 1: the uninterrupted run
     heading(1, "reference run, never interrupted")
     say(f"First the answer we expect: {n} steps straight through, no checkpoints. Each rank writes "
         f"its final parameters and optimizer state to $WORK/reference/rank-R.pt.", "  ")
-    cmd = train_cmd(mpiexec, args, work / "unused", ref, checkpoint=False)
+    cmd = train_cmd(launcher, args, work / "unused", ref, checkpoint=False)
     show_cmd(cmd, short)
     rc, lines, secs = run_job(cmd, job_env(None), args.timeout, short)
     check_world(lines, args.ranks)
@@ -364,10 +378,10 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
     say(f"The same training, now saving a checkpoint every {k} steps into $WORK/checkpoints. "
         f"Fault injection (MPICKPT_FAULT) makes rank {victim} kill itself with SIGKILL while it "
         f"is writing its shard of the checkpoint of step {kstep}: no cleanup, no exception, no "
-        f"last words, like a node losing power. mpiexec then ends the other ranks, so the whole "
+        f"last words, like a node losing power. {by} then ends the other ranks, so the whole "
         f"job dies, as it would on a cluster.", "  ")
     fault = f"mid-write:{victim}:kill:{kstep}"
-    cmd = train_cmd(mpiexec, args, root, resumed, checkpoint=True)
+    cmd = train_cmd(launcher, args, root, resumed, checkpoint=True)
     show_cmd(cmd, short, fault)
     rc, lines, secs = run_job(cmd, job_env(fault), args.timeout, short)
     check_world(lines, args.ranks)
@@ -377,7 +391,7 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
     how = "killed by SIGKILL" if rc in (9, 128 + 9, -9) else f"exit code {rc}"
     saved = committed_steps(root)
     partial = partial_dirs(root, kstep)
-    say(f"-> the job died after {secs:.1f} s (mpiexec reports {how}).", "  ")
+    say(f"-> the job died after {secs:.1f} s ({by} reports {how}).", "  ")
     print("  What is on disk now:")
     list_root(root, short)
     if not partial:
@@ -409,7 +423,7 @@ def stages(args: argparse.Namespace, work: Path) -> bool:
         "Checkpointer.restore(), which finds the newest checkpoint that all ranks can load, "
         "verifies every shard's size and checksums, and loads it into the model, the optimizer, "
         "the schedule, the data generator and the RNG.", "  ")
-    cmd = train_cmd(mpiexec, args, root, resumed, checkpoint=True)
+    cmd = train_cmd(launcher, args, root, resumed, checkpoint=True)
     show_cmd(cmd, short)
     rc, lines, secs = run_job(cmd, job_env(None), args.timeout, short)
     check_world(lines, args.ranks)

@@ -34,6 +34,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
     from .ddp import prime_ddp
+    from .mpi.comm import backend
     from .options import Encoding, Files, Local, Preemption, Retention, Snapshots
     from .restore.restorer import RestoreInfo
     from .save.incremental import frozen_params
@@ -69,6 +70,7 @@ __all__ = [
     "Values",
     "WorldSizeMismatchError",
     "__version__",
+    "backend",
     "frozen_params",
     "prime_ddp",
 ]
@@ -80,6 +82,7 @@ _LAZY = {
     "RNGState": "stateful", "Values": "stateful", "frozen_params": "save.incremental",
     "prime_ddp": "ddp", "Local": "options", "Files": "options", "Retention": "options",
     "Encoding": "options", "Snapshots": "options", "Preemption": "options",
+    "backend": "mpi.comm",
 }
 
 preempt.hold_early()

@@ -76,8 +76,8 @@ def _agreed(method: Callable[..., T]) -> Callable[..., T]:
 class Checkpointer:
     """Save and restore consistent global checkpoints of every rank's state under ``root``.
 
-    Collective over ``comm`` (``MPI.COMM_WORLD`` by default): every rank constructs it, calls
-    ``save`` with the same steps and ``restore`` together. ``save`` returns once the state is
+    Collective over ``comm`` (the job, over MPI or gloo, by default): all ranks construct it,
+    call ``save`` with the same steps and ``restore`` together. ``save`` returns once the state is
     snapshotted; writing, voting and committing run on a background thread, all or nothing on
     every rank. A failed save is reported on every rank and training goes on
     (``on_error="warn"``), or raises :class:`SaveAborted` from ``wait()`` and from the next

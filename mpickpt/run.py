@@ -3,6 +3,11 @@
     mpirun -n 8 python -m mpickpt.run train.py --lr 3e-4
     srun python -m mpickpt.run -m mypackage.train --lr 3e-4
     mpickpt.run.main(fn)         # the same for a function, from a script started with mpirun
+    torchrun --nproc-per-node 8 -m mpickpt.run train.py   # no MPI (docs/torchrun.md)
+
+Under torchrun (no MPI launcher, RANK etc. set: :func:`mpickpt.mpi.comm.backend`) steps 1 and 2
+are torchrun's, the exit-code agreement runs over gloo, and an abort ends this rank with its code
+(torchrun's agent then ends the others and names the code in its report).
 
 What it does, in order (one small function each):
 
@@ -256,14 +261,14 @@ def print_traceback(exc: BaseException, rank: int) -> None:
 
 
 def abort(code: int, why: str) -> NoReturn:
-    """End every rank of the job now (MPI_Abort), after saying why on stderr."""
-    from mpi4py import MPI
-
-    from .mpi import abort_world
+    """End every rank of the job now (MPI_Abort; under torchrun this rank's exit, and the
+    agent ends the others), after saying why on stderr."""
+    from .mpi.comm import abort_world, world_rank
 
     why = why.rstrip(".")
+    rank = world_rank()
     print_prefixed(f"mpickpt.run: {why}; aborting the job with exit code {code}",
-                   MPI.COMM_WORLD.rank)
+                   rank if rank is not None else int(os.environ.get("RANK", "0")))
     # The launcher forwards our stderr through a pipe; MPI_Abort can tear the job down before
     # the traceback got through it (seen with MPICH's hydra): give the forwarder a moment.
     time.sleep(knobs.ABORT_DELAY.get())
@@ -276,18 +281,21 @@ def agree_on_exit(comm: Any, code: int, grace: float) -> int:
     A rank with a non-zero ``code`` waits at most ``grace`` seconds, then aborts the job: the
     ranks still running would otherwise wait for it forever.
     """
-    from mpi4py import MPI
+    import numpy as np
 
-    request = comm.Ibarrier()
+    request = comm.ibarrier()
     deadline = time.monotonic() + grace if code else math.inf
-    while not request.Test():
+    while not request.test():
         if time.monotonic() > deadline:
             abort(code, f"this rank exited with code {code}, but the other ranks did not end "
                         f"within {grace:g} s (MPICKPT_EXIT_GRACE)")
         time.sleep(0.005)
-    code = comm.allreduce(code, op=MPI.MAX)
-    comm.Free()
-    return code
+    agreed = np.zeros(1, dtype=np.int64)
+    request = comm.iallreduce(np.array([code], dtype=np.int64), agreed, "max")
+    while not request.test():
+        time.sleep(0.001)
+    comm.free()
+    return int(agreed[0])
 
 
 def run_program(program: Callable[[], object], rank: int) -> int:
@@ -326,12 +334,16 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
     docstring): it raises ``SystemExit`` with the job's agreed exit code (MPI is then finalized
     at interpreter exit, as mpi4py does), or aborts the job. ``fn``'s return value is ignored.
     """
+    from .mpi.comm import backend, open_comm
+
     try:
-        world = init_mpi()
+        mpi = backend() == "mpi"
+        world = open_comm(init_mpi() if mpi else None)
         rank = world.rank
         preempt.install(term=False)  # an early SIGUSR2 is held for the Checkpointer, not fatal
-        exit_comm = world.Dup()  # before any user code, so no other traffic meets the exit barrier
-        set_torch_env(torch_env(world))  # collective: before a usage error can part the ranks
+        exit_comm = world.dup()  # before any user code, so no other traffic meets the exit barrier
+        if mpi:  # (torchrun set them)
+            set_torch_env(torch_env(world.comm))  # collective: before a usage error parts ranks
         program = fn if fn is not None else command_line(sys.argv[1:], show=rank == 0)
         select_gpu()
     except LaunchError as e:

@@ -77,7 +77,8 @@ def backend(env: dict[str, str] | None = None) -> str:
     """"mpi" or "torch": ``$MPICKPT_BACKEND`` when not "auto"; else MPI under an MPI launcher
     or where mpi4py is already initialised; else torch under torchrun (or any launcher that sets
     RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: mpi4py initialised there sees one rank);
-    else (one process) MPI where mpi4py can be imported, torch where it cannot."""
+    else (one process) MPI where mpi4py's MPI loads, torch where it cannot (no mpi4py, or its
+    wheel without an MPI library)."""
     env = dict(os.environ) if env is None else env
     chosen = knobs.BACKEND.get(env)
     if chosen != "auto":
@@ -91,8 +92,8 @@ def backend(env: dict[str, str] | None = None) -> str:
     if _mpi_initialized():
         return "mpi"
     try:
-        import mpi4py  # noqa: F401
-    except ImportError:
+        from mpi4py import MPI  # noqa: F401  (mpi4py's wheel without an MPI library: RuntimeError)
+    except (ImportError, RuntimeError):
         return "torch"
     return "mpi"
 
