@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ class SaveHandle:
     def outcome(self) -> SaveResult:
         """The result, once there is one; never raises for an aborted save."""
         return self._future.result()
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(self)`` once the outcome is known (on the thread that learns it)."""
+        self._future.add_done_callback(lambda _: fn(self))
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         result = self._future.result(timeout)
