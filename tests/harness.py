@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,30 @@ def mpiexec() -> list[str]:
     if "Open MPI" in out or "OpenRTE" in out:
         cmd += ["--oversubscribe", "--allow-run-as-root"]
     return cmd
+
+
+def torchrun(n: int, py: list[str] | None = None) -> list[str]:
+    """torchrun for ``n`` ranks on this host (its own free rendezvous port), starting each rank
+    as ``py`` (default: as :func:`python` says): ``[...] -m mpickpt.run script args`` runs a job
+    under it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={n}", "--monitor-interval=0.1", "--no-python", *(py or python())]
+
+
+def torchrun_code(rc: int, output: str) -> int:
+    """The job's exit code as the rank that ended it gave it: torchrun itself exits 1 whenever
+    a worker failed, and names the first worker's code (negative: killed by that signal) under
+    "Root Cause" in its report."""
+    if rc == 0:
+        return 0
+    cause = output.rfind("Root Cause")
+    m = re.search(r"exitcode\s*:\s*(-?\d+)", output[cause:]) if cause >= 0 else None
+    return int(m.group(1)) if m else rc
+
+
+def launcher(name: str, n: int) -> list[str]:
+    """The command line that starts ``n`` ranks of Python: ``mpi`` (mpiexec) or ``torchrun``."""
+    return [*mpiexec(), "-n", str(n), *python()] if name == "mpi" else torchrun(n)
 
 
 WARMSTART = REPO / "tests" / "warmstart.py"

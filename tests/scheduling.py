@@ -26,12 +26,14 @@ LEVEL_CELL = re.compile(r"^tests/matrix/test_level_matrix\.py::test_cell\[(\w+)/
 # the costliest units, costliest first (as a full run's --durations measured them on a 2-core
 # machine); a unit not named here starts after these, in collection order
 HEAVY = (
-    "slurm", "tests/faults/test_fault_many_ranks.py", "tests/multirank/test_levels.py",
+    "slurm", "tests/matrix/test_fault_matrix_torchrun.py", "tests/faults/test_fault_many_ranks.py",
+    "tests/multirank/test_levels.py",
     "level-matrix-hang-rank", "fault-matrix-n4", "level-matrix-kill-rank",
     "tests/integrations/test_hf.py", "tests/integrations/test_lightning.py",
     "fault-matrix-n2", "level-matrix-raise-rank", "tests/multirank/test_preemption.py",
     "tests/multirank/test_deadlines.py", "tests/faults/test_fault_kill.py",
-    "tests/multirank/test_ddp.py", "tests/multirank/test_roundtrip.py",
+    "tests/multirank/test_ddp.py", "tests/multirank/test_torchrun.py",
+    "tests/multirank/test_roundtrip.py",
     "tests/faults/test_fault_disk.py", "tests/faults/test_fault_incremental.py",
 )
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import SCENARIOS, mpiexec, python
+from harness import SCENARIOS, launcher, torchrun_code
 
 from mpickpt.exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from mpickpt.faults import PHASES
@@ -71,11 +71,27 @@ NOT_APPLICABLE: dict[str, str] = {}
 
 @dataclass
 class Launch:
-    """One mpiexec of the job: exit code (None when it outlived its timeout) and its output."""
+    """One launch of the job: exit code (None when it outlived its timeout; under torchrun, the
+    code of the rank that ended the job) and its output."""
 
     rc: int | None
     seconds: float
     output: str
+    launcher: str = "mpi"
+
+    @property
+    def ranks_output(self) -> str:
+        """The output less torchrun's own report of a failed worker (its traceback and table)."""
+        if self.launcher == "mpi":
+            return self.output
+        end = self.output.find("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+        return self.output if end < 0 else \
+            self.output[: self.output.rfind("Traceback (most recent call last)", 0, end)]
+
+    @property
+    def killed(self) -> bool:
+        """Whether a rank was killed by SIGKILL, as the launcher reports it."""
+        return "signal 9" in self.output if self.launcher == "mpi" else self.rc == -9
 
     def tail(self, lines: int = 6) -> str:
         return " | ".join(self.output.strip().splitlines()[-lines:])
@@ -92,16 +108,16 @@ class CaseRun:
     verify_launch: Launch | None = None
 
 
-def launch(n: int, mode: str, plan: dict, where: Path) -> Launch:
-    """Run the job on ``n`` ranks under mpickpt.run; kill its process group after the timeout."""
+def launch(n: int, mode: str, plan: dict, where: Path, how: str = "mpi") -> Launch:
+    """Run the job on ``n`` ranks under mpickpt.run, started by ``how`` (mpi or torchrun); kill
+    its process group after the timeout."""
     where.mkdir(parents=True, exist_ok=True)
     plan_file = where / f"{mode}-plan.json"
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
     env.update(PYTHONUNBUFFERED="1", MPICKPT_EXIT_GRACE="10",
                MPICKPT_TIMEOUT_GRACE=str(ROLL_CALL_GRACE_S))
-    cmd = [*mpiexec(), "-n", str(n), *python(), "-m", "mpickpt.run", str(JOB), mode,
-           str(plan_file)]
+    cmd = [*launcher(how, n), "-m", "mpickpt.run", str(JOB), mode, str(plan_file)]
     t0 = time.monotonic()
     with open(where / f"{mode}.log", "w+") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -116,7 +132,9 @@ def launch(n: int, mode: str, plan: dict, where: Path) -> Launch:
         output = log.read()
     took = time.monotonic() - t0
     (where / f"{mode}.seconds").write_text(f"{took:.2f}\n")
-    return Launch(rc, took, output)
+    if how == "torchrun" and rc is not None:
+        rc = torchrun_code(rc, output)
+    return Launch(rc, took, output, how)
 
 
 def reports(path: Path) -> dict[int, dict]:
@@ -125,13 +143,13 @@ def reports(path: Path) -> dict[int, dict]:
 
 
 def run_batch(n: int, mode: str, dirs: list[Path], plan: Callable[[list[Path]], dict],
-              sub: str, where: Path) -> dict[Path, tuple[Launch, bool]]:
+              sub: str, where: Path, how: str = "mpi") -> dict[Path, tuple[Launch, bool]]:
     """Run ``dirs`` in one launch; when a launch stops before its last one, launch the rest
     again. Each dir gets the launch that ran it, and whether that launch stopped on it."""
     out: dict[Path, tuple[Launch, bool]] = {}
     todo, k = list(dirs), 0
     while todo:
-        run = launch(n, mode, plan(todo), where / f"{mode}-{k}")
+        run = launch(n, mode, plan(todo), where / f"{mode}-{k}", how)
         done = [d for d in todo if len(reports(d / sub)) == n]
         stop = next((d for d in todo if d not in done), todo[-1])
         for d in todo[: todo.index(stop) + 1]:
@@ -140,9 +158,10 @@ def run_batch(n: int, mode: str, dirs: list[Path], plan: Callable[[list[Path]], 
     return out
 
 
-def run_matrix(todo: list[Cell], base: Path, workers: int = 1) -> dict[str, CaseRun]:
+def run_matrix(todo: list[Cell], base: Path, workers: int = 1, how: str = "mpi"
+               ) -> dict[str, CaseRun]:
     """Run the fault jobs of ``todo`` (cells of one rank count), then verify every root in one
-    launch."""
+    launch; every launch by ``how`` (mpi or torchrun)."""
     n = todo[0].n
     assert all(c.n == n and c.id not in NOT_APPLICABLE for c in todo)
     dirs = {c.id: base / c.dirname for c in todo}
@@ -165,7 +184,7 @@ def run_matrix(todo: list[Cell], base: Path, workers: int = 1) -> dict[str, Case
     def run_group(g: tuple[list[Cell], float]) -> dict[Path, tuple[Launch, bool]]:
         cs, deadline = g
         ds = [dirs[c.id] for c in cs]
-        return run_batch(n, "fault", ds, fault_plan(cs, deadline), "job", ds[0])
+        return run_batch(n, "fault", ds, fault_plan(cs, deadline), "job", ds[0], how)
 
     ran: dict[Path, tuple[Launch, bool]] = {}
     with ThreadPoolExecutor(workers) as pool:
@@ -174,7 +193,7 @@ def run_matrix(todo: list[Cell], base: Path, workers: int = 1) -> dict[str, Case
 
     order = [dirs[c.id] for c in todo]
     verified = run_batch(n, "verify", order, lambda ds: {"roots": [str(d) for d in ds]},
-                         "verify", base / "verify")
+                         "verify", base / "verify", how)
     out = {}
     for c in todo:
         d = dirs[c.id]
@@ -250,10 +269,10 @@ def _check_job(cell: Cell, run: CaseRun, expect: int) -> None:
     if launch.rc is None:
         raise _fail("hang", f"the fault job did not end within {LAUNCH_TIMEOUT_S:g} s: "
                             f"{launch.tail()}")
-    if cell.action != "raise" and "Traceback (most recent call last)" in launch.output:
+    if cell.action != "raise" and "Traceback (most recent call last)" in launch.ranks_output:
         raise _fail("failed", f"a rank raised: {launch.tail(12)}")
     if cell.action == "kill":
-        if launch.rc == 0 or "signal 9" not in launch.output:
+        if launch.rc == 0 or not launch.killed:
             raise _fail("failed", f"no rank was killed (exit {launch.rc}): {launch.tail()}")
         return
     if cell.action == "exit":

@@ -16,7 +16,8 @@ verify: PLAN is ``{"roots": [D, ...]}``; for each, a fresh Checkpointer restores
 checkpoint under ``D/ckpt`` into a fresh state, then every committed step on disk explicitly, and
 every rank writes ``D/verify/rank-R.json`` with the same analysis.
 
-Run by tests/matrix/test_fault_matrix.py (through matrix_kit.py).
+Run by tests/matrix/test_fault_matrix.py and tests/matrix/test_fault_matrix_torchrun.py (through
+matrix_kit.py), under mpiexec or torchrun.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from _report import write_report
-from mpi4py import MPI
+from _world import World
 
 import mpickpt
 from mpickpt import faults
@@ -150,15 +151,15 @@ def fault_case(case: dict[str, Any], timeout: float, rank: int) -> dict[str, Any
     return {"rank": rank, "spec": spec, "saves": saves, "restore": restored}
 
 
-def verify_root(where: str, rank: int) -> dict[str, Any]:
+def verify_root(where: str, rank: int, world: World) -> dict[str, Any]:
     root = os.path.join(where, "ckpt")
     ck = mpickpt.Checkpointer(root, timeout=60)
     newest = restore(ck, rank)
-    MPI.COMM_WORLD.Barrier()
+    world.barrier()
     on_disk = sorted(s for s, _ in rootdir.committed(root))
     each = {s: restore(ck, rank, s) for s in on_disk}
     ck.close()
-    MPI.COMM_WORLD.Barrier()
+    world.barrier()
     return {"rank": rank, "newest": newest, "on_disk": on_disk, "each": each,
             "left": sorted(n for n in os.listdir(root)
                            if not rootdir.STEP_RE.match(n) and n != "stats.jsonl")}
@@ -168,18 +169,18 @@ def main() -> None:
     mode, plan_path = sys.argv[1], sys.argv[2]
     with open(plan_path) as f:
         plan = json.load(f)
-    comm = MPI.COMM_WORLD
+    comm = World()
     rank = comm.rank
-    comm.Barrier()  # ranks that imported torch at different times meet before any deadline runs
+    comm.barrier()  # ranks that imported torch at different times meet before any deadline runs
     if mode == "fault":
         for case in plan["cases"]:
             report = fault_case(case, float(plan["timeout"]), rank)
             write_report(os.path.join(case["dir"], "job"), f"rank-{rank}.json", report)
-            comm.Barrier()
+            comm.barrier()
     elif mode == "verify":
         for where in plan["roots"]:
             write_report(os.path.join(where, "verify"), f"rank-{rank}.json",
-                         verify_root(where, rank))
+                         verify_root(where, rank, comm))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -14,8 +14,9 @@ restore read, the bytes its pieces need and the index parts it read (with --inde
 
 Run by tests/multirank/test_reshard.py, tests/multirank/test_index.py (with --index
 per-rank), tests/multirank/test_node_files.py (--files per-node, nodes of --per-node ranks)
-and tests/cli/test_cli_export_sharded.py (which also imports :func:`whole`); named
-for the first, whose subject it is.
+tests/cli/test_cli_export_sharded.py (which also imports :func:`whole`) and
+tests/multirank/test_torchrun.py (4 torchrun ranks, then 2); named for the first, whose subject it
+is.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 
 import torch
 from _report import write_report
-from mpi4py import MPI
+from _world import World
 
 import mpickpt
 import mpickpt.format.entry
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--per-node", type=int, default=0,
                     help="simulate nodes of this many ranks ($MPICKPT_NODE)")
     args = ap.parse_args()
-    comm = MPI.COMM_WORLD
+    comm = World()
     rank, world = comm.rank, comm.size
     if args.per_node:
         os.environ["MPICKPT_NODE"] = f"n{rank // args.per_node}"
