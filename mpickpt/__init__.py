@@ -34,7 +34,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle, SaveResult
     from .ddp import prime_ddp
-    from .mpi.comm import backend
+    from .mpi.backend import backend
     from .options import Encoding, Files, Local, Preemption, Retention, Snapshots
     from .restore.restorer import RestoreInfo
     from .save.incremental import frozen_params
@@ -82,7 +82,7 @@ _LAZY = {
     "RNGState": "stateful", "Values": "stateful", "frozen_params": "save.incremental",
     "prime_ddp": "ddp", "Local": "options", "Files": "options", "Retention": "options",
     "Encoding": "options", "Snapshots": "options", "Preemption": "options",
-    "backend": "mpi.comm",
+    "backend": "mpi.backend",
 }
 
 preempt.hold_early()

@@ -5,7 +5,7 @@
     mpickpt.run.main(fn)         # the same for a function, from a script started with mpirun
     torchrun --nproc-per-node 8 -m mpickpt.run train.py   # no MPI (docs/torchrun.md)
 
-Under torchrun (no MPI launcher, RANK etc. set: :func:`mpickpt.mpi.comm.backend`) steps 1 and 2
+Under torchrun (no MPI launcher, RANK etc. set: :func:`mpickpt.mpi.backend.backend`) steps 1 and 2
 are torchrun's, the exit-code agreement runs over gloo, and an abort ends this rank with its code
 (torchrun's agent then ends the others and names the code in its report).
 
@@ -263,7 +263,7 @@ def print_traceback(exc: BaseException, rank: int) -> None:
 def abort(code: int, why: str) -> NoReturn:
     """End every rank of the job now (MPI_Abort; under torchrun this rank's exit, and the
     agent ends the others), after saying why on stderr."""
-    from .mpi.comm import abort_world, world_rank
+    from .mpi.backend import abort_world, world_rank
 
     why = why.rstrip(".")
     rank = world_rank()
@@ -334,7 +334,7 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
     docstring): it raises ``SystemExit`` with the job's agreed exit code (MPI is then finalized
     at interpreter exit, as mpi4py does), or aborts the job. ``fn``'s return value is ignored.
     """
-    from .mpi.comm import backend, open_comm
+    from .mpi.backend import backend, open_comm
 
     try:
         mpi = backend() == "mpi"

@@ -1,6 +1,6 @@
 """The protocol layer: every collective with a deadline on a private communicator, the roll call
 when one is missed, the exit vote. With :mod:`mpickpt.run`, the only code that talks MPI (or,
-under torchrun without MPI, gloo: :mod:`mpickpt.mpi.comm`)."""
+under torchrun without MPI, gloo: :mod:`mpickpt.mpi.backend`)."""
 
 from __future__ import annotations
 
@@ -33,4 +33,4 @@ def prefer_single_copy() -> bool:
 
 prefer_single_copy()
 
-from .comm import abort_world as abort_world  # noqa: E402  (re-exported)
+from .backend import abort_world as abort_world  # noqa: E402  (re-exported)

@@ -1,7 +1,7 @@
 """The collectives of the checkpoint protocol, each with a deadline, on a private communicator.
 
 This module and :mod:`mpickpt.run` are the only ones that talk MPI (or, without MPI, gloo:
-:mod:`mpickpt.mpi.comm` says which, and holds the two). Every collective is started
+:mod:`mpickpt.mpi.backend` says which). Every collective is started
 non-blocking and polled until it completes or its deadline passes; object collectives are preceded
 by such a barrier, so a blocking transfer only starts once every rank has arrived. A missed
 deadline raises :class:`~mpickpt.errors.CollectiveTimeout`; the communicator is unusable after it.
@@ -26,8 +26,9 @@ from ..background import lower_priority
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
-from .comm import CommError, Request, abort_world, open_comm
-from .comm import world_rank as world_rank  # re-exported
+from .backend import abort_world, open_comm
+from .backend import world_rank as world_rank  # re-exported
+from .comm import CommError, Request
 from .rollcall import RollCall
 
 T = TypeVar("T")

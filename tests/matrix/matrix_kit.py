@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness import SCENARIOS, launcher, torchrun_code
 
@@ -344,3 +345,10 @@ def judge(cell: Cell, run: CaseRun) -> tuple[str, str]:
     except Verdict as v:
         return v.outcome, v.detail
     return "correct", f"restored step {expect} ({why}); on disk {on_disk}"
+
+
+def count_and_check(guarantees: Any, suite: str, cell: Cell, run: CaseRun) -> None:
+    """Judge a cell, count it in the guarantee report (before asserting), assert it correct."""
+    outcome, detail = judge(cell, run)
+    guarantees.record(suite, cell.id, outcome, detail)
+    assert outcome == "correct", f"{suite} {cell.id}: {outcome}: {detail}"

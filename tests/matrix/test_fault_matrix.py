@@ -25,7 +25,7 @@ from matrix_kit import (
     CaseRun,
     Cell,
     cells,
-    judge,
+    count_and_check,
     run_matrix,
 )
 from scheduling import matrix_fixture, matrix_group
@@ -87,10 +87,7 @@ matrix = matrix_fixture(Cell, group, run_group)
     pytest.param(c, id=c.id, marks=marks(c))
     for c in ALL if c.id not in NOT_APPLICABLE])
 def test_cell(matrix, guarantees, cell: Cell) -> None:
-    run = matrix[group(cell)][cell.id]
-    outcome, detail = judge(cell, run)
-    guarantees.record(SUITE, cell.id, outcome, detail)
-    assert outcome == "correct", f"{cell.id}: {outcome}: {detail}"
+    count_and_check(guarantees, SUITE, cell, matrix[group(cell)][cell.id])
 
 
 @pytest.mark.quick

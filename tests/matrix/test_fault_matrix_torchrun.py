@@ -15,7 +15,15 @@ import os
 from pathlib import Path
 
 import pytest
-from matrix_kit import ACTIONS, NOT_APPLICABLE, PHASES, Cell, cells, judge, run_matrix
+from matrix_kit import (
+    ACTIONS,
+    NOT_APPLICABLE,
+    PHASES,
+    Cell,
+    cells,
+    count_and_check,
+    run_matrix,
+)
 from scheduling import matrix_fixture
 from test_fault_matrix import SIZES, WORKERS, proves, say
 
@@ -44,10 +52,7 @@ matrix = matrix_fixture(Cell, group, run_group)
 @pytest.mark.timeout(3000)
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=[proves(c)]) for c in RUN])
 def test_cell(matrix, guarantees, cell: Cell) -> None:
-    run = matrix[group(cell)][cell.id]
-    outcome, detail = judge(cell, run)
-    guarantees.record(SUITE, cell.id, outcome, detail)
-    assert outcome == "correct", f"torchrun {cell.id}: {outcome}: {detail}"
+    count_and_check(guarantees, SUITE, cell, matrix[group(cell)][cell.id])
 
 
 @pytest.mark.quick

@@ -3,7 +3,7 @@ gloo, the training's default group, which mpickpt never uses): rank, size, a bar
 
 from __future__ import annotations
 
-from mpickpt.mpi.comm import backend
+from mpickpt.mpi.backend import backend
 
 
 class World:

@@ -1,0 +1,87 @@
+"""Which :class:`~mpickpt.mpi.comm.Comm` a job's protocol takes (MPI or gloo), the job's own
+communicator on it, this process's rank, and the end of the whole job. Imports neither MPI nor
+torch until a job needs one of them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+from .. import knobs
+from .comm import Comm
+
+# set by the MPI launchers we know (Open MPI, MPICH's hydra, PMI-2/PMIx under srun --mpi=,
+# MVAPICH, Intel MPI): a job started by one of them speaks MPI
+MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
+                     "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
+TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _mpi_initialized() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+
+
+def backend(env: dict[str, str] | None = None) -> str:
+    """"mpi" or "torch": ``$MPICKPT_BACKEND`` when not "auto"; else MPI under an MPI launcher
+    or where mpi4py is already initialised; else torch under torchrun (or any launcher that sets
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: mpi4py initialised there sees one rank);
+    else (one process) MPI where mpi4py's MPI loads, torch where it cannot (no mpi4py, or its
+    wheel without an MPI library)."""
+    env = dict(os.environ) if env is None else env
+    chosen = knobs.BACKEND.get(env)
+    if chosen != "auto":
+        return chosen
+    if any(v in env for v in MPI_LAUNCHER_VARS):
+        return "mpi"
+    if _mpi_initialized() and sys.modules["mpi4py.MPI"].COMM_WORLD.Get_size() > 1:
+        return "mpi"  # (a launcher we do not know)
+    if all(v in env for v in TORCH_VARS):
+        return "torch"
+    if _mpi_initialized():
+        return "mpi"
+    try:
+        from mpi4py import MPI  # noqa: F401  (mpi4py's wheel without an MPI library: RuntimeError)
+    except (ImportError, RuntimeError):
+        return "torch"
+    return "mpi"
+
+
+def open_comm(comm: Any = None) -> Comm:
+    """``comm`` (an mpi4py communicator, or a :class:`Comm`), else the whole job over
+    :func:`backend`'s choice. Not a copy: :class:`~mpickpt.mpi.protocol.Protocol` dups it."""
+    if comm is not None and hasattr(comm, "node_keys"):
+        return comm
+    if comm is not None or backend() == "mpi":
+        from .mpicomm import MpiComm, world
+
+        return MpiComm(comm if comm is not None else world())
+    from .torchcomm import world as torch_world
+
+    return torch_world()
+
+
+def world_rank() -> int | None:
+    """This process's rank in the job, or None before the job's communication is set up (MPI
+    not initialised, no torch launcher's RANK)."""
+    if _mpi_initialized():
+        return int(sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank())
+    from . import torchcomm
+
+    return torchcomm.opened_rank()
+
+
+def abort_world(code: int) -> NoReturn:
+    """End every rank of the job with exit code ``code``. Under MPI: ``MPI_Abort`` on
+    ``MPI_COMM_WORLD``, then this process's own end: MPICH's ``MPI_Abort`` can return to the
+    caller while the launcher tears the job down (the mpich wheel with hydra: about one call in
+    two), and what ran next (an uncaught exception's ``abort(1)``) could win the race for the
+    job's exit code; ``os._exit`` makes sure nothing does. Without MPI this process ends with
+    ``code``: its launcher (torchrun's agent) sees a worker fail and ends the others, and the
+    ranks waiting on it in a collective see the broken connection at once and abort too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _mpi_initialized():
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+    os._exit(code)
