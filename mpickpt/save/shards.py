@@ -22,6 +22,7 @@ from ..format import checksum, nodefile, rootdir
 from ..format.checksum import DEFAULT_BLOCK
 from ..format.codec import MIN_BYTES as MIN_COMPRESS
 from ..format.entry import IndexRef, RankEntry
+from ..format.h5template import Templates
 from ..format.names import FANOUT, index_name
 from ..format.records import TensorRecord
 from ..format.shard import DEFAULT_ALIGNMENT, ShardWriter
@@ -69,6 +70,7 @@ class RankShards:
                  tracker: Tracker | None, logger: logging.Logger) -> None:
         self.rank, self.world_size = rank, world_size
         self.options, self.tracker, self.log = options, tracker, logger
+        self.templates = Templates()  # the HDF5 metadata of the layouts saved lately
 
     def write(self, req: SaveRequest, partial: str, name: str,
               into: Destination | None = None,
@@ -89,8 +91,11 @@ class RankShards:
                       if t.numel() * t.element_size() >= MIN_COMPRESS
                       and o.block % t.element_size() == 0 and (c := pick(n))}
         t1 = time.perf_counter()
-        writer = ShardWriter(path, host, self._attrs(req), alignment=o.alignment,
-                             into=into, codecs=codecs, block=o.block)
+        attrs = self._attrs(req)
+        template = None if codecs else self.templates.get(host, attrs, alignment=o.alignment,
+                                                          block=o.block)
+        writer = ShardWriter(path, host, attrs, alignment=o.alignment, into=into,
+                             codecs=codecs, block=o.block, template=template)
         try:
             if started is not None:
                 started(writer, host)
