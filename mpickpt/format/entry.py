@@ -278,12 +278,14 @@ def _piece(t: dict[str, Any], ndim: int, where: str
 
 def _depth(node: Any) -> int:
     """How deeply JSON containers nest in ``node`` (without recursion)."""
+    if not isinstance(node, (dict, list)):
+        return 0
     deepest, stack = 0, [(node, 1)]
-    while stack:
+    while stack:  # only containers are pushed: a tree is mostly leaves
         x, d = stack.pop()
-        if isinstance(x, (dict, list)):
-            deepest = max(deepest, d)
-            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+        deepest = max(deepest, d)
+        stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x)
+                     if isinstance(v, (dict, list)))
     return deepest
 
 

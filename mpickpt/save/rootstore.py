@@ -138,9 +138,11 @@ class RootStore:
         text = manifest.to_json().encode()
         stats["manifest_bytes"] = len(text)
         step = manifest.step
-        return commit.publish(self.root, partial, step, text,
+        path = commit.publish(self.root, partial, step, text,
                               existing=lambda final: self._replace(step, final),
                               on_half=lambda: faults.hit("mid-manifest-write", 0, step))
+        self.upkeep.committed(manifest)
+        return path
 
     def _replace(self, step: int, final: str) -> None:
         """The same step saved again (a rerun after a restore): replace it, unless incremental

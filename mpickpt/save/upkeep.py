@@ -34,6 +34,12 @@ class Upkeep:
         self._metadata: dict[int, dict[str, Any]] = {}
         self._references: dict[int, list[int]] = {}
 
+    def committed(self, manifest: Manifest) -> None:
+        """The manifest rank 0 just committed: its user metadata and references, known without
+        reading it back."""
+        self._metadata[manifest.step] = manifest.metadata
+        self._references[manifest.step] = list(manifest.references)
+
     def after_commit(self, step: int, path: str | None, stats: dict[str, float],
                      metadata: dict[str, Any]) -> None:
         self.log.info("checkpoint step %d committed: %s, stall %.3f s, persist %s (rank 0), "
@@ -43,7 +49,6 @@ class Upkeep:
         self.record(step, stats)
         faults.hit("after-commit-before-retention", 0, step)
         self._metadata[step] = metadata
-        self._references.pop(step, None)  # read again: the step may have been saved again
         self.retain(step)
 
     def record(self, step: int, stats: dict[str, float]) -> None:
