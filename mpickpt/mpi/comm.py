@@ -1,8 +1,8 @@
 """What the protocol's messages travel over: MPI, or torch.distributed's gloo without MPI.
 
 :class:`Comm` is the small set of operations the protocol layer needs (non-blocking barrier and
-reductions, point-to-point buffers, blocking object collectives after a barrier, the roll call's
-side messages). :mod:`mpickpt.mpi.mpicomm` implements it over mpi4py,
+reductions, point-to-point buffers, object collectives that are started and then polled, the roll
+call's side messages). :mod:`mpickpt.mpi.mpicomm` implements it over mpi4py,
 :mod:`mpickpt.mpi.torchcomm` over process groups of gloo of mpickpt's own, built from the
 launcher's rendezvous store (never the training's group); :mod:`mpickpt.mpi.backend` picks one.
 """
@@ -19,6 +19,12 @@ class CommError(RuntimeError):
 class Request(Protocol):
     def test(self) -> bool:
         """Whether it completed; raises :class:`CommError` if it failed."""
+        ...
+
+
+class ObjectRequest(Request, Protocol):
+    def result(self) -> Any:
+        """Once :meth:`test` said True: what the collective gave this rank."""
         ...
 
 
@@ -44,10 +50,17 @@ class Comm(Protocol):
     def waitall(self, reqs: list[Any]) -> str | None:
         """Block until every request ends; the error's text, or None."""
         ...
-    def bcast(self, obj: Any, root: int) -> Any: ...
-    def gather(self, obj: Any, root: int) -> list[Any] | None: ...
-    def allgather(self, obj: Any) -> list[Any]: ...
-    def alltoall(self, objs: list[Any]) -> list[Any]: ...
+    def allgather(self, obj: Any) -> list[Any]:
+        """Blocking: for setting up (node discovery, splits), not the protocol's phases."""
+        ...
+    def ibcast(self, obj: Any, root: int) -> ObjectRequest: ...
+    def igather(self, obj: Any, root: int) -> ObjectRequest:
+        """Its result: every rank's object on ``root``, None elsewhere."""
+        ...
+    def iallgather(self, obj: Any) -> ObjectRequest: ...
+    def ialltoall(self, objs: list[Any]) -> ObjectRequest:
+        """``objs[r]`` to rank r; its result: what every rank sent this one, by rank."""
+        ...
     def post(self, obj: dict[str, Any], dest: int, tag: int) -> None:
         """A small message to ``dest``, never waited on (a dead peer never receives it)."""
         ...

@@ -2,8 +2,9 @@
 
 This module and :mod:`mpickpt.run` are the only ones that talk MPI (or, without MPI, gloo:
 :mod:`mpickpt.mpi.backend` says which). Every collective is started
-non-blocking and polled until it completes or its deadline passes; object collectives are preceded
-by such a barrier, so a blocking transfer only starts once every rank has arrived. A missed
+non-blocking and polled until it completes or its deadline passes, object collectives too (over
+MPI the sizes and then the bytes, each non-blocking; over gloo a barrier, then the transfer, which
+only starts once every rank has arrived). A missed
 deadline raises :class:`~mpickpt.errors.CollectiveTimeout`; the communicator is unusable after it.
 Payloads are our own small str/int/dict values, never user data from a checkpoint.
 Who did not arrive, when a deadline passes: :mod:`mpickpt.mpi.rollcall`.
@@ -28,7 +29,7 @@ from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
 from .backend import abort_world, open_comm
 from .backend import world_rank as world_rank  # re-exported
-from .comm import CommError, Request
+from .comm import CommError, ObjectRequest, Request
 from .rollcall import RollCall
 
 T = TypeVar("T")
@@ -197,26 +198,22 @@ class Protocol:
     def sum(self, value: int, phase: str) -> int:
         return self._allreduce(value, "sum", phase)
 
+    def _objects(self, req: ObjectRequest, phase: str) -> Any:
+        self._wait(req, phase)
+        return req.result()
+
     def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
-        self.barrier(phase)
-        self.collectives += 1
-        return self.comm.bcast(obj, root)
+        return self._objects(self.comm.ibcast(obj, root), phase)
 
     def gather(self, obj: Any, phase: str, root: int = 0) -> list[Any] | None:
-        self.barrier(phase)
-        self.collectives += 1
-        return self.comm.gather(obj, root)
+        return self._objects(self.comm.igather(obj, root), phase)
 
     def allgather(self, obj: Any, phase: str) -> list[Any]:
-        self.barrier(phase)
-        self.collectives += 1
-        return self.comm.allgather(obj)
+        return self._objects(self.comm.iallgather(obj), phase)
 
     def alltoall(self, objs: list[Any], phase: str) -> list[Any]:
         """Send ``objs[r]`` to rank r; what every rank sent this one, by rank."""
-        self.barrier(phase)
-        self.collectives += 1
-        return self.comm.alltoall(objs)
+        return self._objects(self.comm.ialltoall(objs), phase)
 
     def abort(self, code: int) -> NoReturn:
         """End the whole job (after a missed deadline the communicator cannot be trusted).

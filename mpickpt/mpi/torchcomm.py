@@ -93,6 +93,20 @@ class _Req:
         return True
 
 
+class _AfterBarrier(_Req):
+    """An object collective: a barrier, polled; then the blocking transfer, which starts once
+    every rank has arrived (gloo's transfers wait on sockets and burn no CPU)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, work: Any, run: Any) -> None:
+        super().__init__(work)
+        self.run = run
+
+    def result(self) -> Any:
+        return self.run()
+
+
 class TorchComm:
     """A gloo process group of mpickpt's own, as the protocol layer uses it."""
 
@@ -170,7 +184,19 @@ class TorchComm:
                 error = error or str(e)
         return error
 
-    # ---------------------------------------------------- blocking, after the protocol's barrier
+    # ------------------------------------------- object collectives: a barrier, then blocking
+
+    def ibcast(self, obj: Any, root: int) -> _AfterBarrier:
+        return _AfterBarrier(self.pg.barrier(), lambda: self.bcast(obj, root))
+
+    def igather(self, obj: Any, root: int) -> _AfterBarrier:
+        return _AfterBarrier(self.pg.barrier(), lambda: self.gather(obj, root))
+
+    def iallgather(self, obj: Any) -> _AfterBarrier:
+        return _AfterBarrier(self.pg.barrier(), lambda: self.allgather(obj))
+
+    def ialltoall(self, objs: list[Any]) -> _AfterBarrier:
+        return _AfterBarrier(self.pg.barrier(), lambda: self.alltoall(objs))
 
     def _sizes(self, n: int) -> list[int]:
         out = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
