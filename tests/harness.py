@@ -49,7 +49,8 @@ def torchrun(n: int, py: list[str] | None = None) -> list[str]:
     """torchrun for ``n`` ranks on this host (its own free rendezvous port), starting each rank
     as ``py`` (default: as :func:`python` says): ``[...] -m mpickpt.run script args`` runs a job
     under it."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # the agent, too, is forked warm: importing PyTorch cost it 3 CPU seconds per launch
+    return [*python(), "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={n}", "--monitor-interval=0.1", "--no-python", *(py or python())]
 
 
