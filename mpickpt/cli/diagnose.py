@@ -2,9 +2,10 @@
 from every checkpoint.
 
 * A partial directory (a save that never committed) has no manifest, so the size each shard should
-  have is not known. What is known: which ranks' files are there, whether HDF5 finished each one
-  (a shard's writer closes its HDF5 file before the vote; HDF5 marks the superblock of a file open
-  for writing and clears the mark, and records the end-of-file address, when it closes it), and
+  have is not known. What is known: which ranks' files are there, whether each one was sealed (a
+  shard's writer writes its HDF5 metadata, superblock and end-of-file address included, last,
+  before the vote; a shard laid out by HDF5 in its older format has a superblock marked open for
+  writing until it is closed), and
   what the same rank wrote in the newest committed checkpoint of the same run. The number of
   ranks is that checkpoint's (else the newest checkpoint's, said as such); without one, a missing
   shard cannot be told from a rank that does not exist, and the note says so.
@@ -36,10 +37,11 @@ MAX_MANIFESTS = 8  # committed manifests read to find the partial directory's ru
 
 
 def shard_state(path: str) -> str:
-    """What HDF5 left of one shard: ``complete`` (closed by its writer, as long as its superblock
-    says), ``unclosed`` (marked open for writing: its writer was killed while writing, or still
-    writes), ``short`` (closed, but shorter than its recorded end: truncated since), ``empty``
-    (not even an HDF5 superblock: its writer died as it created it) or ``unreadable``."""
+    """What is left of one shard: ``complete`` (its HDF5 header written, and the file as long as
+    its superblock says), ``unsealed`` (no HDF5 header: mpickpt writes a shard's HDF5 metadata
+    last, when it seals it, so its writer died before), ``unclosed`` (a version-2 superblock
+    marked open for writing, as HDF5 itself leaves a file it was killed writing), ``short``
+    (shorter than its recorded end: truncated since) or ``unreadable``."""
     try:
         fd = rootdir.open_regular(path)
     except OSError:
@@ -51,10 +53,20 @@ def shard_state(path: str) -> str:
     finally:
         os.close(fd)
     if len(head) < 12 or head[:8] != HDF5_SIGNATURE:
-        return "empty"
-    version, offset_size, flags = head[8], head[9], head[11]
-    if version < 2 or offset_size not in (2, 4, 8) or len(head) < 12 + 3 * offset_size:
-        return "complete"  # an older superblock: nothing more to tell (mpickpt writes version 2)
+        return "unsealed"
+    version = head[8]
+    if version in (0, 1):  # HDF5's earliest format, which mpickpt writes
+        offset_size = head[13]
+        # signature, versions, sizes, group Ks, flags (version 1: and 4 bytes more); then the
+        # base, free-space and end-of-file addresses
+        at = (24 if version == 0 else 28) + 2 * offset_size
+        if offset_size not in (2, 4, 8) or len(head) < at + offset_size:
+            return "complete"
+        end = int.from_bytes(head[at:at + offset_size], "little")
+        return "short" if size < end else "complete"
+    offset_size, flags = head[9], head[11]
+    if offset_size not in (2, 4, 8) or len(head) < 12 + 3 * offset_size:
+        return "complete"  # nothing more to tell
     if flags & 1:
         return "unclosed"
     at = 12 + 2 * offset_size  # signature, versions, flags; base and extension addresses
@@ -85,13 +97,13 @@ class PartialShards:
     def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "world_size_from": self.basis,
                 "complete": self.ranks("complete"),
-                "incomplete": self.ranks("unclosed", "short", "empty", "unreadable"),
+                "incomplete": self.ranks("unsealed", "unclosed", "short", "unreadable"),
                 "missing": self.missing,
                 "bytes": {str(r): n for r, n in sorted(self.sizes.items())}}
 
     def note(self) -> str:
         """The NOTE of the partial directory: which ranks' shards are incomplete or missing."""
-        bad = self.ranks("unclosed", "short", "empty", "unreadable")
+        bad = self.ranks("unsealed", "unclosed", "short", "unreadable")
         done, missing = self.ranks("complete"), self.missing
         parts = ["a save that never committed"]
         if bad:
@@ -112,8 +124,9 @@ class PartialShards:
         return "; ".join(parts)
 
     def _why(self, ranks: list[int]) -> str:
-        said = {"unclosed": "its writer never closed it", "short": "shorter than HDF5 recorded",
-                "empty": "not even an HDF5 header", "unreadable": "cannot be read"}
+        said = {"unsealed": "its writer never sealed it: no HDF5 header yet",
+                "unclosed": "its writer never closed it", "short": "shorter than HDF5 recorded",
+                "unreadable": "cannot be read"}
         out = []
         for r in ranks:
             text = f"{human_bytes(self.sizes.get(r))}, {said[self.states[r]]}"

@@ -26,7 +26,12 @@ from .h5image import MetadataImage, place
 from .h5layout import Layout
 from .h5template import Template
 from .iothreads import pool, run_tasks
-from .records import TensorRecord  # the torch-free half, re-exported
+from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
+    FORMAT as FORMAT,
+)
+from .records import TENSORS_GROUP as TENSORS_GROUP
+from .records import VERSION as VERSION
+from .records import TensorRecord
 from .records import check_file as check_file  # re-exported too
 from .records import check_records as check_records
 

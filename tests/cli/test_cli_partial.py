@@ -3,18 +3,28 @@
 The tree is a real crash (clikit): examples/train.py on 4 ranks, rank 2 SIGKILLed in the middle of
 writing its shard of step 25 (MPICKPT_FAULT=mid-write:2:kill:25). Without a manifest the size a
 shard should have is not known; what the CLI claims is checked here against what can be known:
-HDF5 itself (h5py refuses a file its writer never closed) and the same rank's shard of step 20,
-committed by the same run (the state, so each shard's size, is the same at every step).
+HDF5 itself (h5py refuses a file its writer never sealed: the HDF5 metadata is written last) and
+the size the shard's own superblock records.
 """
 
 from __future__ import annotations
 
+import os
+import struct
+
 import h5py
 import pytest
 from clikit import PARTIAL, by_step, cli, cli_json, copy_tree, partial_dirs, pristine
-from harness import manifest
 
 from mpickpt.cli import EXIT_OK
+
+
+def _declared(path) -> int:
+    """The size a shard's HDF5 superblock (version 0) gives its file: its full size (step 20's
+    committed shards are no measure of it: the state's "losses" grows with the step)."""
+    head = path.read_bytes()[:48]
+    assert head[:8] == b"\x89HDF\r\n\x1a\n" and head[8] == 0, path
+    return struct.unpack("<Q", head[40:48])[0]
 
 
 def _opens(path) -> bool:
@@ -52,20 +62,20 @@ def test_the_killed_rank_is_named_and_the_claim_holds(tmp_path_factory):
     said = ("rank 2's shard is incomplete" if bad == [2] else
             f"the shards of ranks {spans(bad)} are incomplete")
     assert row["note"].startswith(f"a save that never committed; {said} ("), row["note"]
-    sizes = {r["rank"]: r["bytes"] for r in manifest(root, 20)["ranks"]}
     for r in range(4):
         path = partial / f"rank-{r:05d}.h5"
         if r in shards["complete"]:  # HDF5 closed it, and it has its full size
-            assert _opens(path) and path.stat().st_size == sizes[r] == shards["bytes"][str(r)]
+            assert _opens(path) and path.stat().st_size == _declared(path) == \
+                shards["bytes"][str(r)]
         elif r in shards["incomplete"]:  # HDF5 itself refuses it, or it is short
-            assert not _opens(path) or path.stat().st_size < sizes[r]
+            assert not _opens(path) or path.stat().st_size < _declared(path)
         else:
             assert r in shards["missing"] and not path.exists()
     done = shards["complete"]
     if done == [0, 1, 3]:  # the usual outcome: the others had finished when rank 2 died
         assert row["note"].startswith("a save that never committed; rank 2's shard is "
                                       "incomplete (")
-        assert "its writer never closed it" in row["note"]
+        assert "its writer never sealed it: no HDF5 header yet" in row["note"]
         assert row["note"].endswith("ranks 0-1,3 wrote theirs")
     code, out, _ = cli("ls", root)
     assert said in out
@@ -90,3 +100,36 @@ def test_a_missing_shard_is_called_missing_and_restore_records_the_ranks(tmp_pat
     assert "rank 2" in moved[0]["reason"]
     log = (root / "quarantine" / "QUARANTINE.jsonl").read_text()
     assert "rank 3's shard is missing" in log
+
+
+@pytest.mark.quick
+def test_a_shard_is_complete_once_sealed_and_short_when_cut(tmp_path):
+    """shard_state on shards as the save writes them (the HDF5 metadata from the layout's
+    template, written last): sealed, complete; cut short, short; data without its seal (a writer
+    killed mid-write), unsealed."""
+    import json
+
+    import torch
+
+    from mpickpt.cli.diagnose import shard_state
+    from mpickpt.format.h5template import Templates
+    from mpickpt.format.shard import ShardWriter
+
+    tensors = {"w": torch.arange(70_000, dtype=torch.float32), "b": torch.ones(3)}
+    attrs = {"rank": 0, "step": 5, "world_size": 1, "tree": json.dumps({"type": "dict"})}
+    template = Templates().get(tensors, attrs, alignment=1 << 16, block=1 << 16)
+    assert template is not None
+    path = tmp_path / "rank-00000.h5"
+    w = ShardWriter(str(path), tensors, attrs, alignment=1 << 16, block=1 << 16,
+                    template=template)
+    w.write(tensors, block=1 << 16)
+    size = w.seal()
+    assert shard_state(str(path)) == "complete" and _declared(path) == size
+    os.truncate(path, size - 1)
+    assert shard_state(str(path)) == "short"
+    torn = tmp_path / "rank-00001.h5"
+    w = ShardWriter(str(torn), tensors, attrs, alignment=1 << 16, block=1 << 16,
+                    template=template)
+    w.write(tensors, block=1 << 16)
+    w.close()  # never sealed
+    assert shard_state(str(torn)) == "unsealed" and not _opens(torn)
