@@ -158,8 +158,15 @@ def main() -> None:
                                          "error": result.error}
             except Exception as e:
                 report["saves"][step] = {"raised": f"{type(e).__name__}: {e}"}
-            if plan.get("damage_pool") == step and rank % plan.get("per_node", 1) == 0:
-                _damage_pool(os.path.join(plan["local"], os.environ["MPICKPT_NODE"], ".pool"))
+            if plan.get("damage_pool") == step:
+                # while no rank is in a save: every one has retired its files into the pool,
+                # and none writes into a recycled one (or keeps it mapped as it is cut short)
+                # before the damage is done
+                comm.Barrier()
+                if rank % plan.get("per_node", 1) == 0:
+                    _damage_pool(os.path.join(plan["local"], os.environ["MPICKPT_NODE"],
+                                              ".pool"))
+                comm.Barrier()
             if plan.get("crash_after") == step:
                 _write(plan, rank, report)
                 comm.Barrier()
