@@ -3,10 +3,14 @@ attributes, through h5py's low-level API. No tensor byte goes through HDF5: data
 contiguous, allocated early and never filled, aligned, and their offsets are what the writers
 ``pwrite`` at (:mod:`mpickpt.format.shard`).
 
-The low bound of the file format is HDF5's earliest: superblock 0, version-1 object headers,
+A layout made in memory takes HDF5's earliest format: superblock 0, version-1 object headers,
 symbol-table groups, none of which carries a checksum, so that the bytes of an attribute's value
 stand as they are in the file and a layout made once can be written again with other values
-(:mod:`mpickpt.format.h5template`). Every HDF5 reader, h5py and h5dump included, reads it.
+(:mod:`mpickpt.format.h5template`); its writer writes it last, when it seals the shard. A file
+HDF5 writes itself (compressed chunks, a node's file) keeps the format of 1.8 and later
+(superblock 2), whose superblock says whether the file is still open for writing, as a writer
+killed in the middle leaves it (``mpickpt ls`` tells it). Every HDF5 reader, h5py and h5dump
+included, reads both.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from . import checksum, dtypes
 from .records import FORMAT, TENSORS_GROUP, VERSION, TensorRecord
 
-LIBVER = ("earliest", "v110")
+EARLIEST = ("earliest", "v110")  # in memory (a template, a write into a destination)
+ON_DISK = ("v108", "v110")  # HDF5 writing the file itself
 
 
 def dataset_path(name: str) -> str:
@@ -52,7 +57,8 @@ class Layout:
         self.codecs, self.block, self.where = dict(codecs or {}), block, where or str(target)
         self.records: list[TensorRecord] = []
         self.datasets: list[h5py.h5d.DatasetID] = []  # of the records, for their checksums
-        self.h5 = h5py.File(target, "w", libver=LIBVER, alignment_threshold=alignment,
+        libver = ON_DISK if isinstance(target, str) or codecs else EARLIEST
+        self.h5 = h5py.File(target, "w", libver=libver, alignment_threshold=alignment,
                             alignment_interval=alignment)
         try:
             set_attr(self.h5.id, "mpickpt_format", FORMAT)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 
 import h5py
 import pytest
@@ -133,3 +135,15 @@ def test_a_shard_is_complete_once_sealed_and_short_when_cut(tmp_path):
     w.write(tensors, block=1 << 16)
     w.close()  # never sealed
     assert shard_state(str(torn)) == "unsealed" and not _opens(torn)
+    # a shard HDF5 writes itself (no template: a node's file, compressed chunks) and whose
+    # writer dies before it closes it: its superblock is still marked open for writing
+    killed = tmp_path / "rank-00002.h5"
+    code = (
+        "import os, sys, torch\n"
+        "from mpickpt.format.shard import ShardWriter\n"
+        "t = {'w': torch.arange(70_000, dtype=torch.float32)}\n"
+        "w = ShardWriter(sys.argv[1], t, {'rank': 2, 'tree': '{}'}, alignment=1 << 16)\n"
+        "w.write(t)\n"
+        "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code, str(killed)], check=True, timeout=120)
+    assert shard_state(str(killed)) == "unclosed"
