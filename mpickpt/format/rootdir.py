@@ -301,3 +301,27 @@ def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None,
             os.close(fout)
     finally:
         os.close(fin)
+
+
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def in_memory(path: str) -> bool:
+    """Whether ``path`` lies on a file system held in memory (``/dev/shm``'s tmpfs): a file there
+    can be used where it lies, mapped, at the cost of a memory copy (Linux's mount table; False
+    where it cannot be read)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, fstype = -1, ""
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, fstype = len(point), fields[2]
+    return fstype in MEMORY_FILESYSTEMS

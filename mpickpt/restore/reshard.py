@@ -12,6 +12,8 @@ its target (the same sharding, or rows of a coarser one) is read straight into p
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -24,10 +26,14 @@ from ..format import dtypes, state_tree
 from ..format.blocks import align
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
-from ..format.reader import Span, read_spans
+from ..format.reader import Span, mapped_spans, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
+
+# a record used where it lies in its file must start on such a boundary (a tensor's elements
+# aligned; tensors of 1 MiB and more start on 1 MiB): a smaller one goes through the buffer
+MAPPED_ALIGN = 64
 
 
 class RecordKey(NamedTuple):
@@ -281,18 +287,33 @@ class Staged:
     by_rank: dict[int, list[Span]]
     direct: dict[RecordKey, int]  # stored record -> byte offset in its target (read in place)
     staged: dict[RecordKey, list[Span]]  # stored record -> its spans, in byte order
+    # target -> the one whole record it is, used where it lies in its file (mapped, verified)
+    mapped: dict[str, Source] = field(default_factory=dict)
 
     def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
              on_block: Callable[[], None] | None = None) -> None:
-        """Read and verify the spans of these ranks' shards under ``directory``."""
+        """Read and verify the spans of these ranks' shards under ``directory``; the targets
+        that are :attr:`mapped` become views of their files, every block verified where it
+        lies."""
+        block = manifest.checksum_block
         for src_rank in ranks:
             entry = self.plan.entries[src_rank]
             by_file: dict[tuple[str, int], list[Span]] = {}  # incremental: some in older shards
             for s in self.by_rank.get(src_rank, []):
                 by_file.setdefault(entry.file_of(directory, s.record), []).append(s)
             for (path, size), spans in by_file.items():
-                read_spans(src_rank, path, size, spans, block=manifest.checksum_block,
-                           threads=threads, on_block=on_block)
+                read_spans(src_rank, path, size, spans, block=block, threads=threads,
+                           on_block=on_block)
+            whole = [(n, src) for n, src in self.mapped.items() if src.rank == src_rank]
+            if whole:
+                path, size = os.path.join(directory, entry.file), entry.bytes
+                views = mapped_spans(src_rank, path, size,
+                                     [(src.record, 0, src.record.nbytes) for _, src in whole],
+                                     block=block, threads=threads)
+                for (n, src), view in zip(whole, views, strict=True):
+                    self.out[n] = _over(view, src.record)
+                if on_block is not None:
+                    on_block()
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Every target, by name, once all spans are in."""
@@ -303,16 +324,24 @@ class Staged:
         return self.out
 
 
-def stage(p: Plan, buffer: Callable[[int], torch.Tensor]) -> Staged:
+def stage(p: Plan, buffer: Callable[[int], torch.Tensor],
+          mappable: Callable[[int], bool] | None = None) -> Staged:
     """Allocate the targets of ``p`` in one ``buffer`` and lay out the spans to read: a record
-    that lands whole in one contiguous range of its target is read straight there."""
+    that lands whole in one contiguous range of its target is read straight there. A target
+    that is one whole record, uncompressed and in the shard of a rank that ``mappable`` accepts
+    (a file in memory: the node-local level's own shards), takes no room in the buffer: it is
+    used where it lies in its file (:attr:`Staged.mapped`)."""
+    mapped = {n: t.sources[0] for n, t in p.targets.items()
+              if mappable is not None and len(t.sources) == 1 and _whole(t, t.sources[0])
+              and mappable(t.sources[0].rank)}
     offsets, pos = {}, 0
     for name, t in p.targets.items():
-        offsets[name] = pos
-        pos = align(pos + t.nbytes)
-    buf = buffer(pos)
+        if name not in mapped:
+            offsets[name] = pos
+            pos = align(pos + t.nbytes)
+    buf = buffer(pos) if pos else torch.empty(0, dtype=torch.uint8)
     out = {n: buf[offsets[n]: offsets[n] + t.nbytes].view(dtypes.torch_dtype(t.dtype))
-           .view(t.shape) for n, t in p.targets.items()}
+           .view(t.shape) for n, t in p.targets.items() if n not in mapped}
     direct: dict[RecordKey, int] = {}
     for t in p.targets.values():
         for src in t.sources:
@@ -322,6 +351,8 @@ def stage(p: Plan, buffer: Callable[[int], torch.Tensor]) -> Staged:
     by_rank: dict[int, list[Span]] = {}
     staged: dict[RecordKey, list[Span]] = {}
     for n, t in p.targets.items():
+        if n in mapped:
+            continue
         for src in t.sources:
             key = src.key
             if key in staged:
@@ -336,7 +367,27 @@ def stage(p: Plan, buffer: Callable[[int], torch.Tensor]) -> Staged:
                 spans.append(Span(src.record, r.lo, r.hi, dest))
             by_rank.setdefault(key.rank, []).extend(spans)
             staged[key] = spans
-    return Staged(p, out, by_rank, direct, staged)
+    return Staged(p, out, by_rank, direct, staged, mapped)
+
+
+def _whole(t: Target, src: Source) -> bool:
+    """Whether ``src`` is all of ``t``: a whole record of the rank's own file, its bytes the
+    target's bytes in order."""
+    rec = src.record
+    return (rec.codec is None and rec.source is None and rec.nbytes == t.nbytes
+            and not rec.offset % MAPPED_ALIGN and tuple(rec.shape) == t.shape
+            and rec.dtype == t.dtype and t.in_place(rec, src.offsets, src.shape) == 0)
+
+
+def _over(view: memoryview, rec: TensorRecord) -> torch.Tensor:
+    """A read-only file view of ``rec``'s bytes as a tensor of its dtype and shape (no copy;
+    restore only reads it, into the state's own tensors)."""
+    if not rec.nbytes:
+        return torch.empty(rec.shape, dtype=dtypes.torch_dtype(rec.dtype))
+    with warnings.catch_warnings():  # not writable: torch only warns, and nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    return flat.view(dtypes.torch_dtype(rec.dtype)).view(rec.shape)
 
 
 def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,

@@ -70,6 +70,9 @@ class RestoreInfo:
     total_network_bytes: int = 0  # by every rank
     fetched_bytes: int = 0  # (level "local") bytes of other nodes' shards received to load
     total_fetched_bytes: int = 0  # by every rank
+    # (level "local", a node directory in memory) of bytes_read, used where they lie in this
+    # node's files: verified in place, never copied into a buffer
+    mapped_bytes: int = 0
     root_bytes: int = 0  # read from ROOT by every rank
     # seconds of each phase on this rank (level "local": the recovery's, then "load")
     phases: dict[str, float] = field(default_factory=dict)
@@ -85,6 +88,7 @@ class Restorer:
         self.rank, self.world_size = proto.rank, proto.size
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
+        self.mapped_bytes = 0  # of bytes_read, used where they lie (a node directory in memory)
         self.fetched_bytes = 0  # the node-local level: received from other nodes' ranks
         self.served_bytes = 0  # and of its own lost shard, from the rank holding its copy
         self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
@@ -114,6 +118,7 @@ class Restorer:
                 info.source = local.last.source if level == "local" and local else "ROOT"
                 info.network_bytes = local.last.received if level == "local" and local else 0
                 info.fetched_bytes = self.fetched_bytes if level == "local" else 0
+                info.mapped_bytes = self.mapped_bytes if level == "local" else 0
                 break
             info.skipped.append((step, verdict))
             later = [t for t in tries[n + 1:] if t[0] == step]
@@ -219,6 +224,7 @@ class Restorer:
         self.manifest = manifest
         verdict, err, arrays, held = _OK, None, {}, []
         plan = None
+        self.mapped_bytes = 0
 
         def buffer(nbytes: int) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
@@ -242,9 +248,14 @@ class Restorer:
             # the node-local level: other nodes' shards are their ranks' to check and send
             _check_files(plan, {r for r in needed if r not in served and (
                 nodes is None or nodes[r] == nodes[self.rank])}, path)
-            staged = reshard.stage(plan, buffer)
-            here = [r for r in staged.by_rank if r not in served and (
-                nodes is None or nodes[r] == nodes[self.rank])]
+            def on_node(r: int) -> bool:
+                return r not in served and (nodes is None or nodes[r] == nodes[self.rank])
+
+            # the node-local level in memory: this node's shards are used where they lie
+            in_memory = nodes is not None and rootdir.in_memory(path)
+            staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None)
+            here = sorted({r for r in staged.by_rank if on_node(r)}
+                          | {src.rank for src in staged.mapped.values()})
             remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
 
             def read_here() -> None:
@@ -257,7 +268,9 @@ class Restorer:
                 read_here()
             else:  # this node's shards read while the others' bytes come over MPI below
                 reading = pool(1, False).submit(read_here)
-            self.bytes_read = sum(s.nbytes for r in here for s in staged.by_rank[r])
+            self.mapped_bytes = sum(src.record.nbytes for src in staged.mapped.values())
+            self.bytes_read = self.mapped_bytes + sum(
+                s.nbytes for r in here for s in staged.by_rank.get(r, []))
         except Exception as e:
             verdict, err = self._verdict(e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed

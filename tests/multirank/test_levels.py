@@ -148,6 +148,15 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         how = "partner copy from rank" if redundancy == "partner" else "XOR rebuild"
         for r in range(n):
             assert restored[r]["source"].startswith(how if r in lost else "own"), restored[r]
+            # a node directory in memory: a survivor's own tensors are used where they lie
+            # (verified in place, no copy; a replicated model is put together from the ranks'
+            # shares, and its one other tensor is 8 bytes); on disk, every byte is read
+            mapped = restored[r]["mapped_bytes"]
+            if not window:
+                assert mapped == 0, restored[r]
+            elif r not in lost and not replicated:
+                assert mapped > 0, restored[r]
+            assert mapped <= restored[r]["bytes_read"], restored[r]
         assert restored[0]["total_network_bytes"] == sum(r["network_bytes"] for r in restored)
         assert all(restored[r]["network_bytes"] > 0 for r in lost)
         # a replicated model: every rank gets the shares of other nodes' ranks over MPI
@@ -240,18 +249,22 @@ def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
 
 
 @pytest.mark.guarantee("local-survives-node-loss", "damage-detected")
-@pytest.mark.parametrize(("redundancy", "replicated"), [
-    ("partner", False), (None, False), ("partner", True)])
+@pytest.mark.parametrize(("redundancy", "replicated", "memory"), [
+    ("partner", False, False), (None, False, False), ("partner", True, False),
+    ("partner", False, True), (None, False, True)])
 def test_a_corrupt_local_shard_is_rebuilt_or_falls_back_and_is_named(
         tmp_path: Path, reference, guarantees, redundancy: str | None,
-        replicated: bool) -> None:
+        replicated: bool, memory: bool, request) -> None:
     """A flipped byte in rank 1's own local shard: rebuilt from its partner copy on the other
     node (nothing from ROOT), or without redundancy, the step falls back to ROOT; the log names
-    the file and the tensor either way."""
+    the file and the tensor either way. ``memory``: the level in /dev/shm, where the own shards
+    are verified where they lie rather than read."""
+    if memory:
+        request.getfixturevalue("in_memory")
     crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, redundancy=redundancy,
                      per_node=2, replicated=replicated)
     assert crashed.returncode != 0
-    shard = tmp_path / "local" / "n0" / f"step-{CRASH:08d}" / "rank-00001.h5"
+    shard = local_of(tmp_path) / "n0" / f"step-{CRASH:08d}" / "rank-00001.h5"
     data = bytearray(shard.read_bytes())
     m = json.loads((shard.parent / "MANIFEST.json").read_text())
     rec = max(m["ranks"][1]["tensors"], key=lambda t: t["nbytes"])
@@ -262,7 +275,7 @@ def test_a_corrupt_local_shard_is_rebuilt_or_falls_back_and_is_named(
     step = CRASH if redundancy else DRAINED
     finals = reference[4, replicated]
     guarantees.record(SUITE, f"corrupt-local-shard-{redundancy}"
-                      + ("-replicated" if replicated else ""),
+                      + ("-replicated" if replicated else "") + ("-in-memory" if memory else ""),
                       outcome(reports, 4, step, finals), done.output[-2000:])
     assert done.returncode == 0, done.output
     assert str(shard) in done.stderr and rec["name"] in done.stderr

@@ -138,7 +138,8 @@ def main() -> None:
         "step": info.step, "level": info.level, "source": info.source,
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
         "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
-        "fetched_bytes": info.fetched_bytes,
+        "fetched_bytes": info.fetched_bytes, "mapped_bytes": info.mapped_bytes,
+        "bytes_read": info.bytes_read,
         "exact": digest(state) == digest(trained(rank, start))}
     ck.wait()  # a lost node's shards, loaded from their copies, are written back behind it
     # this rank's node directory once the restore's write-back is done (a rebuilt node: whole)
