@@ -336,7 +336,8 @@ def judge(cell: Cell, run: CaseRun) -> tuple[str, str]:
         required = {expect - 10, expect}
         if not required <= set(on_disk) <= {10, 20, expect}:
             raise _fail("failed", f"committed steps on disk {on_disk}, expected {sorted(required)}"
-                                  f" (keep=2) and nothing newer than {expect}")
+                                  f" (keep=2) and nothing newer than {expect}; the fault job "
+                                  f"said: {run.launch.tail(12)}")
         for s in on_disk:
             _check_restore(f"restore of step {s}", {r: vr[r]["each"][str(s)] for r in range(n)},
                            "", s, n)
