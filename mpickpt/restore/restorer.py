@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,18 +245,7 @@ class Restorer:
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             _check_records(plan, needed - {source}, path, manifest.checksum_block)
-            # the node-local level: other nodes' shards are their ranks' to check and send
-            _check_files(plan, {r for r in needed if r not in served and (
-                nodes is None or nodes[r] == nodes[self.rank])}, path)
-            def on_node(r: int) -> bool:
-                return r not in served and (nodes is None or nodes[r] == nodes[self.rank])
-
-            # the node-local level in memory: this node's shards are used where they lie
-            in_memory = nodes is not None and rootdir.in_memory(path)
-            staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None)
-            here = sorted({r for r in staged.by_rank if on_node(r)}
-                          | {src.rank for src in staged.mapped.values()})
-            remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
+            staged, here, remote = self._stage(plan, path, needed, served, nodes, buffer)
 
             def read_here() -> None:
                 assert staged is not None
@@ -296,6 +285,24 @@ class Restorer:
             arrays.clear()
             for buf in held:
                 self.pool.release(buf)
+
+    def _stage(self, plan: reshard.Plan, path: str, needed: set[int], served: dict[int, int],
+               nodes: Sequence[str] | None, buffer: Callable[[int], torch.Tensor]
+               ) -> tuple[reshard.Staged, list[int], dict[int, list[Span]]]:
+        """This node's shards of the ``needed`` ranks checked, the targets laid out: (the
+        staging, the ranks whose shards are read here, the spans that come from other ranks)."""
+        def on_node(r: int) -> bool:
+            return r not in served and (nodes is None or nodes[r] == nodes[self.rank])
+
+        # the node-local level: other nodes' shards are their ranks' to check and send
+        _check_files(plan, {r for r in needed if on_node(r)}, path)
+        # the node-local level in memory: this node's shards are used where they lie
+        in_memory = nodes is not None and rootdir.in_memory(path)
+        staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None)
+        here = sorted({r for r in staged.by_rank if on_node(r)}
+                      | {src.rank for src in staged.mapped.values()})
+        remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
+        return staged, here, remote
 
     def _verdict(self, e: Exception, where: str, manifest: Manifest, path: str
                  ) -> tuple[int, str]:
