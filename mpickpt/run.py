@@ -36,6 +36,7 @@ What it does, in order (one small function each):
 
    So ``SystemExit(3)`` raised on every rank (a preempted job, after its checkpoint) ends the job
    with code 3 on every rank; ``sys.exit(3)`` on one rank alone aborts the job with code 3.
+   Once the ranks agreed on a non-zero code they ignore SIGTERM (:func:`leave_together`).
 
 Exit codes (the job's, as mpirun or srun reports it):
 
@@ -57,6 +58,7 @@ import atexit
 import math
 import os
 import runpy
+import signal
 import socket
 import sys
 import time
@@ -359,7 +361,21 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
         code = agree_on_exit(exit_comm, code, grace)
     except KeyboardInterrupt:
         abort(EXIT_INTERRUPTED, "interrupted (KeyboardInterrupt) while waiting for the other ranks")
+    if code:
+        leave_together()
     raise SystemExit(code)
+
+
+def leave_together() -> None:
+    """Every rank agreed on a non-zero code: let none of them be killed on the way out.
+
+    A launcher that ends a job when one task exits non-zero (``srun -K1``, torchrun's agent)
+    sends SIGTERM to the ranks still in MPI_Finalize or the interpreter's teardown: a clean exit
+    with code 3 on every rank would end as 143 on the slower ones, and the batch script take the
+    preemption for a failure. The job's ending is decided here; SIGTERM is ignored until the
+    process has gone (a launcher that insists sends SIGKILL).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,36 @@
 barrier that it never joins) raises ``SystemExit(CODE)``; CODE ``interrupt`` raises
 KeyboardInterrupt instead.
 
+``RUN_EXIT_LINGER=R:SECONDS`` in the environment: rank R is slow to leave, as a rank whose
+interpreter takes long to tear down is: after MPI_Finalize it sleeps SECONDS at exit. Every rank
+prints ``rank N left`` as its last line.
+
 Run by tests/test_run.py.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import time
 
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
+rank = comm.rank
+linger_rank, _, linger_s = os.environ.get("RUN_EXIT_LINGER", "-1:0").partition(":")
+
+
+def leave() -> None:
+    """Registered after mpickpt.run's own MPI_Finalize handler, so it runs before it."""
+    MPI.Finalize()
+    if rank == int(linger_rank):
+        time.sleep(float(linger_s))
+    print(f"rank {rank} left", flush=True)
+
+
+atexit.register(leave)
 code = sys.argv[1]
 only = int(sys.argv[2]) if len(sys.argv) > 2 else None
 if only is None:
