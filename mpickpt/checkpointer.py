@@ -304,7 +304,10 @@ class Checkpointer:
         self._check_open()
         with self._proto.fatal_timeouts(self.log):  # a rank stopped calling: dead or hung
             flag = preempt.kind() if self.preemption else preempt.NONE
+            ready = self._exit_vote.agreed_once
             vote = self._exit_vote.poll(flag, self.rank, step)
+        if not ready and self._exit_vote.agreed_once and self.preemption and self.rank == 0:
+            slurm.say_ready(self.log)  # every rank has its handlers (installed before the vote)
         if vote is None:
             return False
         kind, who = vote

@@ -88,6 +88,10 @@ LOG = Knob("MPICKPT_LOG", "INFO", _level, "a log level",
 EXIT_GRACE = Knob("MPICKPT_EXIT_GRACE", 30.0, _non_negative, "seconds",
                   "mpickpt.run: how long a rank that exits non-zero waits for the others before "
                   "it aborts the job")
+READY_FILE = Knob[str | None]("MPICKPT_READY_FILE", None, str, "a path",
+                              "rank 0 creates it once every rank has reached should_exit (so "
+                              "every rank watches the preemption signals); slurm/train.sbatch "
+                              "holds an early signal until then")
 ABORT_DELAY = Knob("MPICKPT_ABORT_DELAY", 1.0, _non_negative, "seconds",
                    "mpickpt.run: pause between printing a traceback and MPI_Abort, so the "
                    "launcher forwards it")
@@ -122,7 +126,7 @@ FAULT = Knob("MPICKPT_FAULT", "", str, "phase:rank:action[:step],...",
              "fault injection for tests (mpickpt/faults.py); unset in production")
 
 ALL: tuple[Knob, ...] = (TIMEOUT, TIMEOUT_GRACE, DEADLINE, REQUEUE, SIGNAL, LOG, EXIT_GRACE,
-                         ABORT_DELAY, NODE, BACKEND, CHECK_PIECES_RANKS, FAULT)
+                         READY_FILE, ABORT_DELAY, NODE, BACKEND, CHECK_PIECES_RANKS, FAULT)
 
 
 def markdown_table() -> str:

@@ -5,6 +5,8 @@ so tests drive it by setting variables.
 * Whether to requeue after a preemption: under Slurm (``$SLURM_JOB_ID``) unless
   ``$MPICKPT_REQUEUE`` is 0 (the job template requeues from its batch shell instead).
 * How: ``scontrol requeue $SLURM_JOB_ID``, once, by rank 0.
+* When the ranks can take a preemption signal: rank 0 creates ``$MPICKPT_READY_FILE`` (the job
+  template's), so that the batch shell forwards an early signal then, not before.
 """
 
 from __future__ import annotations
@@ -46,3 +48,17 @@ def requeue(log: logging.Logger, env: Mapping[str, str] = os.environ) -> bool:
         return True
     log.error("scontrol requeue %s failed (exit %d): %s", job, p.returncode, p.stderr.strip())
     return False
+
+
+def say_ready(log: logging.Logger, env: Mapping[str, str] = os.environ) -> None:
+    """Rank 0, once every rank watches the preemption signals: create ``$MPICKPT_READY_FILE``
+    (if set). A failure is logged: the batch shell then holds an early signal for its limit."""
+    path = knobs.READY_FILE.get(env)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(f"pid={os.getpid()}\n")
+    except OSError as e:
+        log.warning("cannot create MPICKPT_READY_FILE=%s: %s; an early preemption signal is "
+                    "held by the batch shell until the limit of its hold instead", path, e)

@@ -63,3 +63,31 @@ def test_the_exit_vote_tells_a_raised_flag_one_call_later_and_names_the_rank():
     finally:
         vote.free()
         proto.free()
+
+
+@pytest.mark.parametrize("preemption", [True, False])
+def test_rank_0_says_ready_once_every_rank_has_reached_should_exit(tmp_path, preemption):
+    """MPICKPT_READY_FILE (the job template's handshake) appears at the should_exit call that
+    completes the first exit vote, not at the Checkpointer's creation; never when the
+    Checkpointer does not watch the preemption signals."""
+    ready = tmp_path / "ready"
+    p = run("import os, mpickpt, torch\n"
+            f"ck = mpickpt.Checkpointer({str(tmp_path / 'ckpt')!r}, preemption={preemption})\n"
+            f"seen = [os.path.exists({str(ready)!r})]\n"
+            "for s in range(3):\n"
+            "    ck.should_exit(s, {'w': torch.zeros(1)})\n"
+            f"    seen.append(os.path.exists({str(ready)!r}))\n"
+            "ck.close()\nprint(seen)", MPICKPT_READY_FILE=str(ready))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == ("[False, False, True, True]" if preemption
+                                else "[False, False, False, False]"), p.stderr
+
+
+def test_a_ready_file_that_cannot_be_created_is_said_and_the_job_goes_on(tmp_path):
+    ready = tmp_path / "no-such-dir" / "ready"
+    p = run("import mpickpt, torch\n"
+            f"ck = mpickpt.Checkpointer({str(tmp_path / 'ckpt')!r})\n"
+            "print([ck.should_exit(s, {'w': torch.zeros(1)}) for s in range(3)])\nck.close()",
+            MPICKPT_READY_FILE=str(ready))
+    assert p.returncode == 0 and p.stdout.strip() == "[False, False, False]", p.stderr
+    assert f"cannot create MPICKPT_READY_FILE={ready}" in p.stderr, p.stderr

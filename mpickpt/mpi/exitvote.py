@@ -35,6 +35,7 @@ class ExitVote:
         self._recv = np.zeros(2, dtype=np.int64)
         self._req: Request | None = None
         self._label = ""
+        self.agreed_once = False  # an allreduce completed: every rank has called poll()
 
     def _complete(self) -> None:
         assert self._req is not None
@@ -42,6 +43,7 @@ class ExitVote:
         self._proto.complete(self._req, self._roll, self.PHASE)
         self._roll.complete()
         self._req = None
+        self.agreed_once = True
 
     def poll(self, flag: int, rank: int, step: int | None = None) -> tuple[int, int] | None:
         """None while every rank's flag is 0; else (the highest flag, the highest rank that
