@@ -139,8 +139,9 @@ class Checkpointer:
         self._capture = Capture(self._pool, o.snapshots.device_staging, self.replicated,
                                 self.rank, self.world_size, self.log,
                                 skip=o.snapshots.if_busy == "skip")
-        self._exit_vote = ExitVote(self._proto)
-        self._watch(o.preemption)
+        self._watch(o.preemption)  # (before the exit vote: a rank that votes watches the signals)
+        self._exit_vote = ExitVote(self._proto, functools.partial(slurm.say_ready, self.log)
+                                   if self.preemption and self.rank == 0 else None)
         self.restore_info: RestoreInfo | None = None
         self._closed = False
         self.run_id: str = self._proto.everywhere(lambda: uuid.uuid4().hex[:12], "init",
@@ -304,10 +305,7 @@ class Checkpointer:
         self._check_open()
         with self._proto.fatal_timeouts(self.log):  # a rank stopped calling: dead or hung
             flag = preempt.kind() if self.preemption else preempt.NONE
-            ready = self._exit_vote.agreed_once
             vote = self._exit_vote.poll(flag, self.rank, step)
-        if not ready and self._exit_vote.agreed_once and self.preemption and self.rank == 0:
-            slurm.say_ready(self.log)  # every rank has its handlers (installed before the vote)
         if vote is None:
             return False
         kind, who = vote
@@ -370,8 +368,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---------------------------------------------------------------------------------- plumbing
 
     def _check_open(self) -> None:
         if self._closed:

@@ -3,6 +3,7 @@ cost of one non-blocking allreduce per step (see :class:`ExitVote`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,15 +28,17 @@ class ExitVote:
 
     PHASE = "should_exit"
 
-    def __init__(self, proto: Protocol) -> None:
+    def __init__(self, proto: Protocol, on_first: Callable[[], None] | None = None) -> None:
+        """``on_first`` is called once, when the first allreduce completes: every rank has
+        called :meth:`poll` by then (the job template's ready handshake)."""
         self._proto = proto
+        self._on_first = on_first
         self.comm = proto.comm.dup()
         self._roll = RollCall(self.comm, proto.grace)
         self._send = np.zeros(2, dtype=np.int64)
         self._recv = np.zeros(2, dtype=np.int64)
         self._req: Request | None = None
         self._label = ""
-        self.agreed_once = False  # an allreduce completed: every rank has called poll()
 
     def _complete(self) -> None:
         assert self._req is not None
@@ -43,7 +46,9 @@ class ExitVote:
         self._proto.complete(self._req, self._roll, self.PHASE)
         self._roll.complete()
         self._req = None
-        self.agreed_once = True
+        if self._on_first is not None:
+            first, self._on_first = self._on_first, None
+            first()
 
     def poll(self, flag: int, rank: int, step: int | None = None) -> tuple[int, int] | None:
         """None while every rank's flag is 0; else (the highest flag, the highest rank that

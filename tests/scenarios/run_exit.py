@@ -6,7 +6,7 @@ KeyboardInterrupt instead.
 interpreter takes long to tear down is: after MPI_Finalize it sleeps SECONDS at exit. Every rank
 prints ``rank N left`` as its last line.
 
-Run by tests/test_run.py.
+Run by tests/test_run.py and tests/slurm/test_slurm_smoke.py.
 """
 
 from __future__ import annotations
