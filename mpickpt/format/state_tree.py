@@ -63,28 +63,29 @@ class _Flattener:
         self.unmatched = set(replicated)  # replicated key paths not met in the state yet
         self.world = world
 
-    def is_replicated(self, path: tuple[Any, ...]) -> bool:
-        s = _path_str(path)
-        return any(s == p or s.startswith(p + "/") for p in self.replicated)
+    def is_replicated(self, where: str) -> bool:
+        """Whether the key path ``where`` (:func:`_path_str`) is under a replicated one."""
+        return any(where == p or where.startswith(p + "/") for p in self.replicated)
 
-    def name(self, path: tuple[Any, ...]) -> str:
-        base = _path_str(path)
+    def name(self, base: str) -> str:
         name, n = base, 1
         while name in self.arrays:
             name, n = f"{base}~{n}", n + 1
         return name
 
-    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> str:
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...], where: str | None = None) -> str:
+        """``where``: ``_path_str(path)``, where the caller has it already."""
+        where = _path_str(path) if where is None else where
         if t.layout != torch.strided or t.is_meta or t.is_quantized:
             raise StateTreeError(
-                f"state[{_path_str(path)}]: tensor with layout {t.layout} on {t.device} cannot be "
+                f"state[{where}]: tensor with layout {t.layout} on {t.device} cannot be "
                 "saved; only dense (strided) tensors with data are supported"
             )
         try:
             dtypes.name_of(t.dtype)
         except ValueError as e:
-            raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
-        name = self.name(path)
+            raise StateTreeError(f"state[{where}]: {e}") from None
+        name = self.name(where)
         self.arrays[name] = t.detach()
         return name
 
@@ -93,11 +94,12 @@ class _Flattener:
         replicated) its placement is recorded and the node marked ``sharded``."""
         where = _path_str(path)
         try:
-            placement = sharding.placement_of(x, where, self.is_replicated(path), self.world)
+            placement = sharding.placement_of(x, where, self.is_replicated(where), self.world)
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
         local = sharding.local_tensor(x)
-        node = {"type": "tensor", "name": self.tensor(local, path), "device": str(local.device)}
+        node = {"type": "tensor", "name": self.tensor(local, path, where),
+                "device": str(local.device)}
         if placement is not None:
             self.placements[node["name"]] = placement
             node["sharded"] = True

@@ -145,7 +145,8 @@ class HostPool:
         """A slot for ``nbytes``: a free buffer that fits, else a new one (with ``defer``: one
         that :meth:`fill` allocates later); waits for a release when all slots are in flight."""
         nbytes = align(max(nbytes, 1))
-        self._check(nbytes)
+        if not any(b.numel() >= nbytes for b in self._free):  # (a reused buffer needs no memory:
+            self._check(nbytes)  # no reading of /proc/meminfo on every save; _new() checks too)
         t0 = time.perf_counter()
         with self._cond:
             while True:

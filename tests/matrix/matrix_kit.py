@@ -97,6 +97,11 @@ class Launch:
     def tail(self, lines: int = 6) -> str:
         return " | ".join(self.output.strip().splitlines()[-lines:])
 
+    def complaints(self, lines: int = 8) -> str:
+        """The first warnings and errors mpickpt logged (an earlier save's failure, say)."""
+        said = [ln for ln in self.output.splitlines() if " ERROR " in ln or " WARNING " in ln]
+        return " | ".join(said[:lines]) or "(none)"
+
 
 @dataclass
 class CaseRun:
@@ -337,7 +342,8 @@ def judge(cell: Cell, run: CaseRun) -> tuple[str, str]:
         if not required <= set(on_disk) <= {10, 20, expect}:
             raise _fail("failed", f"committed steps on disk {on_disk}, expected {sorted(required)}"
                                   f" (keep=2) and nothing newer than {expect}; the fault job "
-                                  f"said: {run.launch.tail(12)}")
+                                  f"said: {run.launch.tail(12)}; its warnings and errors: "
+                                  f"{run.launch.complaints()}")
         for s in on_disk:
             _check_restore(f"restore of step {s}", {r: vr[r]["each"][str(s)] for r in range(n)},
                            "", s, n)
