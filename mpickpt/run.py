@@ -61,6 +61,7 @@ import runpy
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import types
@@ -373,9 +374,11 @@ def leave_together() -> None:
     sends SIGTERM to the ranks still in MPI_Finalize or the interpreter's teardown: a clean exit
     with code 3 on every rank would end as 143 on the slower ones, and the batch script take the
     preemption for a failure. The job's ending is decided here; SIGTERM is ignored until the
-    process has gone (a launcher that insists sends SIGKILL).
+    process has gone (a launcher that insists sends SIGKILL). Only from the main thread, where
+    Python lets a handler be set (``main(fn)`` called elsewhere keeps the default).
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
