@@ -30,7 +30,7 @@ import torch
 import mpickpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import columns
+from bench_cpu import columns, payload_bytes
 
 
 def timed(call: Callable[[int], None], after: Callable[[], None], n: int, first: int
@@ -85,8 +85,8 @@ def main() -> None:
         shutil.rmtree(where, ignore_errors=True)
 
     def ms(xs: list[float], q: float) -> float:
-        return statistics.quantiles(xs, n=20)[int(q * 20) - 1] * 1e3 if q < 1 else \
-            statistics.median(xs) * 1e3
+        """The ``q`` quantile (a multiple of 0.05) of ``xs``, in ms."""
+        return statistics.quantiles(xs, n=20)[round(q * 20) - 1] * 1e3
 
     table, out = [], {}
     for name, (cpu, wall) in rows.items():
@@ -97,9 +97,7 @@ def main() -> None:
                       f"{out[name]['thread_cpu_ms']['p10']:.3f}",
                       f"{out[name]['thread_cpu_ms']['p90']:.3f}",
                       f"{out[name]['wall_ms']['median']:.3f}"))
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-        if isinstance(v, torch.Tensor))
+    nbytes = payload_bytes((model, opt))
     print(f"one process, {nbytes / 1e6:.2f} MB of model + Adam state, {a.saves} calls each")
     print(columns(("call", "thread CPU ms (median)", "p10", "p90", "wall ms (median)"), table))
     if a.out:
