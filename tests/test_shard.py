@@ -135,6 +135,37 @@ def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
         assert torch.equal(out[k], t), k
 
 
+def _vm_flags(ptr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds address ``ptr``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_large_pool_buffers_ask_for_huge_pages_small_ones_stay_on_the_heap():
+    from mpickpt.save import pinned_pool
+
+    if not pinned_pool.huge_pages_on_request():
+        pytest.skip("this kernel gives no transparent huge pages on request")
+    big = pinned_pool.host_buffer(8 << 20)
+    small = pinned_pool.host_buffer(64 << 10)
+    assert big.numel() == 8 << 20 and small.numel() == 64 << 10
+    assert big.data_ptr() % shard.DIRECT_ALIGN == 0 and small.data_ptr() % shard.DIRECT_ALIGN == 0
+    assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE on its mapping
+    assert "hg" not in _vm_flags(small.data_ptr())
+    big.fill_(7)
+    view = big[100:200]
+    del big  # the view keeps the mapping
+    assert int(view.sum()) == 700
+
+
 # ------------------------------------------------------------- hostile records and files
 
 
