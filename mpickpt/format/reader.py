@@ -111,40 +111,58 @@ def read_spans(
         run_tasks(tasks, task, threads)
 
 
+class MappedSpans:
+    """Bytes ``lo..hi`` of each ``(record, lo, hi)`` (whole checksum blocks of uncompressed
+    records, as :func:`read_spans` takes them) as read-only ``views`` of the file mapped into
+    memory: nothing is copied (a partner copy served to the node that lost it). Nothing is
+    verified until :meth:`verify`, so the views can go out while their blocks are checked. The
+    views keep the map; it goes with the last of them."""
+
+    def __init__(self, rank: int, path: str, file_bytes: int,
+                 spans: list[tuple[TensorRecord, int, int]], *,
+                 block: int = checksum.DEFAULT_BLOCK) -> None:
+        try:
+            fd = open_shard(rank, path, file_bytes)
+        except OSError as e:
+            raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
+        try:
+            whole = memoryview(mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)) \
+                if file_bytes else memoryview(b"")
+        finally:
+            os.close(fd)
+        for r, lo, hi in spans:
+            if r.codec is not None or not _whole_blocks(r, lo, hi, block):
+                raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks "
+                                 "of an uncompressed record")
+        self.rank, self.path, self.block = rank, path, block
+        self._whole, self._spans = whole, spans
+        self.views = [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]
+
+    def verify(self, threads: int = 4) -> None:
+        """Every block of the spans checked where it lies; :class:`ShardError` naming the
+        file, tensor and block at the first mismatch."""
+        block, whole = self.block, self._whole
+        tasks = [(i, b) for i, (_, lo, hi) in enumerate(self._spans)
+                 for b in range(lo // block, -(-hi // block))]
+
+        def task(i: int, n: int) -> None:
+            r = self._spans[i][0]
+            at = r.offset + n * block
+            size = min(block, r.nbytes - n * block)
+            if checksum.digest(whole[at:at + size]) != r.checksums[n]:
+                raise ShardError(self.rank, self.path, f"checksum mismatch in block {n} (bytes "
+                                 f"{at}..{at + size}): the data is corrupt", tensor=r.name)
+
+        run_tasks(tasks, task, threads)
+
+
 def mapped_spans(rank: int, path: str, file_bytes: int,
                  spans: list[tuple[TensorRecord, int, int]], *,
                  block: int = checksum.DEFAULT_BLOCK, threads: int = 4) -> list[memoryview]:
-    """Bytes ``lo..hi`` of each ``(record, lo, hi)`` (whole checksum blocks of uncompressed
-    records, as :func:`read_spans` takes them) as read-only views of the file mapped into
-    memory, every block verified where it lies: nothing is copied (a partner copy served to
-    the node that lost it). :class:`ShardError` naming the file, tensor and block at the first
-    mismatch. The views keep the map; it goes with the last of them."""
-    try:
-        fd = open_shard(rank, path, file_bytes)
-    except OSError as e:
-        raise ShardError(rank, path, f"cannot open: {e.strerror}") from None
-    try:
-        whole = memoryview(mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)) \
-            if file_bytes else memoryview(b"")
-    finally:
-        os.close(fd)
-    for r, lo, hi in spans:
-        if r.codec is not None or not _whole_blocks(r, lo, hi, block):
-            raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks of "
-                             "an uncompressed record")
-    tasks = [(i, b) for i, (_, lo, hi) in enumerate(spans)
-             for b in range(lo // block, -(-hi // block))]
-
-    def task(i: int, n: int) -> None:
-        r = spans[i][0]
-        at = r.offset + n * block
-        size = min(block, r.nbytes - n * block)
-        if checksum.digest(whole[at:at + size]) != r.checksums[n]:
-            raise ShardError(rank, path, f"checksum mismatch in block {n} (bytes "
-                             f"{at}..{at + size}): the data is corrupt", tensor=r.name)
-
-    run_tasks(tasks, task, threads)
-    return [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]
+    """The views of :class:`MappedSpans`, every block verified first."""
+    mapped = MappedSpans(rank, path, file_bytes, spans, block=block)
+    mapped.verify(threads)
+    return mapped.views
 
 
 def _whole_blocks(r: TensorRecord, lo: int, hi: int, block: int) -> bool:

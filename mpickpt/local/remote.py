@@ -6,10 +6,13 @@ replicated tensors of a DDP job, whose writers are spread over every rank; the p
 sharded tensor) asks that shard's rank for them. Collective over every rank:
 
 1. each rank tells each owner the spans (record, first byte, end) it needs of its shard;
-2. each owner reads them from its own shard, every block verified against the manifest
-   (identical requests, as every DDP rank makes, are read once), and all ranks vote;
+2. each owner maps them out of its own shard (identical requests, as every DDP rank makes, are
+   mapped once; compressed records are read and decompressed, verified), and all ranks vote;
 3. the bytes move point to point straight into the requesters' buffers, in pieces of at most
-   :data:`WINDOW` bytes.
+   :data:`WINDOW` bytes, while each owner verifies every block it sends against the manifest,
+   where it lies. A block found damaged makes this rank's part fail: the restore's verify vote
+   then stops every rank before the received bytes are used (they are in the restore's
+   buffers, not the state yet).
 
 A rank that could not plan its restore takes part asking for nothing, and the vote stops the
 transfer everywhere.
@@ -29,7 +32,7 @@ import torch
 from .. import faults
 from ..errors import ShardError
 from ..format.manifest import Manifest
-from ..format.reader import Span, mapped_spans, read_spans
+from ..format.reader import MappedSpans, Span, read_spans
 from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 
@@ -60,13 +63,17 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
                                             if s.nbytes]
     requests = proto.alltoall(asks, "local-ask")
     sends: list[tuple[object, int]] = []
+    checks: list[MappedSpans] = []
     why = None
+
+    def failure(e: Exception) -> str:
+        return str(e) if isinstance(e, ShardError) else \
+            f"rank {proto.rank}: {directory}: {type(e).__name__}: {e}"
+
     try:
-        sends = _serve(proto.rank, requests, manifest, directory, threads)
-    except ShardError as e:
-        why = str(e)
+        sends, checks = _serve(proto.rank, requests, manifest, directory, threads)
     except Exception as e:
-        why = f"rank {proto.rank}: {directory}: {type(e).__name__}: {e}"
+        why = failure(e)
     if not proto.all_ok(why is None and not failed, "local-serve"):
         return False, why
     recvs = [(b, servers.get(owner, owner)) for owner, spans in wanted.items() for s in spans
@@ -74,17 +81,23 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     pending = proto.start(sends, recvs, "local-fetch")
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
+    try:  # while the bytes move (a helper thread waits for them)
+        for mapped in checks:
+            mapped.verify(threads)
+    except Exception as e:
+        why = failure(e)
     pending.wait()
-    return True, None
+    return why is None, why
 
 
 def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest: Manifest,
-           directory: str, threads: int) -> list[tuple[object, int]]:
+           directory: str, threads: int) -> tuple[list[tuple[object, int]], list[MappedSpans]]:
     """What each rank asked of the shards this rank serves (its own; a copy it holds of a
-    lost rank's), every block verified: uncompressed bytes straight out of the file mapped
-    into memory, compressed ones decompressed into a buffer (each distinct request once); the
-    buffers to send, in the order asked."""
+    lost rank's): uncompressed bytes straight out of the file mapped into memory, compressed
+    ones decompressed into a buffer and verified (each distinct request once). (The buffers to
+    send, in the order asked; the mapped spans, whose blocks are still to be verified.)"""
     done: dict[tuple[tuple[int, str, int, int], ...], list[object]] = {}
+    checks: list[MappedSpans] = []
     sends: list[tuple[object, int]] = []
     records: dict[int, dict[str, TensorRecord]] = {}
     for requester, asked in enumerate(requests):
@@ -104,22 +117,24 @@ def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest:
                                      f"rank {requester} asked for a tensor this shard does not "
                                      "hold", tensor=name)
                 spans.append((owner, rec, lo, hi))
-            parts = done[key] = _read(spans, manifest, directory, threads)
+            parts = done[key] = _read(spans, manifest, directory, threads, checks)
         sends += [(b, requester) for part in parts for b in _pieces(part)]
-    return sends
+    return sends, checks
 
 
 def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, directory: str,
-          threads: int) -> list[object]:
-    """Each span's bytes, in order, verified (see :func:`_serve`)."""
+          threads: int, checks: list[MappedSpans]) -> list[object]:
+    """Each span's bytes, in order (see :func:`_serve`); the mapped ones' verification is
+    added to ``checks``."""
     out: list[object] = [None] * len(spans)
     for owner in sorted({o for o, *_ in spans}):
         entry = manifest.ranks[owner]
         path = os.path.join(directory, entry.file)
         at = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec is None]
-        views = mapped_spans(owner, path, entry.bytes, [spans[i][1:] for i in at],
-                             block=manifest.checksum_block, threads=threads)
-        for i, v in zip(at, views, strict=True):
+        mapped = MappedSpans(owner, path, entry.bytes, [spans[i][1:] for i in at],
+                             block=manifest.checksum_block)
+        checks.append(mapped)
+        for i, v in zip(at, mapped.views, strict=True):
             out[i] = v
         rest = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec]
         if rest:
