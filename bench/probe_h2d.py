@@ -53,16 +53,34 @@ def main() -> None:
 
     rows["fresh pageable buffer: touch + h2d"] = timed(fresh_pageable, a.reps)
 
-    def fresh_locked() -> None:
-        h = torch.empty(n, dtype=torch.uint8)
+    def fresh_locked(make=lambda: torch.empty(n, dtype=torch.uint8), parts=None) -> None:
+        t = time.perf_counter()
+        h = make()
         h.fill_(3)
+        touched = time.perf_counter()
         cudart = torch.cuda.cudart()
         assert int(cudart.cudaHostRegister(h.data_ptr(), n, 0)) == 0
+        locked = time.perf_counter()
         dev.copy_(h, non_blocking=True)
         torch.cuda.synchronize()
         cudart.cudaHostUnregister(h.data_ptr())
+        if parts is not None:
+            parts.append((touched - t, locked - touched))
 
-    rows["fresh buffer: touch + page-lock + h2d (a restore before)"] = timed(fresh_locked, a.reps)
+    small_parts: list[tuple[float, float]] = []
+    rows["fresh buffer: touch + page-lock + h2d (a restore before)"] = timed(
+        lambda: fresh_locked(parts=small_parts), a.reps)
+    # the pool's buffers since: an anonymous mapping advised to use transparent huge pages
+    from mpickpt.save.pinned_pool import host_buffer, huge_pages_on_request
+
+    huge_parts: list[tuple[float, float]] = []
+    rows["fresh huge-page buffer: touch + page-lock + h2d (a restore now)"] = timed(
+        lambda: fresh_locked(lambda: host_buffer(n), huge_parts), a.reps)
+    for name, parts in (("", small_parts), ("huge-page ", huge_parts)):
+        rows[f"  of which: touching a fresh {name}buffer"] = statistics.median(
+            p[0] for p in parts[1:])
+        rows[f"  of which: page-locking the touched {name}buffer"] = statistics.median(
+            p[1] for p in parts[1:])
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(4)
     rows["h2d from page-locked memory"] = timed(lambda: dev.copy_(pinned, non_blocking=True),
@@ -109,9 +127,11 @@ def main() -> None:
           f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs)")
     for k, v in rows.items():
         print(f"{k:{width}}  {v:7.3f}  {n / v / 1e9:7.2f}")
+    print(f"transparent huge pages on request: {huge_pages_on_request()}")
     with open(a.json, "w") as f:
         json.dump({"bytes": n, "device": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
-                   "seconds": rows}, f, indent=1)
+                   "huge_pages_on_request": huge_pages_on_request(), "seconds": rows}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":
