@@ -73,7 +73,7 @@ class LocalRecovery:
         self.run_id = run_id
         self.rank, self.size = proto.rank, proto.size
         self.last = Recovered()
-        self.manifest_text: str | None = None  # of the step last prepared
+        self.manifest: Manifest | None = None  # of the step last prepared, parsed once
         self.served: dict[int, int] = {}  # lost rank -> the rank that serves its shard's bytes
         self._pending: tuple[Any, ...] | None = None  # a write-back after a served restore
 
@@ -124,7 +124,7 @@ class LocalRecovery:
         :meth:`write_back` rebuilds the files afterwards."""
         d = self.path(step)
         clock = _Clock()
-        self.served, self._pending, self.manifest_text = {}, None, None
+        self.served, self._pending, self.manifest = {}, None, None
         inv = self.proto.allgather(self._inventory(d), "local-inventory")
         holders = [r for r, (has, _, _) in enumerate(inv) if has]
         if not holders:
@@ -138,12 +138,12 @@ class LocalRecovery:
         text, level_text, err = self.proto.bcast(sent, "local-manifest", root=holders[0])
         if err is not None:
             return err
-        self.manifest_text = text
         try:
             manifest = Manifest.from_json(text, os.path.join(d, MANIFEST))
             layout = json.loads(level_text) if level_text else {}
         except (ManifestError, ValueError) as e:
             return str(e)
+        self.manifest = manifest
         if manifest.world_size != self.size:
             return (f"written by {manifest.world_size} ranks, this job has {self.size} (the "
                     "local level restores on as many ranks as saved it; ROOT reshards)")

@@ -145,7 +145,7 @@ class Restorer:
         def load() -> tuple[str | None, dict[str, Any]]:
             t = time.perf_counter()
             got = self._try(state, step, local.path(step), nodes, local.served,
-                            local.manifest_text)
+                            local.manifest)
             local.last.phases["load"] = time.perf_counter() - t
             if local.served:
                 local.last.received = self.served_bytes
@@ -171,22 +171,22 @@ class Restorer:
         except ManifestError as e:
             return None, str(e)
 
-    def _open(self, path: str, step: int, known: str | None = None
+    def _open(self, path: str, step: int, known: Manifest | None = None
               ) -> tuple[Manifest | None, str | None]:
         """Collective: the manifest of step ``step`` at ``path`` as rank 0 reads it (or
-        ``known``, its text every rank has), checked against this job (another number of
-        ranks: refused, or said and resharded), or why it cannot be loaded."""
+        ``known``, the one every rank parsed already), checked against this job (another number
+        of ranks: refused, or said and resharded), or why it cannot be loaded."""
         if known is not None:
-            text, reason = known, None
+            manifest = known
         else:
             text, reason = self.proto.bcast(
                 self._read_manifest(path) if self.rank == 0 else None, "manifest")
-        if text is None:
-            return None, reason
-        try:
-            manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
-        except ManifestError as e:
-            return None, str(e)
+            if text is None:
+                return None, reason
+            try:
+                manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
+            except ManifestError as e:
+                return None, str(e)
         if manifest.step != step:
             return None, (f"{os.path.join(path, MANIFEST)} is the manifest of step "
                           f"{manifest.step}, not of step {step}: it was copied or moved here")
@@ -210,14 +210,14 @@ class Restorer:
 
     def _try(self, state: dict[str, Any], step: int, path: str,
              nodes: Sequence[str] | None = None, served: dict[int, int] | None = None,
-             text: str | None = None) -> tuple[str | None, dict[str, Any]]:
+             known: Manifest | None = None) -> tuple[str | None, dict[str, Any]]:
         """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
         ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
-        step, ``text`` its manifest), the bytes of shards of other nodes' ranks come from those
-        ranks, and those of a lost rank's shard from the rank that ``served`` names
+        step, ``known`` its manifest as parsed), the bytes of shards of other nodes' ranks come
+        from those ranks, and those of a lost rank's shard from the rank that ``served`` names
         (:mod:`mpickpt.local.remote`)."""
         served = served or {}
-        manifest, reason = self._open(path, step, text)
+        manifest, reason = self._open(path, step, known)
         if manifest is None:
             return reason, {}
         self._written_by = manifest.world_size
