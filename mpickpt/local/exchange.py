@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..background import lower_priority
 from ..format import rootdir
 from ..format.blocks import pwrite_all
 from ..format.h5image import place
@@ -156,8 +155,8 @@ class Exchange:
             np.asarray(self.buffer(name, wide * self.window))[:] = 0
         for slot in range(DEPTH):
             np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
-        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream",
-                                            initializer=lower_priority)
+        # at the training thread's priority, like the transfer waiter (background.py says why)
+        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream")
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         """A reused byte buffer of at least ``nbytes``."""

@@ -23,7 +23,6 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from .. import knobs
-from ..background import lower_priority
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
@@ -310,8 +309,9 @@ class Failures:
 
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:
     """The one thread that waits on data transfers, started once (MPICH keeps a little memory
-    for every thread started after MPI_Init)."""
+    for every thread started after MPI_Init); at the training thread's priority
+    (:mod:`mpickpt.background` says why)."""
     if not _WAITER:
         _WAITER.append(concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="mpickpt-transfer", initializer=lower_priority))
+            1, thread_name_prefix="mpickpt-transfer"))
     return _WAITER[0]
