@@ -172,10 +172,13 @@ class Protocol:
         self._wait(self.comm.ibarrier(), phase)
 
     def _allreduce(self, value: int, op: str, phase: str) -> int:
-        send = np.array([value], dtype=np.int64)
-        recv = np.empty(1, dtype=np.int64)
+        return self._allreduce_all([value], op, phase)[0]
+
+    def _allreduce_all(self, values: list[int], op: str, phase: str) -> list[int]:
+        send = np.array(values, dtype=np.int64)
+        recv = np.empty(len(values), dtype=np.int64)
         self._wait(self.comm.iallreduce(send, recv, op), phase)
-        return int(recv[0])
+        return [int(v) for v in recv]
 
     def all_ok(self, ok: bool, phase: str) -> bool:
         """The vote: True only if every rank says ok."""
@@ -196,6 +199,10 @@ class Protocol:
 
     def sum(self, value: int, phase: str) -> int:
         return self._allreduce(value, "sum", phase)
+
+    def sums(self, values: list[int], phase: str) -> list[int]:
+        """Each value summed over every rank, in one collective."""
+        return self._allreduce_all(values, "sum", phase)
 
     def _objects(self, req: ObjectRequest, phase: str) -> Any:
         self._wait(req, phase)

@@ -43,10 +43,10 @@ def restore(proto: Protocol, pool: HostPool, state: dict[str, Any], root: str, l
         restorer = Restorer(proto, pool, io_threads, logger, replicated, world_change)
         info = restorer.run(state, candidates, explicit=step is not None, local=recovery,
                             local_steps=local_steps)
-        info.total_bytes_read = proto.sum(info.bytes_read, "restored")
-        info.total_network_bytes = proto.sum(info.network_bytes, "restored")
+        info.total_bytes_read, info.total_network_bytes, fetched = proto.sums(
+            [info.bytes_read, info.network_bytes, info.fetched_bytes], "restored")
         if info.level == "local":
-            info.total_fetched_bytes = proto.sum(info.fetched_bytes, "restored")
+            info.total_fetched_bytes = fetched
         info.root_bytes = info.total_bytes_read if info.level == "root" else 0
     info.seconds = time.perf_counter() - t0
     if proto.rank == 0 and (info.step is not None or unlisted is None):  # else: refused
