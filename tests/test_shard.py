@@ -149,17 +149,21 @@ def _vm_flags(ptr: int) -> list[str]:
     raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
-def test_large_pool_buffers_ask_for_huge_pages_small_ones_stay_on_the_heap():
+def test_large_buffers_of_a_page_locking_pool_ask_for_huge_pages_the_others_do_not():
     from mpickpt.save import pinned_pool
 
     if not pinned_pool.huge_pages_on_request():
         pytest.skip("this kernel gives no transparent huge pages on request")
-    big = pinned_pool.host_buffer(8 << 20)
-    small = pinned_pool.host_buffer(64 << 10)
-    assert big.numel() == 8 << 20 and small.numel() == 64 << 10
-    assert big.data_ptr() % shard.DIRECT_ALIGN == 0 and small.data_ptr() % shard.DIRECT_ALIGN == 0
+    big = pinned_pool.host_buffer(8 << 20, huge=True)
+    small = pinned_pool.host_buffer(64 << 10, huge=True)
+    plain = pinned_pool.host_buffer(8 << 20)
+    for b, n in ((big, 8 << 20), (small, 64 << 10), (plain, 8 << 20)):
+        assert b.numel() == n and b.data_ptr() % shard.DIRECT_ALIGN == 0
     assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE on its mapping
     assert "hg" not in _vm_flags(small.data_ptr())
+    assert "hg" not in _vm_flags(plain.data_ptr())
+    assert "hg" in _vm_flags(pinned_pool.HostPool(64 << 20, pin=True)._new(8 << 20).data_ptr())
+    assert "hg" not in _vm_flags(pinned_pool.HostPool(64 << 20, pin=False)._new(8 << 20).data_ptr())
     big.fill_(7)
     view = big[100:200]
     del big  # the view keeps the mapping
