@@ -228,6 +228,7 @@ class Restorer:
 
         def buffer(nbytes: int) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
+            self.pool.lock(held[-1])  # before the loop: fast copies to the GPU (pinned_pool)
             return held[-1]
 
         where = path
@@ -277,11 +278,6 @@ class Restorer:
                                      for s in spans)
         if verdict == _OK and staged is not None:
             arrays = staged.finish()
-            # page-locked once the bytes are in (fast copies to the GPU, and the buffers stay
-            # locked for the saves that reuse them): locking them before the reads and
-            # transfers made those wait while it faulted every page in (pinned_pool)
-            for buf in held:
-                self.pool.lock(buf, filled=True)
         try:
             tree = plan.tree if plan is not None else {}
             return self._agree_and_apply(path, manifest, tree, state, arrays, verdict, err)

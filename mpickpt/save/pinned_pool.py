@@ -136,21 +136,20 @@ class HostPool:
     def is_locked(self, buf: torch.Tensor) -> bool:
         return buf.data_ptr() in self._locked
 
-    def lock(self, buf: torch.Tensor, filled: bool = False) -> bool:
+    def lock(self, buf: torch.Tensor) -> bool:
         """Page-lock ``buf`` (one of the pool's) for fast asynchronous copies from and to the
         GPU, unless it is already or the pool does not pin; whether it is locked now. Holds
         the CUDA driver for about 0.6 s per GB: before the training loop, or where the loop
-        would wait anyway. ``filled``: ``buf`` holds data to keep (its pages are in); otherwise
-        its contents may go."""
+        would wait anyway."""
         if not self.pin:
             return False
         ptr, nbytes = buf.data_ptr(), buf.numel()
         if ptr not in self._locked:
-            if not filled:
-                # its pages faulted in first, by torch's threads: cudaHostRegister faults them
-                # in one at a time (fresh 3 GB buffers on an H100 host, bench/probe_fresh_buffer.py:
-                # touched and page-locked 0.42 s, page-locked untouched 1.21 s)
-                buf.zero_()
+            # its pages faulted in first, by torch's threads: cudaHostRegister faults them in
+            # one at a time (a fresh 3 GB buffer of huge pages on an H100 host: touched in
+            # 0.08-0.10 s, then page-locked in about 0.09 s, against 0.62-0.68 s untouched).
+            # Every caller locks a buffer before writing into it, so its contents can go.
+            buf.zero_()
             err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
             if int(err) != 0:
                 raise CheckpointError(f"page-locking a host buffer of {nbytes / 1e9:.3f} GB "
