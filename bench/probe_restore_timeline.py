@@ -1,0 +1,116 @@
+"""Where a restore from the node-local level spends its time, per rank: a timeline of its parts
+(the inventory's collectives, the plan, the reads and their verification, the transfers, the
+page-locking, the load into the state), for a restart on the same nodes ("own") and after a
+lost node ("lost": rank 1's node directory wiped).
+
+Every rank is a simulated node with ``bench_levels``'s MLP + Adam (``--gb`` in all; by default
+the reference job, 5.84 GB), on the GPU when there is one, the level in ``/dev/shm`` with
+partner redundancy. Three saves, then restores in new Checkpointers: own, own, lost, own.
+
+    mpiexec -n 2 python bench/probe_restore_timeline.py [--gb 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_levels as bl
+import torch
+
+import mpickpt
+from mpickpt.local.nodedir import node_dirname
+
+PARTS = [("mpickpt.mpi.protocol", q) for q in (
+    "Protocol.alltoall", "Protocol.all_ok", "Protocol.max", "Protocol.sum", "Protocol.sums",
+    "Protocol.allgather", "Protocol.bcast", "Protocol.start", "Pending.wait")] + [
+    ("mpickpt.local.remote", "_serve"), ("mpickpt.format.state_tree", "apply"),
+    ("mpickpt.local.recovery", "LocalRecovery.prepare"), ("mpickpt.restore.reshard", "stage"),
+    ("mpickpt.restore.reshard", "plan"), ("mpickpt.restore.reshard", "Staged.read"),
+    ("mpickpt.restore.reshard", "Staged.finish"), ("mpickpt.format.reader", "MappedSpans.verify"),
+    ("mpickpt.save.pinned_pool", "HostPool.lock"), ("mpickpt.save.pinned_pool", "HostPool.acquire"),
+    ("mpickpt.restore.restorer", "Restorer._agree_and_apply")]
+EVENTS: list[tuple[str, float, float]] = []
+
+
+def wrap(module: str, qualname: str) -> None:
+    """Record every call of ``module.qualname`` (start, end) in :data:`EVENTS`."""
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            EVENTS.append((qualname, t, time.perf_counter()))
+
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gb", type=float, default=None, help="state in GB (default 5.84)")
+    a = ap.parse_args()
+    for module, qualname in PARTS:
+        wrap(module, qualname)
+    rank = bl.RANK
+    os.environ["MPICKPT_NODE"] = f"n{rank}"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers, width = bl.shape(a.gb, None)
+    mine = [i for i in range(layers) if i % bl.SIZE == rank]
+    model, optim = bl.build(len(mine), width, 1 + rank, 1e-3, device)
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    root = bl.COMM.bcast(tempfile.mkdtemp(dir="/tmp") if rank == 0 else None)
+    local = bl.COMM.bcast(tempfile.mkdtemp(dir="/dev/shm") if rank == 0 else None)
+
+    def checkpointer() -> mpickpt.Checkpointer:
+        return mpickpt.Checkpointer(root, local=mpickpt.Local(local, redundancy="partner",
+                                                              persist_every=None))
+
+    try:
+        ck = checkpointer()
+        for step in (1, 2, 3):
+            ck.save(step, state).wait()
+        ck.close()
+        for mode in ("own", "own", "lost", "own"):
+            ck = checkpointer()
+            bl.COMM.Barrier()
+            if mode == "lost" and rank == 1:
+                shutil.rmtree(os.path.join(local, node_dirname("n1")), ignore_errors=True)
+            bl.COMM.Barrier()
+            EVENTS.clear()
+            t0 = time.perf_counter()
+            ck.restore(state)
+            bl.sync_device(device)
+            took = time.perf_counter() - t0
+            ck.close()
+            lines = [f"  {q:28s} {1e3 * (s - t0):8.1f} -> {1e3 * (e - t0):8.1f}  "
+                     f"({1e3 * (e - s):7.1f} ms)" for q, s, e in EVENTS if s >= t0]
+            for r in range(bl.SIZE):
+                bl.COMM.Barrier()
+                if r == rank:
+                    print(f"== {mode}: rank {rank} restored in {took:.3f} s, "
+                          f"{ck.restore_info.mapped_bytes:,} bytes mapped", flush=True)
+                    print("\n".join(lines), flush=True)
+    finally:
+        bl.COMM.Barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
