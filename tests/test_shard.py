@@ -135,18 +135,34 @@ def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
         assert torch.equal(out[k], t), k
 
 
-def _vm_flags(ptr: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds address ``ptr``."""
+def _mapping(ptr: int) -> tuple[int, int, list[str]]:
+    """(start, end, VmFlags) of the mapping of this process that holds address ``ptr``."""
     with open("/proc/self/smaps") as f:
-        inside = False
+        found = None
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
+                found = (lo, hi) if lo <= ptr < hi else None
+            elif found and head == "VmFlags:":
+                return found[0], found[1], line.split()[1:]
     raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def _huge_mapping(buf) -> bool:
+    """Whether ``buf`` is the whole of its own storage (a mapping made for it, not a slice of a
+    larger allocation) and lies in memory advised to use huge pages (``hg``; adjacent mappings
+    with the same flags merge, so the flags are those of the mapping holding it)."""
+    _, hi, flags = _mapping(buf.data_ptr())
+    return (buf.untyped_storage().nbytes() == buf.numel() and hi >= buf.data_ptr() + buf.numel()
+            and "hg" in flags)
+
+
+def _plain(buf) -> bool:
+    """Whether ``buf`` is a page-aligned slice of an ordinary allocation (``torch.empty``)."""
+    from mpickpt.save.pinned_pool import ALIGN
+
+    return buf.untyped_storage().nbytes() == buf.numel() + ALIGN
 
 
 def test_large_buffers_of_a_page_locking_pool_ask_for_huge_pages_the_others_do_not():
@@ -159,11 +175,10 @@ def test_large_buffers_of_a_page_locking_pool_ask_for_huge_pages_the_others_do_n
     plain = pinned_pool.host_buffer(8 << 20)
     for b, n in ((big, 8 << 20), (small, 64 << 10), (plain, 8 << 20)):
         assert b.numel() == n and b.data_ptr() % shard.DIRECT_ALIGN == 0
-    assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE on its mapping
-    assert "hg" not in _vm_flags(small.data_ptr())
-    assert "hg" not in _vm_flags(plain.data_ptr())
-    assert "hg" in _vm_flags(pinned_pool.HostPool(64 << 20, pin=True)._new(8 << 20).data_ptr())
-    assert "hg" not in _vm_flags(pinned_pool.HostPool(64 << 20, pin=False)._new(8 << 20).data_ptr())
+    assert _huge_mapping(big) and not _plain(big)  # MADV_HUGEPAGE on a mapping of its own
+    assert _plain(small) and _plain(plain)
+    assert _huge_mapping(pinned_pool.HostPool(64 << 20, pin=True)._new(8 << 20))
+    assert _plain(pinned_pool.HostPool(64 << 20, pin=False)._new(8 << 20))
     big.fill_(7)
     view = big[100:200]
     del big  # the view keeps the mapping
