@@ -81,6 +81,7 @@ from mpi4py import MPI
 
 import bench_cpu
 import bench_gpu
+import restore_parts
 
 import mpickpt
 from mpickpt.format.manifest import NAME as MANIFEST
@@ -533,6 +534,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
     def restore_ck(key: str, label: str, make: Callable[[], Any], level: str,
                    salt: int) -> None:
         notes.append(before_restore(dst, salt))
+        restore_parts.EVENTS.clear()
         t = time.perf_counter()
         c = make()
         setup = slowest(time.perf_counter() - t)
@@ -546,6 +548,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
         if key == "partner":
             check(label, RANK != 1 or (info.source or "").startswith("partner copy"),
                   f"rank 1's shard came from {info.source!r}, not from its partner")
+        timeline = restore_parts.lines(t)
         verified(label, src, dst)
         sources = COMM.allgather(info.source)
         out["rows"][key] = {
@@ -553,6 +556,11 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
             "sources": sources, "network_bytes": COMM.allgather(info.network_bytes),
             "total_network_bytes": info.total_network_bytes, "root_bytes": info.root_bytes,
             "restore_info_s": slowest(info.seconds), "phases": COMM.allgather(info.phases)}
+        if args.timeline:
+            out["rows"][key]["timeline"] = COMM.allgather(timeline)
+            for r, tl in enumerate(out["rows"][key]["timeline"]):
+                say(f"  timeline of rank {r} (ms from the Checkpointer's construction):\n"
+                    + "\n".join(tl))
         say(f"  {label}: {secs:.3f} s (level {info.level}, sources {sources}, "
             f"{info.total_network_bytes:,} bytes over MPI, {info.root_bytes:,} from ROOT)")
         c.close()
@@ -899,12 +907,16 @@ def main() -> None:
                     help=f"part 1 rows (default: all of {','.join(METHODS)})")
     ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads (8)")
     ap.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
+    ap.add_argument("--timeline", action="store_true", help="part 3: print and keep each "
+                    "rank's timeline of each restore's parts (bench/restore_parts.py)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" /
                                           "levels.json"), help="JSON results")
     args = ap.parse_args()
     if args.reps < 1 or args.steps < 1:
         ap.error("--reps and --steps must be 1 or more")
     os.environ.setdefault("MPICKPT_LOG", "WARNING")
+    if args.timeline:
+        restore_parts.install()
 
     tag = COMM.bcast(uuid.uuid4().hex[:8] if RANK == 0 else None)
     own_root = args.root is None

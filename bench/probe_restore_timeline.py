@@ -13,8 +13,6 @@ partner redundancy. Three saves, then restores in new Checkpointers: own, own, l
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import os
 import shutil
 import sys
@@ -24,48 +22,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_levels as bl
+import restore_parts
 import torch
 
 import mpickpt
 from mpickpt.local.nodedir import node_dirname
-
-PARTS = [("mpickpt.mpi.protocol", q) for q in (
-    "Protocol.alltoall", "Protocol.all_ok", "Protocol.max", "Protocol.sum", "Protocol.sums",
-    "Protocol.allgather", "Protocol.bcast", "Protocol.start", "Pending.wait")] + [
-    ("mpickpt.local.remote", "_serve"), ("mpickpt.format.state_tree", "apply"),
-    ("mpickpt.local.recovery", "LocalRecovery.prepare"), ("mpickpt.restore.reshard", "stage"),
-    ("mpickpt.restore.reshard", "plan"), ("mpickpt.restore.reshard", "Staged.read"),
-    ("mpickpt.restore.reshard", "Staged.finish"), ("mpickpt.format.reader", "MappedSpans.verify"),
-    ("mpickpt.save.pinned_pool", "HostPool.lock"), ("mpickpt.save.pinned_pool", "HostPool.acquire"),
-    ("mpickpt.restore.restorer", "Restorer._agree_and_apply")]
-EVENTS: list[tuple[str, float, float]] = []
-
-
-def wrap(module: str, qualname: str) -> None:
-    """Record every call of ``module.qualname`` (start, end) in :data:`EVENTS`."""
-    owner = importlib.import_module(module)
-    *path, name = qualname.split(".")
-    for p in path:
-        owner = getattr(owner, p)
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            EVENTS.append((qualname, t, time.perf_counter()))
-
-    setattr(owner, name, timed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=None, help="state in GB (default 5.84)")
     a = ap.parse_args()
-    for module, qualname in PARTS:
-        wrap(module, qualname)
+    restore_parts.install()
     rank = bl.RANK
     os.environ["MPICKPT_NODE"] = f"n{rank}"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,14 +59,13 @@ def main() -> None:
             if mode == "lost" and rank == 1:
                 shutil.rmtree(os.path.join(local, node_dirname("n1")), ignore_errors=True)
             bl.COMM.Barrier()
-            EVENTS.clear()
+            restore_parts.EVENTS.clear()
             t0 = time.perf_counter()
             ck.restore(state)
             bl.sync_device(device)
             took = time.perf_counter() - t0
             ck.close()
-            lines = [f"  {q:28s} {1e3 * (s - t0):8.1f} -> {1e3 * (e - t0):8.1f}  "
-                     f"({1e3 * (e - s):7.1f} ms)" for q, s, e in EVENTS if s >= t0]
+            lines = restore_parts.lines(t0)
             for r in range(bl.SIZE):
                 bl.COMM.Barrier()
                 if r == rank:

@@ -1,0 +1,51 @@
+"""A timeline of a restore's parts, per rank: every call of the functions in :data:`PARTS` is
+recorded (start, end) once :func:`install` has wrapped them. Used by
+``probe_restore_timeline.py`` and ``bench_levels.py --timeline``."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+
+PARTS = [("mpickpt.mpi.protocol", q) for q in (
+    "Protocol.alltoall", "Protocol.all_ok", "Protocol.max", "Protocol.sum", "Protocol.sums",
+    "Protocol.allgather", "Protocol.bcast", "Protocol.start", "Pending.wait")] + [
+    ("mpickpt.local.remote", "_serve"), ("mpickpt.format.state_tree", "apply"),
+    ("mpickpt.local.recovery", "LocalRecovery.prepare"), ("mpickpt.restore.reshard", "stage"),
+    ("mpickpt.restore.reshard", "plan"), ("mpickpt.restore.reshard", "Staged.read"),
+    ("mpickpt.restore.reshard", "Staged.finish"), ("mpickpt.format.reader", "MappedSpans.verify"),
+    ("mpickpt.save.pinned_pool", "HostPool.lock"), ("mpickpt.save.pinned_pool", "HostPool.acquire"),
+    ("mpickpt.restore.restorer", "Restorer._agree_and_apply")]
+EVENTS: list[tuple[str, float, float]] = []
+
+
+def wrap(module: str, qualname: str) -> None:
+    """Record every call of ``module.qualname`` (start, end) in :data:`EVENTS`."""
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            EVENTS.append((qualname, t, time.perf_counter()))
+
+    setattr(owner, name, timed)
+
+
+def install() -> None:
+    """Wrap every part of :data:`PARTS`."""
+    for module, qualname in PARTS:
+        wrap(module, qualname)
+
+
+def lines(t0: float) -> list[str]:
+    """The calls recorded since ``t0``, in ms from it."""
+    return [f"  {q:28s} {1e3 * (s - t0):8.1f} -> {1e3 * (e - t0):8.1f}  ({1e3 * (e - s):7.1f} ms)"
+            for q, s, e in EVENTS if s >= t0]
