@@ -37,6 +37,8 @@ def main() -> None:
     rank = bl.RANK
     os.environ["MPICKPT_NODE"] = f"n{rank}"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":  # a GPU per rank where there are several
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     layers, width = bl.shape(a.gb, None)
     mine = [i for i in range(layers) if i % bl.SIZE == rank]
     model, optim = bl.build(len(mine), width, 1 + rank, 1e-3, device)
