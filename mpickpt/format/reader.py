@@ -156,6 +156,15 @@ class MappedSpans:
         run_tasks(tasks, task, threads)
 
 
+def mapped_spans(rank: int, path: str, file_bytes: int,
+                 spans: list[tuple[TensorRecord, int, int]], *,
+                 block: int = checksum.DEFAULT_BLOCK, threads: int = 4) -> list[memoryview]:
+    """The views of :class:`MappedSpans`, every block verified first."""
+    mapped = MappedSpans(rank, path, file_bytes, spans, block=block)
+    mapped.verify(threads)
+    return mapped.views
+
+
 def _whole_blocks(r: TensorRecord, lo: int, hi: int, block: int) -> bool:
     """Whether bytes ``lo..hi`` of record ``r`` are whole checksum blocks (``hi`` may be the
     record's end)."""

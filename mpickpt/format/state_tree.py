@@ -239,9 +239,8 @@ class _Applier:
     :class:`ArraySpec` in a dry run."""
 
     def __init__(self, arrays: Mapping[str, torch.Tensor | ArraySpec], dry_run: bool,
-                 borrowed: bool, devices: dict[str, torch.device] | None = None) -> None:
+                 borrowed: bool) -> None:
         self.arrays = arrays
-        self.devices = devices  # filled: the device of each array's target tensor
         self.dry = dry_run
         self.borrowed = borrowed  # arrays live in a reused buffer: copy what the state keeps
         # Keys present in the state but absent from the checkpoint are an error, except inside the
@@ -324,8 +323,6 @@ class _Applier:
                     f"checkpoint holds {have.dtype}{list(have.shape)}, "
                     f"the state {want.dtype}{list(want.shape)}",
                 )
-            if self.devices is not None:
-                self.devices[node["name"]] = target.device
             if not self.dry:
                 with torch.no_grad():
                     target.copy_(src, non_blocking=True)
@@ -409,7 +406,6 @@ def apply(
     *,
     dry_run: bool = False,
     borrowed: bool = False,
-    devices: dict[str, torch.device] | None = None,
 ) -> Any:
     """Restore ``tree`` into ``state`` in place, taking arrays by name from ``arrays``.
 
@@ -417,9 +413,8 @@ def apply(
     that the real pass would hit is raised as :class:`StateMismatchError` naming the key path.
     ``borrowed`` arrays live in a buffer that will be reused: values the state keeps (rather than
     copies into its own tensors) are copied out. Copies to CUDA tensors are queued without
-    waiting; synchronize before reusing the arrays. ``devices``, if given, is filled with the
-    device of the state's tensor that each array goes into.
+    waiting; synchronize before reusing the arrays.
     """
     if not isinstance(state, dict):
         raise StateMismatchError(f"the state to restore into must be a dict, not {type(state)}")
-    return _Applier(arrays, dry_run, borrowed, devices).node(tree, state, ())
+    return _Applier(arrays, dry_run, borrowed).node(tree, state, ())

@@ -26,8 +26,6 @@ files are written back to the lost node after the restore
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -51,14 +49,13 @@ def _pieces(t: object) -> list[object]:
 
 
 def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
-          threads: int, failed: bool, servers: dict[int, int] | None = None,
-          arrived: Callable[[Any], None] | None = None) -> tuple[bool, str | None]:
+          threads: int, failed: bool, servers: dict[int, int] | None = None
+          ) -> tuple[bool, str | None]:
     """Fill the spans of ``wanted`` (shard's rank -> spans of that shard) from the rank that
     serves each shard (its own rank, or in ``servers`` the rank that holds a copy of a lost
     one), and serve what others ask of the shards on this rank's node. ``failed``: this rank
     could not plan (it asks for nothing). (whether every rank's transfer happened, this rank's
-    reason if it failed serving); collective. ``arrived`` is given each piece of a span's
-    destination as it arrives (from the transfer thread: it must not block)."""
+    reason if it failed serving); collective."""
     servers = servers or {}
     asks: list[list[tuple[int, str, int, int]]] = [[] for _ in range(proto.size)]
     for owner, spans in ({} if failed else wanted).items():
@@ -81,8 +78,7 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
         return False, why
     recvs = [(b, servers.get(owner, owner)) for owner, spans in wanted.items() for s in spans
              if s.nbytes for b in _pieces(s.dest)]
-    pending = proto.start(sends, recvs, "local-fetch",
-                          None if arrived is None else lambda i: arrived(recvs[i][0]))
+    pending = proto.start(sends, recvs, "local-fetch")
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
     try:  # while the bytes move (a helper thread waits for them)

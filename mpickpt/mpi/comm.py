@@ -9,7 +9,6 @@ launcher's rendezvous store (never the training's group); :mod:`mpickpt.mpi.back
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -48,10 +47,8 @@ class Comm(Protocol):
     def ireduce_xor(self, send: Any, recv: Any, root: int) -> Request: ...
     def isend(self, buf: Any, dest: int, tag: int) -> Request: ...
     def irecv(self, buf: Any, source: int, tag: int) -> Request: ...
-    def waitall(self, reqs: list[Any], done: Callable[[int], None] | None = None
-                ) -> str | None:
-        """Block until every request ends, calling ``done(i)`` (which must not block) as
-        request ``i`` ends; the error's text, or None."""
+    def waitall(self, reqs: list[Any]) -> str | None:
+        """Block until every request ends; the error's text, or None."""
         ...
     def allgather(self, obj: Any) -> list[Any]:
         """Blocking: for setting up (node discovery, splits), not the protocol's phases."""

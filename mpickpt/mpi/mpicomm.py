@@ -116,16 +116,9 @@ class MpiComm:
     def irecv(self, buf: Any, source: int, tag: int) -> _Req:
         return _Req(self.comm.Irecv(buf, source, tag))
 
-    def waitall(self, reqs: list[_Req], done: Callable[[int], None] | None = None
-                ) -> str | None:
+    def waitall(self, reqs: list[_Req]) -> str | None:
         try:
-            if done is None:
-                MPI.Request.Waitall([r.req for r in reqs])
-                return None
-            live = [r.req for r in reqs]  # ended ones become MPI.REQUEST_NULL
-            while ended := MPI.Request.Waitsome(live):
-                for i in ended:
-                    done(i)
+            MPI.Request.Waitall([r.req for r in reqs])
         except MPI.Exception as e:
             return str(e.Get_error_string().strip())
         return None

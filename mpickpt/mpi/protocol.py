@@ -108,19 +108,13 @@ class Protocol:
             split.free()
 
     def start(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
-              phase: str, received: Callable[[int], None] | None = None) -> Pending:
+              phase: str) -> Pending:
         """Start sending each buffer to its rank and receiving each from its rank, point to
-        point; :meth:`Pending.wait` ends them within the deadline. ``received(i)`` (which must
-        not block: the transfer thread calls it) is told as ``recvs[i]`` has arrived."""
+        point; :meth:`Pending.wait` ends them within the deadline."""
         reqs = [self.comm.irecv(buf, src, TAG_DATA) for buf, src in recvs]
         reqs += [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
         peers = sorted({p for _, p in sends} | {p for _, p in recvs})
-        done = None
-        if received is not None:
-            def done(i: int) -> None:
-                if i < len(recvs):
-                    received(i)
-        return Pending(self, reqs, f"{phase} with {ranks_text(peers)}", done)
+        return Pending(self, reqs, f"{phase} with {ranks_text(peers)}")
 
     def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
                  phase: str) -> None:
@@ -282,10 +276,9 @@ class Pending:
     deadline, else raises :class:`CollectiveTimeout` (the communicator, and the helper thread,
     are then given up: the job aborts)."""
 
-    def __init__(self, proto: Protocol, reqs: list[Request], what: str,
-                 done: Callable[[int], None] | None = None) -> None:
+    def __init__(self, proto: Protocol, reqs: list[Request], what: str) -> None:
         self._proto, self._what = proto, what
-        self._future = _waiter().submit(proto.comm.waitall, reqs, done)
+        self._future = _waiter().submit(proto.comm.waitall, reqs)
 
     def wait(self) -> None:
         p = self._proto

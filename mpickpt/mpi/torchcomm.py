@@ -21,7 +21,6 @@ import os
 import pickle
 import socket
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -176,17 +175,13 @@ class TorchComm:
     def irecv(self, buf: Any, source: int, tag: int) -> _Req:
         return _Req(self.pg.recv([_tensor(buf)], source, tag))
 
-    def waitall(self, reqs: list[_Req], done: Callable[[int], None] | None = None
-                ) -> str | None:
+    def waitall(self, reqs: list[_Req]) -> str | None:
         error = None
-        for i, r in enumerate(reqs):
+        for r in reqs:
             try:
                 r.work.wait()
             except RuntimeError as e:
                 error = error or str(e)
-                continue
-            if done is not None:
-                done(i)
         return error
 
     # ------------------------------------------- object collectives: a barrier, then blocking

@@ -26,7 +26,7 @@ from ..format import dtypes, state_tree
 from ..format.blocks import align
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
-from ..format.reader import MappedSpans, Span, read_spans
+from ..format.reader import Span, mapped_spans, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
@@ -291,12 +291,10 @@ class Staged:
     mapped: dict[str, Source] = field(default_factory=dict)
 
     def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
-             on_block: Callable[[], None] | None = None,
-             on_mapped: Callable[[str, torch.Tensor], None] | None = None) -> None:
+             on_block: Callable[[], None] | None = None) -> None:
         """Read and verify the spans of these ranks' shards under ``directory``; the targets
         that are :attr:`mapped` become views of their files, every block verified where it
-        lies (``on_mapped`` is given each such view before its blocks are verified: it must not
-        let the bytes reach the state before the restore's vote)."""
+        lies."""
         block = manifest.checksum_block
         for src_rank in ranks:
             entry = self.plan.entries[src_rank]
@@ -309,14 +307,11 @@ class Staged:
             whole = [(n, src) for n, src in self.mapped.items() if src.rank == src_rank]
             if whole:
                 path, size = os.path.join(directory, entry.file), entry.bytes
-                mapped = MappedSpans(src_rank, path, size,
+                views = mapped_spans(src_rank, path, size,
                                      [(src.record, 0, src.record.nbytes) for _, src in whole],
-                                     block=block)
-                for (n, src), view in zip(whole, mapped.views, strict=True):
+                                     block=block, threads=threads)
+                for (n, src), view in zip(whole, views, strict=True):
                     self.out[n] = _over(view, src.record)
-                    if on_mapped is not None:
-                        on_mapped(n, self.out[n])
-                mapped.verify(threads)
                 if on_block is not None:
                     on_block()
 

@@ -44,7 +44,6 @@ from ..local.remote import fetch as remote_fetch
 from ..mpi.protocol import Protocol
 from ..save.pinned_pool import HostPool
 from . import provenance, reshard
-from .device_stage import DeviceStage
 
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
@@ -75,9 +74,6 @@ class RestoreInfo:
     # node's files: verified in place, never copied into a buffer
     mapped_bytes: int = 0
     root_bytes: int = 0  # read from ROOT by every rank
-    # (level "local", a state on a GPU) of this rank's bytes, copied to the GPU while they were
-    # verified or as they arrived, before the vote (mpickpt.restore.device_stage)
-    staged_bytes: int = 0
     # seconds of each phase on this rank (level "local": the recovery's, then "load")
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -93,7 +89,6 @@ class Restorer:
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
         self.mapped_bytes = 0  # of bytes_read, used where they lie (a node directory in memory)
-        self.staged_bytes = 0  # copied to the GPU before the vote (device_stage)
         self.fetched_bytes = 0  # the node-local level: received from other nodes' ranks
         self.served_bytes = 0  # and of its own lost shard, from the rank holding its copy
         self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
@@ -124,7 +119,6 @@ class Restorer:
                 info.network_bytes = local.last.received if level == "local" and local else 0
                 info.fetched_bytes = self.fetched_bytes if level == "local" else 0
                 info.mapped_bytes = self.mapped_bytes if level == "local" else 0
-                info.staged_bytes = self.staged_bytes
                 break
             info.skipped.append((step, verdict))
             later = [t for t in tries[n + 1:] if t[0] == step]
@@ -230,16 +224,11 @@ class Restorer:
         self.manifest = manifest
         verdict, err, arrays, held = _OK, None, {}, []
         plan = None
-        self.mapped_bytes = self.staged_bytes = 0
-
-        stage: DeviceStage | None = None
+        self.mapped_bytes = 0
 
         def buffer(nbytes: int) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
-            if stage is None:  # before the loop: fast copies to the GPU (pinned_pool)
-                self.pool.lock(held[-1])
-            else:  # copied on to the GPU as the bytes come in (device_stage)
-                self.pool.touch(held[-1])
+            self.pool.lock(held[-1])  # before the loop: fast copies to the GPU (pinned_pool)
             return held[-1]
 
         where = path
@@ -253,22 +242,16 @@ class Restorer:
             _check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
             plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
             where = os.path.join(path, manifest.ranks[source].file)
-            devices: dict[str, torch.device] = {}
-            state_tree.apply(plan.tree, state, plan.specs(), dry_run=True, devices=devices)
+            state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             _check_records(plan, needed - {source}, path, manifest.checksum_block)
-            if nodes is not None and torch.cuda.is_available():
-                stage = DeviceStage.create(plan.targets, devices)
             staged, here, remote = self._stage(plan, path, needed, served, nodes, buffer)
-            if stage is not None:
-                stage.track(staged.out)
 
             def read_here() -> None:
                 assert staged is not None
                 staged.read(manifest, path, here, threads=self.io_threads,
                             on_block=lambda: faults.hit("mid-restore-read", self.rank,
-                                                        manifest.step),
-                            on_mapped=stage.copy if stage is not None else None)
+                                                        manifest.step))
 
             if nodes is None:
                 read_here()
@@ -281,8 +264,7 @@ class Restorer:
             verdict, err = self._verdict(e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed
             moved, why = remote_fetch(self.proto, remote, manifest, path, self.io_threads,
-                                      failed=verdict != _OK, servers=served,
-                                      arrived=stage.arrived if stage is not None else None)
+                                      failed=verdict != _OK, servers=served)
             if reading is not None:
                 try:
                     reading.result()
@@ -296,20 +278,11 @@ class Restorer:
                                      for s in spans)
         if verdict == _OK and staged is not None:
             arrays = staged.finish()
-            if stage is not None:
-                try:
-                    arrays = stage.finish(arrays)
-                    self.staged_bytes = stage.nbytes
-                except Exception as e:
-                    verdict, err = _CORRUPT, (f"rank {self.rank}: {where}: copying to the GPU "
-                                              f"failed: {type(e).__name__}: {e}")
         try:
             tree = plan.tree if plan is not None else {}
             return self._agree_and_apply(path, manifest, tree, state, arrays, verdict, err)
         finally:
             arrays.clear()
-            if stage is not None:  # its copies read the buffers
-                stage.close()
             for buf in held:
                 self.pool.release(buf)
 

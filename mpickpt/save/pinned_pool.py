@@ -103,7 +103,6 @@ class HostPool:
         self._free: list[torch.Tensor] = []
         self._allocated: list[torch.Tensor] = []
         self._locked: dict[int, int] = {}  # data pointer -> bytes of each page-locked buffer
-        self._touched: set[int] = set()  # data pointers of buffers faulted in by touch()
         self._reserved: list[Lease] = []  # slots taken whose buffer is not allocated yet
         self._cond = threading.Condition()
         self.waited_s = 0.0  # time the last acquire() spent waiting for a buffer
@@ -159,17 +158,7 @@ class HostPool:
             self._locked[ptr] = nbytes
         return True
 
-    def touch(self, buf: torch.Tensor) -> None:
-        """Fault ``buf``'s pages in (torch's threads), once per buffer, without page-locking
-        it: for a buffer that receives bytes copied on to the GPU from pageable memory (a
-        restore's :mod:`~mpickpt.restore.device_stage`). Its contents can go."""
-        ptr = buf.data_ptr()
-        if ptr not in self._locked and ptr not in self._touched:
-            buf.zero_()
-            self._touched.add(ptr)
-
     def _unlock(self, buf: torch.Tensor) -> None:
-        self._touched.discard(buf.data_ptr())
         if self._locked.pop(buf.data_ptr(), None) is not None:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 

@@ -19,9 +19,6 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 * ``replicated``: the model is the same on every rank (as under DDP) and saved with
   ``replicated=("model",)``: each rank writes a share of it, and a restore from the local level
   needs the shares of other nodes' ranks;
-* ``device``: where the model's tensors live (default ``cpu``; ``cuda``: on the GPU, whose
-  restore from the local level copies every tensor to the GPU before the vote, however small:
-  ``staged_bytes`` in the report);
 * ``verify``: restore only, then check ROOT alone: a Checkpointer without the local level
   restores every step committed in ROOT explicitly; each must be bit for bit the state trained
   to that step (``root_steps`` in the report).
@@ -50,21 +47,18 @@ import mpickpt
 from mpickpt import faults
 from mpickpt.format import rootdir
 from mpickpt.local import exchange
-from mpickpt.restore import device_stage
 
 NAMES = ("w1", "w2", "b")
 
 
 REPLICATED = False  # the plan's "replicated": the model is the same on every rank
-DEVICE = "cpu"  # the plan's "device": where the model's tensors live
 
 
 def initial(rank: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 + (0 if REPLICATED else rank))
-    model = {"w1": torch.randn(96, 128, generator=g),
-             "w2": torch.randn(64, 64, generator=g, dtype=torch.float64),
-             "b": torch.randn(333, generator=g).to(torch.bfloat16)}
-    return {"model": {k: v.to(DEVICE) for k, v in model.items()},
+    return {"model": {"w1": torch.randn(96, 128, generator=g),
+                      "w2": torch.randn(64, 64, generator=g, dtype=torch.float64),
+                      "b": torch.randn(333, generator=g).to(torch.bfloat16)},
             "opt": {"count": torch.zeros((), dtype=torch.int64)}, "epoch": 0}
 
 
@@ -73,7 +67,7 @@ def train_step(state: dict[str, Any], rank: int, step: int) -> None:
     g = torch.Generator().manual_seed(7919 * ((0 if REPLICATED else rank) + 1) + step)
     for name in NAMES:
         t = state["model"][name]
-        t.mul_(0.5).add_(torch.randn(t.shape, generator=g).to(t.dtype).to(t.device))
+        t.mul_(0.5).add_(torch.randn(t.shape, generator=g).to(t.dtype))
     state["opt"]["count"] += step
     state["epoch"] = step // 7
 
@@ -81,7 +75,7 @@ def train_step(state: dict[str, Any], rank: int, step: int) -> None:
 def digest(state: dict[str, Any]) -> str:
     h = hashlib.sha256()
     for name in NAMES:
-        h.update(state["model"][name].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(state["model"][name].contiguous().view(torch.uint8).numpy().tobytes())
     h.update(state["opt"]["count"].numpy().tobytes())
     h.update(str(state["epoch"]).encode())
     return h.hexdigest()
@@ -122,11 +116,8 @@ def main() -> None:
         plan = json.load(f)
     comm = MPI.COMM_WORLD
     rank = comm.rank
-    global REPLICATED, DEVICE
+    global REPLICATED
     REPLICATED = bool(plan.get("replicated"))
-    DEVICE = plan.get("device", "cpu")
-    if DEVICE != "cpu":
-        device_stage.MIN_BYTES = 0
     os.environ["MPICKPT_NODE"] = f"n{rank // plan.get('per_node', 1)}"
     if plan.get("window"):
         exchange.WINDOW = plan["window"]
@@ -148,7 +139,7 @@ def main() -> None:
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
         "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
         "fetched_bytes": info.fetched_bytes, "mapped_bytes": info.mapped_bytes,
-        "bytes_read": info.bytes_read, "staged_bytes": info.staged_bytes,
+        "bytes_read": info.bytes_read,
         "exact": digest(state) == digest(trained(rank, start))}
     ck.wait()  # a lost node's shards, loaded from their copies, are written back behind it
     # this rank's node directory once the restore's write-back is done (a rebuilt node: whole)
