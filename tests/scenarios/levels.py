@@ -19,6 +19,7 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 * ``replicated``: the model is the same on every rank (as under DDP) and saved with
   ``replicated=("model",)``: each rank writes a share of it, and a restore from the local level
   needs the shares of other nodes' ranks;
+* ``device``: where the model's tensors live (default ``cpu``; ``cuda``: on the GPU);
 * ``verify``: restore only, then check ROOT alone: a Checkpointer without the local level
   restores every step committed in ROOT explicitly; each must be bit for bit the state trained
   to that step (``root_steps`` in the report).
@@ -52,13 +53,15 @@ NAMES = ("w1", "w2", "b")
 
 
 REPLICATED = False  # the plan's "replicated": the model is the same on every rank
+DEVICE = "cpu"  # the plan's "device": where the model's tensors live
 
 
 def initial(rank: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 + (0 if REPLICATED else rank))
-    return {"model": {"w1": torch.randn(96, 128, generator=g),
-                      "w2": torch.randn(64, 64, generator=g, dtype=torch.float64),
-                      "b": torch.randn(333, generator=g).to(torch.bfloat16)},
+    model = {"w1": torch.randn(96, 128, generator=g),
+             "w2": torch.randn(64, 64, generator=g, dtype=torch.float64),
+             "b": torch.randn(333, generator=g).to(torch.bfloat16)}
+    return {"model": {k: v.to(DEVICE) for k, v in model.items()},
             "opt": {"count": torch.zeros((), dtype=torch.int64)}, "epoch": 0}
 
 
@@ -67,7 +70,7 @@ def train_step(state: dict[str, Any], rank: int, step: int) -> None:
     g = torch.Generator().manual_seed(7919 * ((0 if REPLICATED else rank) + 1) + step)
     for name in NAMES:
         t = state["model"][name]
-        t.mul_(0.5).add_(torch.randn(t.shape, generator=g).to(t.dtype))
+        t.mul_(0.5).add_(torch.randn(t.shape, generator=g).to(t.dtype).to(t.device))
     state["opt"]["count"] += step
     state["epoch"] = step // 7
 
@@ -75,7 +78,7 @@ def train_step(state: dict[str, Any], rank: int, step: int) -> None:
 def digest(state: dict[str, Any]) -> str:
     h = hashlib.sha256()
     for name in NAMES:
-        h.update(state["model"][name].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(state["model"][name].cpu().contiguous().view(torch.uint8).numpy().tobytes())
     h.update(state["opt"]["count"].numpy().tobytes())
     h.update(str(state["epoch"]).encode())
     return h.hexdigest()
@@ -116,8 +119,9 @@ def main() -> None:
         plan = json.load(f)
     comm = MPI.COMM_WORLD
     rank = comm.rank
-    global REPLICATED
+    global REPLICATED, DEVICE
     REPLICATED = bool(plan.get("replicated"))
+    DEVICE = plan.get("device", "cpu")
     os.environ["MPICKPT_NODE"] = f"n{rank // plan.get('per_node', 1)}"
     if plan.get("window"):
         exchange.WINDOW = plan["window"]

@@ -1,0 +1,98 @@
+"""The node-local level with the state on a GPU (two ranks sharing it, as two simulated nodes):
+a lost node comes back from its partner copy bit for bit, and nothing of a damaged step reaches
+the state before every rank's vote.
+
+Skipped without a GPU (CI has none); run on a GPU machine: python -m pytest tests/gpu -v
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness import SCENARIOS, run_mpi
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+JOB = SCENARIOS / "levels.py"
+CRASH, LAST = 40, 60  # the step protected before the crash, the end
+
+
+@pytest.fixture
+def shm():
+    where = Path(f"/dev/shm/mpickpt-gpu-test-{uuid.uuid4().hex[:8]}")
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def job(base: Path, local: Path, name: str, **plan: Any) -> tuple[Any, dict[int, dict]]:
+    """tests/scenarios/levels.py on 2 ranks, one per node, the model on the GPU."""
+    out = base / f"out-{name}"
+    full = {"root": str(base / "root"), "local": str(local), "steps": LAST, "every": 10,
+            "persist_every": 3, "out": str(out), "device": "cuda", "redundancy": "partner",
+            "per_node": 1, **plan}
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / f"plan-{name}.json"
+    path.write_text(json.dumps(full))
+    done = run_mpi(2, [str(JOB), str(path)], timeout=240)
+    reports = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)
+               if (out / f"rank-{r}.json").exists()}
+    return done, reports
+
+
+def flip(path: Path, rank: int) -> None:
+    """One byte of the largest tensor of ``rank``'s shard at ``path`` (a step's file) flipped."""
+    m = json.loads((path.parent / "MANIFEST.json").read_text())
+    rec = max(m["ranks"][rank]["tensors"], key=lambda t: t["nbytes"])
+    data = bytearray(path.read_bytes())
+    data[rec["offset"] + rec["nbytes"] // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_lost_node_on_the_gpu_comes_back_from_its_partner_and_ends_bit_identical(
+        tmp_path: Path, shm: Path) -> None:
+    ref, refs = job(tmp_path / "ref", shm / "ref", "ref")
+    assert ref.returncode == 0, ref.output
+    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH)
+    assert crashed.returncode != 0, crashed.output
+    shutil.rmtree(shm / "run" / "n1")
+    done, reports = job(tmp_path / "run", shm / "run", "resume")
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(2)]
+    assert [r["step"] for r in restored] == [CRASH, CRASH], restored
+    assert [r["level"] for r in restored] == ["local", "local"], restored
+    assert restored[1]["source"].startswith("partner copy from rank 0"), restored
+    assert all(r["exact"] for r in restored), restored
+    assert restored[0]["mapped_bytes"] > 0, restored  # its own shard, verified where it lies
+    for r in range(2):
+        assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
+
+
+def test_a_damaged_step_on_the_gpu_never_reaches_the_state(
+        tmp_path: Path, shm: Path) -> None:
+    """Rank 0's shard and its partner copy both damaged, nothing in ROOT: the vote fails, and
+    the state is still the one the job built (a run from step 0 that ends bit-identical)."""
+    ref, refs = job(tmp_path / "ref", shm / "ref", "ref")
+    assert ref.returncode == 0, ref.output
+    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH)
+    assert crashed.returncode != 0, crashed.output
+    for node in ("n0", "n1"):
+        flip(shm / "run" / node / f"step-{CRASH:08d}" / "rank-00000.h5", 0)
+        for older in (shm / "run" / node).glob("step-*"):  # the damaged step is the only one
+            if older.name != f"step-{CRASH:08d}":
+                shutil.rmtree(older)
+    shutil.rmtree(tmp_path / "run" / "root")
+    done, reports = job(tmp_path / "run", shm / "run", "resume")
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(2)]
+    assert [r["step"] for r in restored] == [None, None], restored
+    assert any(step == CRASH for step, _ in restored[0]["skipped"]), restored
+    assert all(r["exact"] for r in restored), "a failed candidate's bytes reached the state"
+    assert "checksum mismatch" in done.output, done.output[-3000:]
+    for r in range(2):
+        assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
