@@ -63,3 +63,47 @@ def test_ties_prefer_the_newer_checkpoint():
 def test_bad_policies_are_refused_naming_the_option(bad, word):
     with pytest.raises(ValueError, match=word):
         bad.check()
+
+
+@pytest.mark.guarantee("retention-after-commit")
+def test_a_dropped_checkpoint_leaves_at_once_and_its_files_after_the_handle(tmp_path, monkeypatch):
+    """keep=2: the save of step 3 drops step 1, renamed out of the committed ones before the
+    handle is done; its files are deleted after that, on a thread of their own (the handle
+    does not wait for them, the next save neither), and Checkpointer.wait() waits for them."""
+    import shutil
+    import threading
+
+    import torch
+
+    import mpickpt
+    from mpickpt.format import rootdir
+    from mpickpt.save import upkeep
+
+    gate, started, deleting = threading.Event(), threading.Event(), []
+    real = shutil.rmtree
+
+    def held(path, *a, **k):
+        deleting.append(path)
+        started.set()
+        assert gate.wait(30), "the test never let the deletion go"
+        real(path, *a, **k)
+
+    monkeypatch.setattr(upkeep.shutil, "rmtree", held)
+    state = {"w": torch.arange(1000.0)}
+    def steps() -> list[int]:
+        return sorted(s for s, _ in rootdir.committed(tmp_path))
+
+    with mpickpt.Checkpointer(tmp_path, keep=2) as ck:
+        try:
+            for step in (1, 2, 3):
+                assert ck.save(step, state).wait().committed  # 3 done, 1's files still there
+            assert steps() == [2, 3]
+            assert started.wait(30)  # on its own thread, which may start after the handle
+            assert len(deleting) == 1 and ".deleting-" in deleting[0]
+            assert any(".deleting-" in p.name for p in tmp_path.iterdir())
+            assert ck.save(4, state).wait().committed  # a later save goes on meanwhile
+        finally:
+            gate.set()
+        ck.wait()
+        assert not any(".deleting-" in p.name for p in tmp_path.iterdir())
+        assert steps() == [3, 4]
