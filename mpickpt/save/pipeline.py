@@ -55,7 +55,6 @@ class Pipeline:
         self._since_drain = 0  # node commits since the last drain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
         self._trash = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-trash")
-        self._deleting: Future[None] | None = None  # retention's deletion in flight
         self._pending: list[SaveHandle] = []
         self._jobs: list[Future[None]] = []  # every job on the thread, drains included
 
@@ -157,7 +156,6 @@ class Pipeline:
 
     def _job(self, req: SaveRequest, first: Future[SaveResult]) -> None:
         """One save on the background thread, then the drain to ROOT if one is due."""
-        self._settle_trash()
         try:
             result = self._skipped(req) or self._save(req)
         except BaseException as e:  # the handle must not wait forever
@@ -172,18 +170,12 @@ class Pipeline:
         self._empty_trash()
 
     def _empty_trash(self) -> None:
-        """Delete what retention dropped on a thread of its own (:mod:`.upkeep`) once the
-        save's handle is done; neither :meth:`wait` nor a restore waits for it, the next save
-        does before it writes (ROOT never holds more than before), :meth:`shutdown` too."""
+        """Delete what retention dropped on a thread of its own (:mod:`.upkeep`): the save's
+        handle is done, and neither the next save nor :meth:`wait` (nor so a restore) waits
+        for it; :meth:`shutdown` does."""
         doomed = self.root.upkeep.take_trash()
         if doomed:
-            self._deleting = self._trash.submit(self.root.upkeep.delete, doomed)
-
-    def _settle_trash(self) -> None:
-        """Wait for the deletion of what the last retention dropped, if it is still going."""
-        if self._deleting is not None:
-            self._deleting.result()
-            self._deleting = None
+            self._trash.submit(self.root.upkeep.delete, doomed)
 
     def _skipped(self, req: SaveRequest) -> SaveResult | None:
         """if_busy="skip": a save some rank took no snapshot of (its buffers were all in flight)
@@ -235,7 +227,6 @@ class Pipeline:
         return result
 
     def _scavenge(self) -> None:
-        self._settle_trash()
         last = self.last
         if last is not None and last.level != self.root.level and self.drained != last.step:
             self._drain(last.step)

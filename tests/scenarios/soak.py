@@ -5,9 +5,8 @@ Usage: soak.py ROOT SAVES KEEP REPORTS
 Every rank holds a few tensors (about 100 KB), changes them before each save and saves steps
 1..SAVES with ``keep=KEEP``, waiting for each save. Each rank samples its resident memory (VmRSS)
 and open file descriptors at a few points; rank 0 checks ROOT after every save: it must hold
-exactly stats.jsonl and the KEEP newest checkpoints, and at most the one checkpoint that save's
-retention dropped, renamed ``step-N.deleting-<run>``, whose files mpickpt is still deleting.
-At the end the last checkpoint is restored into a fresh state and compared bit for bit.
+exactly stats.jsonl and the KEEP newest checkpoints. At the end the last checkpoint is restored
+into a fresh state and compared bit for bit.
 
 Each rank writes REPORTS/rank-R.json: the steps not committed (with their errors), the samples
 (save, VmRSS bytes, open descriptors), the seconds of every save, and on rank 0 the largest ROOT
@@ -67,24 +66,17 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def scan(root: str) -> tuple[list[str], list[str], int, int]:
-    """ROOT's names; those of checkpoints retention dropped whose files are still being
-    deleted (``step-N.deleting-<run>``, on mpickpt's thread, after the save's handle); the
-    bytes of every other file apart from stats.jsonl; stats.jsonl's bytes."""
+def scan(root: str) -> tuple[list[str], int, int]:
+    """ROOT's names, the bytes of every file apart from stats.jsonl, and stats.jsonl's bytes."""
     names, total, stats = sorted(os.listdir(root)), 0, 0
-    deleting = [n for n in names if ".deleting-" in n]
-    for name in names:
-        path = os.path.join(root, name)
-        if name in deleting:
-            continue
-        if name == "stats.jsonl":
-            stats = os.path.getsize(path)
-        elif os.path.isfile(path):
-            total += os.path.getsize(path)
-        for dirpath, _, files in os.walk(path):
-            for f in files:
-                total += os.path.getsize(os.path.join(dirpath, f))
-    return [n for n in names if n not in deleting], deleting, total, stats
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            size = os.path.getsize(os.path.join(dirpath, name))
+            if dirpath == root and name == "stats.jsonl":
+                stats = size
+            else:
+                total += size
+    return names, total, stats
 
 
 def main() -> None:
@@ -108,15 +100,11 @@ def main() -> None:
             failed.append([step, result.error])
         comm.Barrier()  # every rank is done with this save and none has begun the next
         if rank == 0:
-            names, deleting, total, stats_bytes = scan(root)
+            names, total, stats_bytes = scan(root)
             expect = ["stats.jsonl", *(f"step-{s:08d}" for s in range(max(1, step - keep + 1),
                                                                      step + 1))]
-            # at most the one this save's retention dropped is still being deleted: the next
-            # save waits for it before it writes
-            dropped = f"step-{step - keep:08d}.deleting-"
-            if (names != expect or len(deleting) > 1
-                    or any(not n.startswith(dropped) for n in deleting)) and len(wrong) < 5:
-                wrong.append([step, names, deleting])
+            if names != expect and len(wrong) < 5:
+                wrong.append([step, names])
             most = {"bytes": max(most["bytes"], total),
                     "entries": max(most["entries"], len(names) - 1)}
             ckpt_bytes.add(sum(os.path.getsize(os.path.join(result.path, n))
