@@ -20,6 +20,7 @@ write being a copy of the node's committed shard and the manifest the node's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,7 @@ class Pipeline:
         self._trash = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-trash")
         self._pending: list[SaveHandle] = []
         self._jobs: list[Future[None]] = []  # every job on the thread, drains included
+        self._jobs_lock = threading.Lock()
 
     @property
     def drains(self) -> bool:
@@ -90,7 +92,17 @@ class Pipeline:
         self._track(self._thread.submit(run))
 
     def _track(self, job: Future[None]) -> None:
-        self._jobs = [j for j in self._jobs if not j.done()] + [job]
+        with self._jobs_lock:  # the training thread's and the save thread's (retention's)
+            self._jobs = [j for j in self._jobs if not j.done()] + [job]
+
+    def _wait_jobs(self) -> None:
+        """Until every job tracked is over, those that jobs start meanwhile included."""
+        while True:
+            jobs = self._jobs
+            for job in jobs:
+                job.result()
+            if jobs is self._jobs:
+                return
 
     def report_finished(self) -> None:
         """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
@@ -106,8 +118,7 @@ class Pipeline:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
-        for job in self._jobs:
-            job.result()
+        self._wait_jobs()
         results = [h.outcome() for h in self._pending]
         self.report_finished()
         return results
@@ -119,8 +130,7 @@ class Pipeline:
             steps = ", ".join(str(h.step) for h in self._pending)
             self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
         self.scavenge()
-        for job in self._jobs:
-            job.result()
+        self._wait_jobs()
         results, self._pending = [h.outcome() for h in self._pending], []
         failed = [r for r in results if not r.committed and not r.skipped]
         for r in failed:
@@ -171,11 +181,10 @@ class Pipeline:
 
     def _empty_trash(self) -> None:
         """Delete what retention dropped on a thread of its own (:mod:`.upkeep`): the save's
-        handle is done, and neither the next save nor :meth:`wait` (nor so a restore) waits
-        for it; :meth:`shutdown` does."""
+        handle is done, and the next save need not wait for it."""
         doomed = self.root.upkeep.take_trash()
         if doomed:
-            self._trash.submit(self.root.upkeep.delete, doomed)
+            self._track(self._trash.submit(self.root.upkeep.delete, doomed))
 
     def _skipped(self, req: SaveRequest) -> SaveResult | None:
         """if_busy="skip": a save some rank took no snapshot of (its buffers were all in flight)
