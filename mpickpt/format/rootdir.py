@@ -245,11 +245,10 @@ def atomic_write(path: str, data: bytes, on_half: Callable[[], None] | None = No
     fsync_path(os.path.dirname(path) or ".")
 
 
-def remove(path: str, run_id: str, later: Callable[[str], None] | None = None) -> None:
+def remove(path: str, run_id: str) -> None:
     """Remove a checkpoint directory so that no crash leaves it looking committed: rename it to
-    ``*.deleting-<run>`` (fsync'd), then delete the files, or hand that name to ``later`` to
-    delete them (freeing a large file's blocks takes seconds on some file systems). A symbolic
-    link is unlinked, never followed."""
+    ``*.deleting-<run>`` (fsync'd), then delete the files. A symbolic link is unlinked, never
+    followed."""
     parent, name = os.path.split(path)
     if os.path.islink(path):
         os.unlink(path)
@@ -261,10 +260,7 @@ def remove(path: str, run_id: str, later: Callable[[str], None] | None = None) -
         shutil.rmtree(doomed)
     os.rename(path, doomed)
     fsync_path(parent)
-    if later is not None:
-        later(doomed)
-    else:
-        shutil.rmtree(doomed)
+    shutil.rmtree(doomed)
 
 
 COPY_CHUNK = 8 << 20

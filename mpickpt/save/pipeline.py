@@ -20,7 +20,6 @@ write being a copy of the node's committed shard and the manifest the node's.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,10 +54,8 @@ class Pipeline:
         self.drained: int | None = None  # the last step drained from the node store to ROOT
         self._since_drain = 0  # node commits since the last drain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
-        self._trash = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-trash")
         self._pending: list[SaveHandle] = []
         self._jobs: list[Future[None]] = []  # every job on the thread, drains included
-        self._jobs_lock = threading.Lock()
 
     @property
     def drains(self) -> bool:
@@ -92,17 +89,7 @@ class Pipeline:
         self._track(self._thread.submit(run))
 
     def _track(self, job: Future[None]) -> None:
-        with self._jobs_lock:  # the training thread's and the save thread's (retention's)
-            self._jobs = [j for j in self._jobs if not j.done()] + [job]
-
-    def _wait_jobs(self) -> None:
-        """Until every job tracked is over, those that jobs start meanwhile included."""
-        while True:
-            jobs = self._jobs
-            for job in jobs:
-                job.result()
-            if jobs is self._jobs:
-                return
+        self._jobs = [j for j in self._jobs if not j.done()] + [job]
 
     def report_finished(self) -> None:
         """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
@@ -118,7 +105,8 @@ class Pipeline:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
-        self._wait_jobs()
+        for job in self._jobs:
+            job.result()
         results = [h.outcome() for h in self._pending]
         self.report_finished()
         return results
@@ -130,7 +118,8 @@ class Pipeline:
             steps = ", ".join(str(h.step) for h in self._pending)
             self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
         self.scavenge()
-        self._wait_jobs()
+        for job in self._jobs:
+            job.result()
         results, self._pending = [h.outcome() for h in self._pending], []
         failed = [r for r in results if not r.committed and not r.skipped]
         for r in failed:
@@ -160,7 +149,6 @@ class Pipeline:
 
     def shutdown(self) -> None:
         self._thread.shutdown()
-        self._trash.shutdown()
 
     # ----------------------------------------------------------------- the background thread
 
@@ -177,14 +165,6 @@ class Pipeline:
             every = self.persist_every
             if req.drain or (every and self._since_drain >= every):
                 self._drain(result.step)
-        self._empty_trash()
-
-    def _empty_trash(self) -> None:
-        """Delete what retention dropped on a thread of its own (:mod:`.upkeep`): the save's
-        handle is done, and the next save need not wait for it."""
-        doomed = self.root.upkeep.take_trash()
-        if doomed:
-            self._track(self._trash.submit(self.root.upkeep.delete, doomed))
 
     def _skipped(self, req: SaveRequest) -> SaveResult | None:
         """if_busy="skip": a save some rank took no snapshot of (its buffers were all in flight)
@@ -239,7 +219,6 @@ class Pipeline:
         last = self.last
         if last is not None and last.level != self.root.level and self.drained != last.step:
             self._drain(last.step)
-            self._empty_trash()
 
     def _drain(self, step: int) -> SaveResult:
         """The save's steps again, from the node store into ROOT: write (a copy of this rank's

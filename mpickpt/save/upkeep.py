@@ -1,11 +1,7 @@
 """What follows a commit, on rank 0: the log line, the figures in ROOT/stats.jsonl, retention.
 
 The checkpoint is committed on every rank before any of this runs, so a failure here (a full
-disk, no write permission) is logged and undoes nothing. Retention renames each checkpoint it
-drops to ``*.deleting-<run>`` at once (it is gone from the committed ones); its files are
-deleted by :meth:`Upkeep.delete`, which the save pipeline runs on a thread of its own once the
-save's handle is done: freeing a 2 GB file's blocks took 1.5 s on this project's VM (ext4),
-time the save's handle would otherwise wait.
+disk, no write permission) is logged and undoes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from typing import Any
 
@@ -38,7 +33,6 @@ class Upkeep:
         # of committed steps, read once each: user metadata, steps referred to (incremental)
         self._metadata: dict[int, dict[str, Any]] = {}
         self._references: dict[int, list[int]] = {}
-        self.trash: list[str] = []  # dropped checkpoints renamed *.deleting-<run>, to delete
 
     def committed(self, manifest: Manifest) -> None:
         """The manifest rank 0 just committed: its user metadata and references, known without
@@ -86,26 +80,12 @@ class Upkeep:
             self._metadata.pop(step, None)
             self._references.pop(step, None)
             try:
-                rootdir.remove(committed[step], self.run_id, later=self.trash.append)
+                rootdir.remove(committed[step], self.run_id)
             except OSError as e:
                 self.log.warning("retention could not remove %s: %s; what is left of it is "
                                  "removed at a later start", committed[step],
                                  log.os_error(e, committed[step]))
             faults.hit("mid-retention", 0, newest)
-
-    def take_trash(self) -> list[str]:
-        """The checkpoints retention dropped since the last call (renamed, to delete)."""
-        doomed, self.trash = self.trash, []
-        return doomed
-
-    def delete(self, doomed: list[str]) -> None:
-        """Delete the files of checkpoints retention dropped (:meth:`take_trash`)."""
-        for path in doomed:
-            try:
-                shutil.rmtree(path)
-            except OSError as e:
-                self.log.warning("retention could not remove %s: %s; what is left of it is "
-                                 "removed at a later start", path, log.os_error(e, path))
 
     def referrers(self, step: int) -> list[int]:
         """The committed steps whose records refer to ``step``'s shards."""
