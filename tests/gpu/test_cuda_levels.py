@@ -54,6 +54,7 @@ def flip(path: Path, rank: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.quick
 def test_a_lost_node_on_the_gpu_comes_back_from_its_partner_and_ends_bit_identical(
         tmp_path: Path, shm: Path) -> None:
     ref, refs = job(tmp_path / "ref", shm / "ref", "ref")

@@ -28,7 +28,7 @@ The state of a rank is a pure function of (rank, step) through a deterministic t
 so a resumed run that restored bit for bit ends with the digest of an uninterrupted one.
 
 Run by tests/multirank/test_levels.py, tests/matrix/test_level_matrix.py,
-tests/cli/test_cli_levels.py and tests/test_permissions.py.
+tests/cli/test_cli_levels.py, tests/test_permissions.py and tests/gpu/test_cuda_levels.py.
 """
 
 from __future__ import annotations
