@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import SCENARIOS, run_mpi
+from harness import SCENARIOS, flip_data_byte, run_mpi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,15 +43,6 @@ def job(base: Path, local: Path, name: str, **plan: Any) -> tuple[Any, dict[int,
     reports = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)
                if (out / f"rank-{r}.json").exists()}
     return done, reports
-
-
-def flip(path: Path, rank: int) -> None:
-    """One byte of the largest tensor of ``rank``'s shard at ``path`` (a step's file) flipped."""
-    m = json.loads((path.parent / "MANIFEST.json").read_text())
-    rec = max(m["ranks"][rank]["tensors"], key=lambda t: t["nbytes"])
-    data = bytearray(path.read_bytes())
-    data[rec["offset"] + rec["nbytes"] // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.quick
@@ -83,7 +74,7 @@ def test_a_damaged_step_on_the_gpu_never_reaches_the_state(
     crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH)
     assert crashed.returncode != 0, crashed.output
     for node in ("n0", "n1"):
-        flip(shm / "run" / node / f"step-{CRASH:08d}" / "rank-00000.h5", 0)
+        flip_data_byte(shm / "run" / node, CRASH, rank=0)  # a node's directory: ROOT's layout
         for older in (shm / "run" / node).glob("step-*"):  # the damaged step is the only one
             if older.name != f"step-{CRASH:08d}":
                 shutil.rmtree(older)
