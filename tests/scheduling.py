@@ -52,19 +52,21 @@ def matrix_group(nodeid: str) -> str | None:
 class ByGroup(dict):
     """A matrix fixture's runs by group of cells (:func:`matrix_group`: under pytest-xdist a
     group's cells go to one worker): group -> {cell id: run}. The cells are those of type
-    ``kind`` that the session selected; ``run(group, cells)`` runs one group's on first use, so
-    that a worker runs only the groups it was given."""
+    ``kind`` that the session selected in the fixture's own module (two matrix modules share
+    the cell type: the torchrun matrix's cells are not this module's); ``run(group, cells)``
+    runs one group's on first use, so that a worker runs only the groups it was given."""
 
     def __init__(self, request: Any, kind: type, group: Callable[[Any], str],
                  run: Callable[[str, list], dict]) -> None:
         super().__init__()
-        self._cells = [item.callspec.params["cell"] for item in request.session.items
-                       if getattr(item, "callspec", None)
-                       and isinstance(item.callspec.params.get("cell"), kind)]
+        self.cells = [item.callspec.params["cell"] for item in request.session.items
+                      if getattr(item, "module", None) is request.module
+                      and getattr(item, "callspec", None)
+                      and isinstance(item.callspec.params.get("cell"), kind)]
         self._group, self._run = group, run
 
     def __missing__(self, group: str) -> dict:
-        self[group] = self._run(group, [c for c in self._cells if self._group(c) == group])
+        self[group] = self._run(group, [c for c in self.cells if self._group(c) == group])
         return self[group]
 
 

@@ -171,6 +171,8 @@ def run_matrix(todo: list[Cell], base: Path, workers: int = 1, how: str = "mpi"
     n = todo[0].n
     assert all(c.n == n and c.id not in NOT_APPLICABLE for c in todo)
     dirs = {c.id: base / c.dirname for c in todo}
+    if len(dirs) != len(todo):  # two jobs of one cell would share its root and mix their saves
+        raise ValueError(f"cells given twice: {sorted(c.id for c in todo if todo.count(c) > 1)}")
 
     def fault_plan(cs: list[Cell], deadline: float) -> Callable[[list[Path]], dict]:
         by_dir = {dirs[c.id]: c for c in cs}

@@ -109,3 +109,14 @@ def test_the_scheduler_keeps_each_group_of_cells_on_one_worker() -> None:
     """tests/scheduling.py finds a cell's group from its test id as the fixture does."""
     for c in ALL:
         assert matrix_group(f"tests/matrix/test_fault_matrix.py::test_cell[{c.id}]") == group(c)
+
+
+@pytest.mark.quick
+def test_the_matrix_runs_this_modules_cells_once(matrix) -> None:
+    """The groups hold each cell this module selected once, and no other module's: the torchrun
+    matrix's cells are of the same type, and when its cells were taken too, a cell the two share
+    ran twice in one directory (CI: kill/rank1/mid-manifest-write/n2, the second job found steps
+    20 and 30 committed, was killed while it replaced step 30, and left only step 20)."""
+    ids = [c.id for c in matrix.cells]
+    assert len(ids) == len(set(ids))
+    assert set(ids) <= {c.id for c in ALL}

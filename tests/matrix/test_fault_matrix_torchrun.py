@@ -63,3 +63,12 @@ def test_the_ci_form_covers_every_action_and_phase() -> None:
     assert {c.action for c in ci} == set(ACTIONS)
     assert {c.phase for c in ci} == set(PHASES)
     assert {c.n for c in ci} == set(SIZES)
+
+
+@pytest.mark.quick
+def test_the_matrix_runs_this_modules_cells_once(matrix) -> None:
+    """Only this module's cells, each once: not test_fault_matrix.py's (the same type), which
+    would run all of its cells, hang cells and all, under torchrun as well."""
+    ids = [c.id for c in matrix.cells]
+    assert len(ids) == len(set(ids))
+    assert set(ids) <= {c.id for c in RUN}
