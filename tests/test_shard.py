@@ -83,6 +83,27 @@ def test_flipped_byte_names_file_tensor_and_block(tmp_path, tensors):
         reader.read_shard(3, str(tmp_path / "s.h5"), records, size, block=BLOCK)
 
 
+def test_received_spans_are_verified_where_they_landed(tmp_path, tensors):
+    """verify_spans (a lost node's bytes, received over MPI): blocks 2..5 of 'big' as read are
+    intact; one flipped bit names the file they came from, the sender, the tensor and the
+    block; a span that is not whole checksum blocks is refused."""
+    records, size = write(tmp_path / "s.h5", tensors)
+    big = next(r for r in records if r.name == "big")
+    got = reader.read_shard(3, str(tmp_path / "s.h5"), records, size, block=BLOCK)["big"]
+    raw = got.reshape(-1).view(torch.uint8)
+    span = reader.Span(big, 2 * BLOCK, 6 * BLOCK, raw[2 * BLOCK:6 * BLOCK].clone())
+    reader.verify_spans(3, str(tmp_path / "s.h5"), [span], block=BLOCK, threads=3)
+    span.dest[BLOCK + 7] ^= 0x01  # block 3 of the record
+    msg = (r"rank 3: .*s\.h5: tensor 'big': checksum mismatch in block 3 \(bytes \d+\.\.\d+\)"
+           r" as rank 1 sent it")
+    with pytest.raises(ShardError, match=msg):
+        reader.verify_spans(3, str(tmp_path / "s.h5"), [span], block=BLOCK, threads=3,
+                            how=" as rank 1 sent it")
+    odd = reader.Span(big, BLOCK + 1, 2 * BLOCK, raw[BLOCK + 1:2 * BLOCK].clone())
+    with pytest.raises(ValueError, match="whole checksum blocks"):
+        reader.verify_spans(3, str(tmp_path / "s.h5"), [odd], block=BLOCK)
+
+
 def test_truncated_file_is_refused_by_size(tmp_path, tensors):
     records, size = write(tmp_path / "s.h5", tensors)
     with open(tmp_path / "s.h5", "r+b") as f:

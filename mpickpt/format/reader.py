@@ -114,9 +114,9 @@ def read_spans(
 class MappedSpans:
     """Bytes ``lo..hi`` of each ``(record, lo, hi)`` (whole checksum blocks of uncompressed
     records, as :func:`read_spans` takes them) as read-only ``views`` of the file mapped into
-    memory: nothing is copied (a partner copy served to the node that lost it). Nothing is
-    verified until :meth:`verify`, so the views can go out while their blocks are checked. The
-    views keep the map; it goes with the last of them."""
+    memory: nothing is copied. Nothing is verified until :meth:`verify` (a node's own shard in
+    memory, used where it lies); bytes served to another rank are verified where they land,
+    by :func:`verify_spans`. The views keep the map; it goes with the last of them."""
 
     def __init__(self, rank: int, path: str, file_bytes: int,
                  spans: list[tuple[TensorRecord, int, int]], *,
@@ -141,19 +141,42 @@ class MappedSpans:
     def verify(self, threads: int = 4) -> None:
         """Every block of the spans checked where it lies; :class:`ShardError` naming the
         file, tensor and block at the first mismatch."""
-        block, whole = self.block, self._whole
-        tasks = [(i, b) for i, (_, lo, hi) in enumerate(self._spans)
-                 for b in range(lo // block, -(-hi // block))]
+        _verify_views(self.rank, self.path, [(r, lo, v) for (r, lo, _), v
+                                             in zip(self._spans, self.views, strict=True)],
+                      self.block, threads, "")
 
-        def task(i: int, n: int) -> None:
-            r = self._spans[i][0]
+
+def verify_spans(rank: int, path: str, spans: list[Span], *,
+                 block: int = checksum.DEFAULT_BLOCK, threads: int = 4, how: str = "") -> None:
+    """Every block of each span's ``dest`` (bytes ``lo..hi`` of an uncompressed record of
+    ``rank``'s shard, received rather than read: ``path`` is the file they came from) checked
+    against the record's checksums; :class:`ShardError` naming the file, tensor and block
+    (and ``how`` they came) at the first mismatch."""
+    for s in spans:
+        if s.record.codec is not None or not _whole_blocks(s.record, s.lo, s.hi, block):
+            raise ValueError(f"span {s.lo}..{s.hi} of {s.record.name!r} is not whole checksum "
+                             "blocks of an uncompressed record")
+    _verify_views(rank, path, [(s.record, s.lo, byte_view(s.dest)) for s in spans], block,
+                  threads, how)
+
+
+def _verify_views(rank: int, path: str, views: list[tuple[TensorRecord, int, memoryview]],
+                  block: int, threads: int, how: str) -> None:
+    """Each ``(record, lo, view)``: the view holds the record's bytes from ``lo`` (a block
+    boundary) on; every block of it checked, on ``threads``."""
+    tasks = [(i, b) for i, (_, _, v) in enumerate(views) if len(v)
+             for b in range(checksum.block_count(len(v), block))]
+
+    def task(i: int, b: int) -> None:
+        r, lo, v = views[i]
+        n = lo // block + b
+        got = v[b * block:(b + 1) * block]
+        if checksum.digest(got) != r.checksums[n]:
             at = r.offset + n * block
-            size = min(block, r.nbytes - n * block)
-            if checksum.digest(whole[at:at + size]) != r.checksums[n]:
-                raise ShardError(self.rank, self.path, f"checksum mismatch in block {n} (bytes "
-                                 f"{at}..{at + size}): the data is corrupt", tensor=r.name)
+            raise ShardError(rank, path, f"checksum mismatch in block {n} (bytes {at}.."
+                             f"{at + len(got)}){how}: the data is corrupt", tensor=r.name)
 
-        run_tasks(tasks, task, threads)
+    run_tasks(tasks, task, threads)
 
 
 def mapped_spans(rank: int, path: str, file_bytes: int,

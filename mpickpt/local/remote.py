@@ -9,10 +9,12 @@ sharded tensor) asks that shard's rank for them. Collective over every rank:
 2. each owner maps them out of its own shard (identical requests, as every DDP rank makes, are
    mapped once; compressed records are read and decompressed, verified), and all ranks vote;
 3. the bytes move point to point straight into the requesters' buffers, in pieces of at most
-   :data:`WINDOW` bytes, while each owner verifies every block it sends against the manifest,
-   where it lies. A block found damaged makes this rank's part fail: the restore's verify vote
-   then stops every rank before the received bytes are used (they are in the restore's
-   buffers, not the state yet).
+   :data:`WINDOW` bytes, and each requester verifies every block it received against the
+   manifest, where it landed: end to end (the copy on the serving node and the bytes on the
+   way), on the rank that waited for them rather than on the one that sends them and reads its
+   own shard meanwhile. A block found damaged names the file it came from and makes this rank's
+   part fail: the restore's verify vote then stops every rank before the received bytes are
+   used (they are in the restore's buffers, not the state yet).
 
 A rank that could not plan its restore takes part asking for nothing, and the vote stops the
 transfer everywhere.
@@ -26,13 +28,14 @@ files are written back to the lost node after the restore
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 from .. import faults
 from ..errors import ShardError
 from ..format.manifest import Manifest
-from ..format.reader import MappedSpans, Span, read_spans
+from ..format.reader import MappedSpans, Span, read_spans, verify_spans
 from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 
@@ -49,13 +52,15 @@ def _pieces(t: object) -> list[object]:
 
 
 def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
-          threads: int, failed: bool, servers: dict[int, int] | None = None
-          ) -> tuple[bool, str | None]:
+          threads: int, failed: bool, servers: dict[int, int] | None = None,
+          served_from: Callable[[int], str] | None = None) -> tuple[bool, str | None]:
     """Fill the spans of ``wanted`` (shard's rank -> spans of that shard) from the rank that
     serves each shard (its own rank, or in ``servers`` the rank that holds a copy of a lost
-    one), and serve what others ask of the shards on this rank's node. ``failed``: this rank
-    could not plan (it asks for nothing). (whether every rank's transfer happened, this rank's
-    reason if it failed serving); collective."""
+    one), verify what came, and serve what others ask of the shards on this rank's node.
+    ``failed``: this rank could not plan (it asks for nothing); ``served_from(rank)``: the
+    directory that rank serves from (``directory`` if not given), to name a damaged copy.
+    (whether every rank's transfer happened and what it received is intact, this rank's
+    reason if not); collective."""
     servers = servers or {}
     asks: list[list[tuple[int, str, int, int]]] = [[] for _ in range(proto.size)]
     for owner, spans in ({} if failed else wanted).items():
@@ -63,7 +68,6 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
                                             if s.nbytes]
     requests = proto.alltoall(asks, "local-ask")
     sends: list[tuple[object, int]] = []
-    checks: list[MappedSpans] = []
     why = None
 
     def failure(e: Exception) -> str:
@@ -71,33 +75,40 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
             f"rank {proto.rank}: {directory}: {type(e).__name__}: {e}"
 
     try:
-        sends, checks = _serve(proto.rank, requests, manifest, directory, threads)
+        sends = _serve(proto.rank, requests, manifest, directory, threads)
     except Exception as e:
         why = failure(e)
     if not proto.all_ok(why is None and not failed, "local-serve"):
         return False, why
-    recvs = [(b, servers.get(owner, owner)) for owner, spans in wanted.items() for s in spans
-             if s.nbytes for b in _pieces(s.dest)]
-    pending = proto.start(sends, recvs, "local-fetch")
+    coming = [(owner, servers.get(owner, owner), s) for owner, spans in wanted.items()
+              for s in spans if s.nbytes]
+    pending = proto.start_grouped(sends, [[(b, server) for b in _pieces(s.dest)]
+                                          for _, server, s in coming], "local-fetch")
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
-    try:  # while the bytes move (a helper thread waits for them)
-        for mapped in checks:
-            mapped.verify(threads)
-    except Exception as e:
-        why = failure(e)
-    pending.wait()
+    # each span verified where it landed as soon as it is in, while the next ones move
+    # (compressed ones: by their server, as it decompressed them)
+    for (owner, server, s), arrived in zip(coming, pending, strict=False):
+        arrived.wait()
+        if why is None and s.record.codec is None:
+            where = served_from(server) if served_from is not None else directory
+            try:
+                verify_spans(owner, os.path.join(where, manifest.ranks[owner].file), [s],
+                             block=manifest.checksum_block, threads=threads,
+                             how=f" as rank {server} sent it")
+            except Exception as e:
+                why = failure(e)
+    pending[-1].wait()
     return why is None, why
 
 
 def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest: Manifest,
-           directory: str, threads: int) -> tuple[list[tuple[object, int]], list[MappedSpans]]:
+           directory: str, threads: int) -> list[tuple[object, int]]:
     """What each rank asked of the shards this rank serves (its own; a copy it holds of a
-    lost rank's): uncompressed bytes straight out of the file mapped into memory, compressed
-    ones decompressed into a buffer and verified (each distinct request once). (The buffers to
-    send, in the order asked; the mapped spans, whose blocks are still to be verified.)"""
+    lost rank's): uncompressed bytes straight out of the file mapped into memory (their
+    receivers verify them), compressed ones decompressed into a buffer and verified (each
+    distinct request once). The buffers to send, in the order asked."""
     done: dict[tuple[tuple[int, str, int, int], ...], list[object]] = {}
-    checks: list[MappedSpans] = []
     sends: list[tuple[object, int]] = []
     records: dict[int, dict[str, TensorRecord]] = {}
     for requester, asked in enumerate(requests):
@@ -117,15 +128,14 @@ def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest:
                                      f"rank {requester} asked for a tensor this shard does not "
                                      "hold", tensor=name)
                 spans.append((owner, rec, lo, hi))
-            parts = done[key] = _read(spans, manifest, directory, threads, checks)
+            parts = done[key] = _read(spans, manifest, directory, threads)
         sends += [(b, requester) for part in parts for b in _pieces(part)]
-    return sends, checks
+    return sends
 
 
 def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, directory: str,
-          threads: int, checks: list[MappedSpans]) -> list[object]:
-    """Each span's bytes, in order (see :func:`_serve`); the mapped ones' verification is
-    added to ``checks``."""
+          threads: int) -> list[object]:
+    """Each span's bytes, in order (see :func:`_serve`)."""
     out: list[object] = [None] * len(spans)
     for owner in sorted({o for o, *_ in spans}):
         entry = manifest.ranks[owner]
@@ -133,7 +143,6 @@ def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, d
         at = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec is None]
         mapped = MappedSpans(owner, path, entry.bytes, [spans[i][1:] for i in at],
                              block=manifest.checksum_block)
-        checks.append(mapped)
         for i, v in zip(at, mapped.views, strict=True):
             out[i] = v
         rest = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec]

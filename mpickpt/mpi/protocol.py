@@ -116,6 +116,17 @@ class Protocol:
         peers = sorted({p for _, p in sends} | {p for _, p in recvs})
         return Pending(self, reqs, f"{phase} with {ranks_text(peers)}")
 
+    def start_grouped(self, sends: list[tuple[Any, int]], groups: list[list[tuple[Any, int]]],
+                      phase: str) -> list[Pending]:
+        """:meth:`start` with the receives in groups: a :class:`Pending` per group, in order,
+        then one for the sends. The transfer thread waits for them one after the other while
+        MPI moves them all, so a group can be used as soon as its own wait returns."""
+        recvs = [[self.comm.irecv(buf, src, TAG_DATA) for buf, src in g] for g in groups]
+        reqs = [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
+        peers = sorted({p for _, p in sends} | {p for g in groups for _, p in g})
+        what = f"{phase} with {ranks_text(peers)}"
+        return [Pending(self, r, what) for r in recvs] + [Pending(self, reqs, what)]
+
     def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
                  phase: str) -> None:
         """:meth:`start`, and wait for it."""

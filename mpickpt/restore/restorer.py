@@ -145,7 +145,7 @@ class Restorer:
         def load() -> tuple[str | None, dict[str, Any]]:
             t = time.perf_counter()
             got = self._try(state, step, local.path(step), nodes, local.served,
-                            local.manifest)
+                            local.manifest, lambda r: local.path_of(r, step))
             local.last.phases["load"] = time.perf_counter() - t
             if local.served:
                 local.last.received = self.served_bytes
@@ -210,12 +210,14 @@ class Restorer:
 
     def _try(self, state: dict[str, Any], step: int, path: str,
              nodes: Sequence[str] | None = None, served: dict[int, int] | None = None,
-             known: Manifest | None = None) -> tuple[str | None, dict[str, Any]]:
+             known: Manifest | None = None, served_from: Callable[[int], str] | None = None
+             ) -> tuple[str | None, dict[str, Any]]:
         """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
         ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
         step, ``known`` its manifest as parsed), the bytes of shards of other nodes' ranks come
         from those ranks, and those of a lost rank's shard from the rank that ``served`` names
-        (:mod:`mpickpt.local.remote`)."""
+        (:mod:`mpickpt.local.remote`; ``served_from(rank)``: the directory that rank serves
+        from, which names a damaged copy)."""
         served = served or {}
         manifest, reason = self._open(path, step, known)
         if manifest is None:
@@ -264,7 +266,8 @@ class Restorer:
             verdict, err = self._verdict(e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed
             moved, why = remote_fetch(self.proto, remote, manifest, path, self.io_threads,
-                                      failed=verdict != _OK, servers=served)
+                                      failed=verdict != _OK, servers=served,
+                                      served_from=served_from)
             if reading is not None:
                 try:
                     reading.result()

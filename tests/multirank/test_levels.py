@@ -12,6 +12,7 @@ bit-identical to an uninterrupted run's. Cases are counted in the guarantee repo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -226,8 +227,8 @@ def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
 @pytest.mark.guarantee("damage-detected", "resume-bit-identical")
 def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
         tmp_path: Path, reference, guarantees) -> None:
-    """Node 1 lost, and node 0's copy of rank 2's shard has a flipped byte: the copy is
-    verified where it lies as it is served, the restore names the file and the tensor and
+    """Node 1 lost, and node 0's copy of rank 2's shard has a flipped byte: rank 2 verifies the
+    bytes it received, the restore names the file they came from, the sender and the tensor and
     falls back to ROOT; the run ends bit-identical."""
     settings: dict[str, Any] = {"redundancy": "partner", "per_node": 2}
     crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, **settings)
@@ -244,6 +245,8 @@ def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
                       done.output[-2000:])
     assert done.returncode == 0, done.output
     assert str(copy) in done.stderr and rec["name"] in done.stderr, done.output
+    assert re.search(r"checksum mismatch in block \d+ \(bytes \d+\.\.\d+\) as rank [01] sent "
+                     r"it", done.stderr), done.output
     assert {reports[r]["restore"]["level"] for r in range(4)} == {"root"}
     assert all(reports[r]["final"] == reference[4][r] for r in range(4))
 
