@@ -7,7 +7,7 @@ Every rank is a simulated node with ``bench_levels``'s MLP + Adam (``--gb`` in a
 the reference job, 5.84 GB), on the GPU when there is one, the level in ``/dev/shm`` with
 partner redundancy. Three saves, then restores in new Checkpointers: own, own, lost, own.
 
-    mpiexec -n 2 python bench/probe_restore_timeline.py [--gb 0.1]
+    mpiexec -n 2 python bench/probe_restore_timeline.py [--gb 0.1] [--modes lost,lost,lost]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from mpickpt.local.nodedir import node_dirname
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=None, help="state in GB (default 5.84)")
+    ap.add_argument("--modes", default="own,own,lost,own",
+                    help="the restores, in order (own or lost; default own,own,lost,own)")
     a = ap.parse_args()
     restore_parts.install()
     rank = bl.RANK
@@ -55,7 +57,7 @@ def main() -> None:
         for step in (1, 2, 3):
             ck.save(step, state).wait()
         ck.close()
-        for mode in ("own", "own", "lost", "own"):
+        for mode in a.modes.split(","):
             ck = checkpointer()
             bl.COMM.Barrier()
             if mode == "lost" and rank == 1:

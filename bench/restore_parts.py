@@ -41,9 +41,13 @@ def wrap(module: str, qualname: str) -> None:
 
 
 def install() -> None:
-    """Wrap every part of :data:`PARTS`."""
+    """Wrap every part of :data:`PARTS` that the package has (an older one, timed beside the
+    current, may lack some)."""
     for module, qualname in PARTS:
-        wrap(module, qualname)
+        try:
+            wrap(module, qualname)
+        except AttributeError:
+            continue
 
 
 def lines(t0: float) -> list[str]:

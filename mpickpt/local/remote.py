@@ -40,6 +40,7 @@ from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 
 WINDOW = 256 << 20  # bytes per message at most
+GROUP = 32 << 20  # bytes received, at least, before they are verified (remote._groups)
 
 
 def _pieces(t: object) -> list[object]:
@@ -74,23 +75,29 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
         return str(e) if isinstance(e, ShardError) else \
             f"rank {proto.rank}: {directory}: {type(e).__name__}: {e}"
 
+    mapped: list[MappedSpans] = []
     try:
-        sends = _serve(proto.rank, requests, manifest, directory, threads)
+        sends = _serve(proto.rank, requests, manifest, directory, threads, mapped)
     except Exception as e:
         why = failure(e)
     if not proto.all_ok(why is None and not failed, "local-serve"):
         return False, why
-    coming = [(owner, servers.get(owner, owner), s) for owner, spans in wanted.items()
-              for s in spans if s.nbytes]
-    pending = proto.start_grouped(sends, [[(b, server) for b in _pieces(s.dest)]
-                                          for _, server, s in coming], "local-fetch")
+    groups = _groups([(owner, servers.get(owner, owner), s) for owner, spans in wanted.items()
+                      for s in spans if s.nbytes])
+    pending = proto.start_grouped(sends, [[(b, server) for _, server, s in g
+                                           for b in _pieces(s.dest)] for g in groups],
+                                  "local-fetch")
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
-    # each span verified where it landed as soon as it is in, while the next ones move
-    # (compressed ones: by their server, as it decompressed them)
-    for (owner, server, s), arrived in zip(coming, pending, strict=False):
+    for m in mapped:  # the pages to send mapped in ahead of MPI's copy, while it runs
+        m.populate(threads)
+    # each group of spans verified where it landed as soon as it is in, while the next ones
+    # move (compressed ones: by their server, as it decompressed them)
+    for group, arrived in zip(groups, pending, strict=False):
         arrived.wait()
-        if why is None and s.record.codec is None:
+        for owner, server, s in group:
+            if why is not None or s.record.codec is not None:
+                continue
             where = served_from(server) if served_from is not None else directory
             try:
                 verify_spans(owner, os.path.join(where, manifest.ranks[owner].file), [s],
@@ -102,12 +109,29 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     return why is None, why
 
 
+def _groups(coming: list[tuple[int, int, Span]]) -> list[list[tuple[int, int, Span]]]:
+    """The spans to receive, in order, in groups of at least :data:`GROUP` bytes (the last may
+    be less): what is verified at once, as soon as all of it is in (fewer wake-ups than a
+    span at a time where tensors are small)."""
+    out: list[list[tuple[int, int, Span]]] = []
+    size = GROUP
+    for c in coming:
+        if size >= GROUP:
+            out.append([])
+            size = 0
+        out[-1].append(c)
+        size += c[2].nbytes
+    return out
+
+
 def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest: Manifest,
-           directory: str, threads: int) -> list[tuple[object, int]]:
+           directory: str, threads: int, mapped: list[MappedSpans]
+           ) -> list[tuple[object, int]]:
     """What each rank asked of the shards this rank serves (its own; a copy it holds of a
     lost rank's): uncompressed bytes straight out of the file mapped into memory (their
     receivers verify them), compressed ones decompressed into a buffer and verified (each
-    distinct request once). The buffers to send, in the order asked."""
+    distinct request once). The buffers to send, in the order asked; the mapped spans are
+    added to ``mapped``."""
     done: dict[tuple[tuple[int, str, int, int], ...], list[object]] = {}
     sends: list[tuple[object, int]] = []
     records: dict[int, dict[str, TensorRecord]] = {}
@@ -128,13 +152,13 @@ def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest:
                                      f"rank {requester} asked for a tensor this shard does not "
                                      "hold", tensor=name)
                 spans.append((owner, rec, lo, hi))
-            parts = done[key] = _read(spans, manifest, directory, threads)
+            parts = done[key] = _read(spans, manifest, directory, threads, mapped)
         sends += [(b, requester) for part in parts for b in _pieces(part)]
     return sends
 
 
 def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, directory: str,
-          threads: int) -> list[object]:
+          threads: int, mapped_out: list[MappedSpans]) -> list[object]:
     """Each span's bytes, in order (see :func:`_serve`)."""
     out: list[object] = [None] * len(spans)
     for owner in sorted({o for o, *_ in spans}):
@@ -143,6 +167,7 @@ def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, d
         at = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec is None]
         mapped = MappedSpans(owner, path, entry.bytes, [spans[i][1:] for i in at],
                              block=manifest.checksum_block)
+        mapped_out.append(mapped)
         for i, v in zip(at, mapped.views, strict=True):
             out[i] = v
         rest = [i for i, (o, rec, _, _) in enumerate(spans) if o == owner and rec.codec]
