@@ -186,7 +186,8 @@ def check_resumed_runs(jobs: Jobs, job: str, runs: int) -> list[int]:
 @pytest.mark.guarantee("resume-bit-identical")
 def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(
         slurm, jobs, reference_runs):
-    steps = 130  # ~0.6 s a step: ~80 s, longer than the 50..80 s before the signal comes
+    steps = 130  # ~0.6 s a step: ~80 s, longer than the 50..80 s before the signal comes; the
+    # second run's 60 steps end before its signal unless the machine is loaded (see below)
     reference = reference_runs[(N, steps)]
     job = jobs.train(["--time=2", "--signal=B:USR2@40"], steps, sleep=0.5)
     state = slurm.wait(job, timeout=480)
@@ -197,7 +198,17 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(
     assert [s["outcome"] for s in runs] == ["preempted-requeued"] * (len(runs) - 1) + ["finished"]
     assert [int(s["restart"]) for s in runs] == list(range(len(runs))), log
     assert [s["exit"] for s in runs] == ["3"] * (len(runs) - 1) + ["0"], log
-    assert log.count("got SIGUSR2: forwarding it to the ranks") == len(runs) - 1, log
+    # each preempted run got the signal once; the last one may get its own too (Slurm sends it
+    # up to a minute early, and a loaded machine slows the run), but only once it has trained
+    # and saved the last step: then it has nothing to checkpoint and ends as finished
+    forwarded = "got SIGUSR2: forwarding it to the ranks"
+    each = re.split(r"(?m)^(?=mpickpt-train: start:)", log)[1:]
+    assert len(each) == len(runs), log
+    assert [e.count(forwarded) for e in each[:-1]] == [1] * (len(runs) - 1), log
+    if forwarded in each[-1]:
+        assert each[-1].count(forwarded) == 1, log
+        assert each[-1].index(forwarded) > each[-1].index(f"checkpoint step {steps} committed")
+        assert "and exiting" not in each[-1], log
     assert "DUE TO TIME LIMIT" not in log, log
     assert int(slurm.show(job)["Restarts"]) == len(runs) - 1
     for step in check_resumed_runs(jobs, job, len(runs)):
