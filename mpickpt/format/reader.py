@@ -140,7 +140,7 @@ class MappedSpans:
                 raise ValueError(f"span {lo}..{hi} of {r.name!r} is not whole checksum blocks "
                                  "of an uncompressed record")
         self.rank, self.path, self.block = rank, path, block
-        self._whole, self._spans = whole, spans
+        self._spans = spans
         self.views = [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]
 
     def populate(self, threads: int = 4) -> None:

@@ -58,7 +58,7 @@ class NodeDir:
     def __init__(self, base: str, node: str, root: str) -> None:
         self.base = os.path.abspath(base)
         self.node = node
-        self.dir = os.path.join(self.base, node_dirname(node))
+        self.dir = self.dir_of(node)
         self.root = os.path.realpath(root)
         rootdir.mark_private(self.base)  # the files this rank makes there: 0600
 
@@ -85,6 +85,10 @@ class NodeDir:
         for path in rootdir.leftovers(self.dir, run_id):
             log.debug("removing %s, left by an earlier run", path)
             rootdir.remove(path, run_id)
+
+    def dir_of(self, node: str) -> str:
+        """The directory of node ``node`` (this one's, or another's as it is on that node)."""
+        return os.path.join(self.base, node_dirname(node))
 
     @property
     def pool_dir(self) -> str:

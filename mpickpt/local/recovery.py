@@ -48,7 +48,7 @@ from ..mpi.protocol import Protocol, ranks_text
 from ..save.store import discard
 from .exchange import copy_over, xor_rebuild
 from .level import LocalLevel
-from .nodedir import LEVEL, PARITY_RE, node_dirname, parity_name
+from .nodedir import LEVEL, PARITY_RE, parity_name
 from .topology import partner_holder, team_of, xor_chunk_bytes
 
 
@@ -83,9 +83,8 @@ class LocalRecovery:
     def path_of(self, rank: int, step: int) -> str:
         """Where ``rank``'s node holds ``step`` (its directory of the level, on that node): how
         a rank names the copy another rank served it."""
-        d = self.level.nodedir
-        return os.path.join(d.base, node_dirname(self.level.topology.nodes[rank]),
-                            rootdir.step_name(step))
+        node = self.level.nodedir.dir_of(self.level.topology.nodes[rank])
+        return os.path.join(node, rootdir.step_name(step))
 
     def steps(self, undo: Rollback | None = None) -> list[int]:
         """The steps any node committed locally, newest first (collective). With ``undo``

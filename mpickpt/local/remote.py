@@ -95,12 +95,16 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     # move (compressed ones: by their server, as it decompressed them)
     for group, arrived in zip(groups, pending, strict=False):
         arrived.wait()
+        by_source: dict[tuple[int, int], list[Span]] = {}
         for owner, server, s in group:
-            if why is not None or s.record.codec is not None:
-                continue
+            if s.record.codec is None:
+                by_source.setdefault((owner, server), []).append(s)
+        for (owner, server), spans in by_source.items():
+            if why is not None:
+                break
             where = served_from(server) if served_from is not None else directory
-            try:
-                verify_spans(owner, os.path.join(where, manifest.ranks[owner].file), [s],
+            try:  # the group's spans of one shard from one sender at once, on the threads
+                verify_spans(owner, os.path.join(where, manifest.ranks[owner].file), spans,
                              block=manifest.checksum_block, threads=threads,
                              how=f" as rank {server} sent it")
             except Exception as e:
@@ -159,7 +163,8 @@ def _serve(rank: int, requests: list[list[tuple[int, str, int, int]]], manifest:
 
 def _read(spans: list[tuple[int, TensorRecord, int, int]], manifest: Manifest, directory: str,
           threads: int, mapped_out: list[MappedSpans]) -> list[object]:
-    """Each span's bytes, in order (see :func:`_serve`)."""
+    """Each span's bytes, in order (see :func:`_serve`); the mapped spans are added to
+    ``mapped_out``."""
     out: list[object] = [None] * len(spans)
     for owner in sorted({o for o, *_ in spans}):
         entry = manifest.ranks[owner]
