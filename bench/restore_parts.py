@@ -11,7 +11,7 @@ import time
 PARTS = [("mpickpt.mpi.protocol", q) for q in (
     "Protocol.alltoall", "Protocol.all_ok", "Protocol.max", "Protocol.sum", "Protocol.sums",
     "Protocol.allgather", "Protocol.bcast", "Protocol.start", "Pending.wait")] + [
-    ("mpickpt.local.remote", "_serve"), ("mpickpt.local.remote", "verify_spans"),
+    ("mpickpt.local.remote", "_serve"), ("mpickpt.local.remote", "start_verify_spans"),
     ("mpickpt.format.state_tree", "apply"),
     ("mpickpt.local.recovery", "LocalRecovery.prepare"), ("mpickpt.restore.reshard", "stage"),
     ("mpickpt.restore.reshard", "plan"), ("mpickpt.restore.reshard", "Staged.read"),

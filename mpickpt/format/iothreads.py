@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from ..background import lower_priority
 
@@ -19,15 +19,41 @@ def run_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], thre
         for t in tasks:
             fn(*t)
         return
-    futures = [pool(threads, background).submit(fn, *t) for t in tasks]
-    try:
-        for fut in futures:
-            fut.result()
-    except BaseException:
-        for fut in futures:
+    start_tasks(tasks, fn, threads, background).wait()
+
+
+class Batch:
+    """Tasks started on the I/O threads (:func:`start_tasks`)."""
+
+    def __init__(self, futures: list[Future[None]]) -> None:
+        self.futures = futures
+
+    def wait(self) -> None:
+        """Until every task is done; the first error raised, the tasks not started cancelled."""
+        try:
+            for fut in self.futures:
+                fut.result()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Cancel the tasks not started and wait for the running ones (they use the caller's
+        buffers and descriptors); their errors are dropped: the caller is failing already."""
+        for fut in self.futures:
             fut.cancel()
-        wait(futures)  # the tasks already running use the caller's buffers and descriptors
-        raise
+        wait(self.futures)
+
+
+def start_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], threads: int,
+                background: bool = False) -> Batch:
+    """:func:`run_tasks` without waiting: the tasks started, to be waited for with
+    :meth:`Batch.wait`. With one thread they run here and now."""
+    if threads <= 1:
+        for t in tasks:
+            fn(*t)
+        return Batch([])
+    return Batch([pool(threads, background).submit(fn, *t) for t in tasks])
 
 
 _POOLS: dict[tuple[int, bool], ThreadPoolExecutor] = {}

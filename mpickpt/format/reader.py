@@ -18,7 +18,7 @@ import torch
 from ..errors import ShardError
 from . import checksum, dtypes
 from .blocks import BlockFile, align
-from .iothreads import run_tasks
+from .iothreads import Batch, run_tasks, start_tasks
 from .records import TensorRecord, check_file, check_records, open_shard
 from .shard import byte_view
 
@@ -167,7 +167,7 @@ class MappedSpans:
         file, tensor and block at the first mismatch."""
         _verify_views(self.rank, self.path, [(r, lo, v) for (r, lo, _), v
                                              in zip(self._spans, self.views, strict=True)],
-                      self.block, threads, "")
+                      self.block, threads, "").wait()
 
 
 def verify_spans(rank: int, path: str, spans: list[Span], *,
@@ -176,18 +176,26 @@ def verify_spans(rank: int, path: str, spans: list[Span], *,
     ``rank``'s shard, received rather than read: ``path`` is the file they came from) checked
     against the record's checksums; :class:`ShardError` naming the file, tensor and block
     (and ``how`` they came) at the first mismatch."""
+    start_verify_spans(rank, path, spans, block=block, threads=threads, how=how).wait()
+
+
+def start_verify_spans(rank: int, path: str, spans: list[Span], *,
+                       block: int = checksum.DEFAULT_BLOCK, threads: int = 4, how: str = ""
+                       ) -> Batch:
+    """:func:`verify_spans` started on the I/O threads: its :meth:`Batch.wait` raises what
+    :func:`verify_spans` would."""
     for s in spans:
         if s.record.codec is not None or not _whole_blocks(s.record, s.lo, s.hi, block):
             raise ValueError(f"span {s.lo}..{s.hi} of {s.record.name!r} is not whole checksum "
                              "blocks of an uncompressed record")
-    _verify_views(rank, path, [(s.record, s.lo, byte_view(s.dest)) for s in spans], block,
-                  threads, how)
+    return _verify_views(rank, path, [(s.record, s.lo, byte_view(s.dest)) for s in spans],
+                         block, threads, how)
 
 
 def _verify_views(rank: int, path: str, views: list[tuple[TensorRecord, int, memoryview]],
-                  block: int, threads: int, how: str) -> None:
+                  block: int, threads: int, how: str) -> Batch:
     """Each ``(record, lo, view)``: the view holds the record's bytes from ``lo`` (a block
-    boundary) on; every block of it checked, on ``threads``."""
+    boundary) on; every block of it checked, on ``threads`` (started: wait for the batch)."""
     tasks = [(i, b) for i, (_, _, v) in enumerate(views) if len(v)
              for b in range(checksum.block_count(len(v), block))]
 
@@ -200,7 +208,7 @@ def _verify_views(rank: int, path: str, views: list[tuple[TensorRecord, int, mem
             raise ShardError(rank, path, f"checksum mismatch in block {n} (bytes {at}.."
                              f"{at + len(got)}){how}: the data is corrupt", tensor=r.name)
 
-    run_tasks(tasks, task, threads)
+    return start_tasks(tasks, task, threads)
 
 
 def mapped_spans(rank: int, path: str, file_bytes: int,

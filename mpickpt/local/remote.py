@@ -9,8 +9,9 @@ sharded tensor) asks that shard's rank for them. Collective over every rank:
 2. each owner maps them out of its own shard (identical requests, as every DDP rank makes, are
    mapped once; compressed records are read and decompressed, verified), and all ranks vote;
 3. the bytes move point to point straight into the requesters' buffers, in pieces of at most
-   :data:`WINDOW` bytes, and each requester verifies every block it received against the
-   manifest, where it landed: end to end (the copy on the serving node and the bytes on the
+   :data:`WINDOW` bytes, received in order a few groups ahead, and each requester verifies
+   every block it received against the manifest, where it landed, on its I/O threads while the
+   next groups move: end to end (the copy on the serving node and the bytes on the
    way), on the rank that waited for them rather than on the one that sends them and reads its
    own shard meanwhile. A block found damaged names the file it came from and makes this rank's
    part fail: the restore's verify vote then stops every rank before the received bytes are
@@ -34,8 +35,9 @@ import torch
 
 from .. import faults
 from ..errors import ShardError
+from ..format.iothreads import Batch
 from ..format.manifest import Manifest
-from ..format.reader import MappedSpans, Span, read_spans, verify_spans
+from ..format.reader import MappedSpans, Span, read_spans, start_verify_spans
 from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 
@@ -91,25 +93,35 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
     for m in mapped:  # the pages to send mapped in ahead of MPI's copy, while it runs
         m.populate(threads)
-    # each group of spans verified where it landed as soon as it is in, while the next ones
-    # move (compressed ones: by their server, as it decompressed them)
-    for group, arrived in zip(groups, pending, strict=False):
-        arrived.wait()
-        by_source: dict[tuple[int, int], list[Span]] = {}
-        for owner, server, s in group:
-            if s.record.codec is None:
-                by_source.setdefault((owner, server), []).append(s)
-        for (owner, server), spans in by_source.items():
-            if why is not None:
-                break
-            where = served_from(server) if served_from is not None else directory
-            try:  # the group's spans of one shard from one sender at once, on the threads
-                verify_spans(owner, os.path.join(where, manifest.ranks[owner].file), spans,
-                             block=manifest.checksum_block, threads=threads,
-                             how=f" as rank {server} sent it")
-            except Exception as e:
-                why = failure(e)
-    pending[-1].wait()
+    # each group of spans verified where it landed as soon as it is in, on the I/O threads
+    # while the next ones move (compressed ones: by their server, as it decompressed them)
+    checks: list[Batch] = []
+    try:
+        for group, arrived in zip(groups, pending, strict=False):
+            arrived.wait()
+            by_source: dict[tuple[int, int], list[Span]] = {}
+            for owner, server, s in group:
+                if s.record.codec is None:
+                    by_source.setdefault((owner, server), []).append(s)
+            for (owner, server), spans in by_source.items():
+                where = served_from(server) if served_from is not None else directory
+                try:  # the group's spans of one shard from one sender at once
+                    checks.append(start_verify_spans(
+                        owner, os.path.join(where, manifest.ranks[owner].file), spans,
+                        block=manifest.checksum_block, threads=threads,
+                        how=f" as rank {server} sent it"))
+                except Exception as e:
+                    why = why or failure(e)
+        pending[-1].wait()
+    except BaseException:
+        for c in checks:
+            c.abandon()
+        raise
+    for c in checks:
+        try:
+            c.wait()
+        except Exception as e:
+            why = why or failure(e)
     return why is None, why
 
 

@@ -117,15 +117,43 @@ class Protocol:
         return Pending(self, reqs, f"{phase} with {ranks_text(peers)}")
 
     def start_grouped(self, sends: list[tuple[Any, int]], groups: list[list[tuple[Any, int]]],
-                      phase: str) -> list[Pending]:
+                      phase: str, ahead: int = 4) -> list[Pending]:
         """:meth:`start` with the receives in groups: a :class:`Pending` per group, in order,
-        then one for the sends. The transfer thread waits for them one after the other while
-        MPI moves them all, so a group can be used as soon as its own wait returns."""
-        recvs = [[self.comm.irecv(buf, src, TAG_DATA) for buf, src in g] for g in groups]
-        reqs = [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
+        then one for the sends. Only ``ahead`` groups are posted at a time, the next as each
+        one is in, so that they arrive in order (posted all at once, MPI moves them side by
+        side and the first is complete only near the end of all): a group can be used as soon
+        as its own wait returns while the next ones move."""
+        if ahead < 1:
+            raise ValueError(f"ahead must be 1 or more, not {ahead}")
         peers = sorted({p for _, p in sends} | {p for g in groups for _, p in g})
         what = f"{phase} with {ranks_text(peers)}"
-        return [Pending(self, r, what) for r in recvs] + [Pending(self, reqs, what)]
+        recvs: list[list[Request]] = [[] for _ in groups]
+        broken: list[str] = []
+
+        def post(k: int) -> None:
+            if k < len(groups):
+                recvs[k] = [self.comm.irecv(buf, src, TAG_DATA) for buf, src in groups[k]]
+
+        def arrival(k: int) -> Callable[[], str | None]:
+            def job() -> str | None:  # on the transfer thread, after the group before it
+                if broken:  # an earlier group failed: this one was never posted
+                    return broken[0]
+                error = self.comm.waitall(recvs[k])
+                if error is not None:
+                    broken.append(error)
+                    return error
+                try:
+                    post(k + ahead)
+                except Exception as e:  # reported by the wait of the group it was for
+                    broken.append(f"posting receives: {type(e).__name__}: {e}")
+                return None
+            return job
+
+        for k in range(min(ahead, len(groups))):
+            post(k)
+        reqs = [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
+        return ([Pending(self, [], what, arrival(k)) for k in range(len(groups))]
+                + [Pending(self, reqs, what)])
 
     def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
                  phase: str) -> None:
@@ -287,9 +315,12 @@ class Pending:
     deadline, else raises :class:`CollectiveTimeout` (the communicator, and the helper thread,
     are then given up: the job aborts)."""
 
-    def __init__(self, proto: Protocol, reqs: list[Request], what: str) -> None:
+    def __init__(self, proto: Protocol, reqs: list[Request], what: str,
+                 job: Callable[[], str | None] | None = None) -> None:
+        """Wait for ``reqs`` on the transfer thread (or run ``job`` there, which waits for
+        requests of its own and returns an error text or None)."""
         self._proto, self._what = proto, what
-        self._future = _waiter().submit(proto.comm.waitall, reqs)
+        self._future = _waiter().submit(job or (lambda: proto.comm.waitall(reqs)))
 
     def wait(self) -> None:
         p = self._proto
