@@ -15,11 +15,7 @@ def run_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], thre
               background: bool = False) -> None:
     """Run ``fn(*task)`` for every task on ``threads`` threads; the first error cancels the rest.
     ``background`` threads run at a lower CPU priority."""
-    if threads <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            fn(*t)
-        return
-    start_tasks(tasks, fn, threads, background).wait()
+    start_tasks(tasks, fn, threads if len(tasks) > 1 else 1, background).wait()
 
 
 class Batch:

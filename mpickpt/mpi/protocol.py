@@ -136,7 +136,7 @@ class Protocol:
 
         def arrival(k: int) -> Callable[[], str | None]:
             def job() -> str | None:  # on the transfer thread, after the group before it
-                if broken:  # an earlier group failed: this one was never posted
+                if broken:  # an earlier group, or posting one, failed: the transfer is off
                     return broken[0]
                 error = self.comm.waitall(recvs[k])
                 if error is not None:
