@@ -7,6 +7,7 @@ always watched, since Slurm and most schedulers send it before they kill a job.
 
 from __future__ import annotations
 
+import atexit
 import signal
 import threading
 
@@ -50,10 +51,24 @@ def install(term: bool = True) -> bool:
         return True
     if threading.current_thread() is not threading.main_thread():
         return False
+    if not _installed:
+        atexit.register(_ignore_at_exit)
     for sig in wanted:
         signal.signal(sig, _handler)
         _installed.add(sig)
     return True
+
+
+def _ignore_at_exit() -> None:
+    """At interpreter exit the preemption signal is ignored where our handler still has it.
+    Python resets its handlers to the default after the ``atexit`` hooks, and the default of
+    SIGUSR2 ends the process: a signal that came late (Slurm sends ``--signal`` up to a minute
+    early, so it may reach a rank that has trained and committed its last step and is tearing
+    down) would turn a finished run into one killed by signal 12. ``SIG_IGN`` survives that reset.
+    SIGTERM keeps its meaning: it is how a job is ended on purpose."""
+    for sig in _installed:
+        if sig != signal.SIGTERM and signal.getsignal(sig) is _handler:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 NONE, TERMINATE, PREEMPT = 0, 1, 2

@@ -88,12 +88,14 @@ class Job(subprocess.CompletedProcess):
 
 
 def run_mpi(n: int, args: list[str], *, env: dict[str, str] | None = None,
-            timeout: float = 180, prefix: list[str] | None = None) -> Job:
+            timeout: float = 180, prefix: list[str] | None = None, warm: bool = True) -> Job:
     """Run ``python ARGS`` on ``n`` ranks (behind ``prefix``, e.g. ``setpriv ...``); a job that
-    outlives ``timeout`` is killed and fails."""
+    outlives ``timeout`` is killed and fails. ``warm=False`` starts each rank's Python as
+    itself, for what the warm start leaves out (the interpreter's own teardown)."""
     full_env = {k: v for k, v in os.environ.items() if k != "MPICKPT_FAULT"}
     full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    cmd = [*(prefix or []), *mpiexec(), "-n", str(n), *python(), *args]
+    py = python() if warm else [sys.executable]
+    cmd = [*(prefix or []), *mpiexec(), "-n", str(n), *py, *args]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout,
                            start_new_session=True)

@@ -20,6 +20,19 @@ def test_import_holds_the_preemption_signal():
     assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr
 
 
+def test_a_signal_that_comes_during_the_interpreters_teardown_is_ignored():
+    """Python resets its handlers to the default after the atexit hooks; SIGUSR2's default would
+    kill a program that has finished (a late Slurm ``--signal``). A shell sends it every half
+    millisecond until the process is gone, so it meets the last stages of the teardown too (its
+output goes nowhere: a pipe it held open would keep this test waiting for it)."""
+    p = run("import os, subprocess, time, mpickpt\n"
+            "subprocess.Popen(['sh', '-c', f'while kill -USR2 {os.getpid()} 2>/dev/null; '\n"
+            "                  'do sleep 0.0005; done'], stdout=subprocess.DEVNULL,\n"
+            "                 stderr=subprocess.DEVNULL)\n"
+            "time.sleep(0.05)\nprint('done', flush=True)")
+    assert p.returncode == 0 and p.stdout.strip() == "done", (p.returncode, p.stderr)
+
+
 def test_import_leaves_a_handler_of_the_programs_own_alone():
     p = run("import signal\nseen = []\nsignal.signal(signal.SIGUSR2, lambda *a: seen.append(1))\n"
             "import os, mpickpt\nos.kill(os.getpid(), signal.SIGUSR2)\n"

@@ -92,6 +92,22 @@ def test_systemexit_3_on_every_rank_is_a_clean_exit_with_code_3():
     assert "BAD TERMINATION" not in job.output and "Traceback" not in job.output
 
 
+@pytest.mark.parametrize("code", [0, run.EXIT_PREEMPTED])
+def test_a_preemption_signal_that_comes_while_the_ranks_tear_down_does_not_kill_them(code):
+    """Slurm sends ``--signal`` up to a minute early: it may reach ranks that trained and
+    committed their last step and are leaving. Python gives the signal its default back after
+    the atexit hooks, and SIGUSR2's default ends the process (a CI run's job ended FAILED, exit
+    140, after committing its last step): the ranks must end with the code they agreed on. Not
+    started warm: the warm start leaves the interpreter's teardown out, and with it the reset."""
+    n = 2
+    job, _ = timed(n, [*WRAP, str(SCENARIOS / "run_exit.py"), str(code)], warm=False,
+                   env={"RUN_EXIT_LATE_SIGNAL": "1", "MPICKPT_EXIT_GRACE": "600"})
+    assert job.returncode == code, job.output
+    assert job.stdout.count(f"exits with {code}") == n, job.output
+    assert sorted(re.findall(r"rank (\d) left", job.stdout)) == [str(r) for r in range(n)]
+    assert "signal 12" not in job.output and "User defined signal" not in job.output
+
+
 def test_systemexit_on_one_rank_alone_aborts_the_job_after_the_grace_period():
     job, elapsed = timed(N, [*WRAP, str(SCENARIOS / "run_exit.py"), "5", "1"],
                          env={"MPICKPT_EXIT_GRACE": "1"})

@@ -6,6 +6,10 @@ KeyboardInterrupt instead.
 interpreter takes long to tear down is: after MPI_Finalize it sleeps SECONDS at exit. Every rank
 prints ``rank N left`` as its last line.
 
+``RUN_EXIT_LATE_SIGNAL=1``: as it raises, every rank starts a shell that sends it the preemption
+signal (SIGUSR2) every half millisecond until the rank is gone, so the signal meets each stage of
+its teardown, the interpreter's last ones included (a Slurm ``--signal`` that came late).
+
 Run by tests/test_run.py and tests/slurm/test_slurm_smoke.py.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import subprocess
 import sys
 import time
 
@@ -38,6 +43,10 @@ if only is None:
     comm.Barrier()
 if only is None or comm.rank == only:
     print(f"rank {comm.rank} exits with {code}", flush=True)
+    if os.environ.get("RUN_EXIT_LATE_SIGNAL"):
+        subprocess.Popen(["sh", "-c", f"while kill -USR2 {os.getpid()} 2>/dev/null; "
+                          "do sleep 0.0005; done"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)  # the launcher must not wait for its output
     if code == "interrupt":
         raise KeyboardInterrupt
     raise SystemExit(int(code))
