@@ -1,6 +1,7 @@
 """Node-local level benchmark: time to protected, training stall, recovery after losing a node.
 
     mpiexec -n 2 python bench/bench_levels.py                 # 2 GPUs: the reference job, halved
+    mpirun -n 2 --bind-to none python bench/bench_levels.py   # Open MPI: ranks left unbound
     mpiexec -n 2 python bench/bench_levels.py --gb 0.05 --steps 30 --step-ms 5 --reps 2   # CPU
     mpiexec -n 1 python bench/bench_levels.py                 # one node: no redundancy possible
 
@@ -84,6 +85,7 @@ import bench_gpu
 import restore_parts
 
 import mpickpt
+from mpickpt.background import usable_cpus
 from mpickpt.format.manifest import NAME as MANIFEST
 from mpickpt.format.names import shard_name
 from mpickpt.format.rootdir import fsync_path, step_name
@@ -639,13 +641,19 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
     dst = build(mine, width, seed=2 + 100 * RANK, lr=3e-4, device=device)
     nbytes = bench_cpu.payload_bytes(src)
     total = COMM.allreduce(nbytes)
+    cpus = COMM.allgather(usable_cpus())
     say(f"state: {layers} x Linear({width}, {width}) + Adam = {total / 1e9:.3f} GB in all, "
         f"{SIZE} rank(s) of {COMM.allgather(nbytes)} bytes, on {device.type}, built in "
-        f"{slowest(time.perf_counter() - t):.1f} s; ROOT {work}, local {shm}")
+        f"{slowest(time.perf_counter() - t):.1f} s; ROOT {work}, local {shm}; CPUs each rank "
+        f"may run on: {cpus}")
+    if min(cpus) == 1 < (os.cpu_count() or 1):
+        say("WARNING: a rank is bound to one CPU (Open MPI's mpirun binds two ranks to a core "
+            "each: add --bind-to none); its figures measure that core, not the level")
     doc: dict[str, Any] = {
         "args": vars(args), "ranks": SIZE, "device": torch.cuda.get_device_name() if cuda
         else "cpu", "torch": torch.__version__, "layers": layers, "width": width,
         "bytes_per_rank": COMM.allgather(nbytes), "bytes": total, "root": work, "local": shm,
+        "cpus_per_rank": cpus,
         "machine": bench_cpu.machine_info(work) if RANK == 0 else None,
         "local_filesystem": bench_cpu.filesystem_of(shm),
         "mpich_single_copy": os.environ.get(CMA) == "1" and "MPICH" in MPI.Get_library_version()}

@@ -8,6 +8,10 @@ the reference job, 5.84 GB), on the GPU when there is one, the level in ``/dev/s
 partner redundancy. Three saves, then restores in new Checkpointers: own, own, lost, own.
 
     mpiexec -n 2 python bench/probe_restore_timeline.py [--gb 0.1] [--modes lost,lost,lost]
+    mpirun -n 2 --bind-to none python bench/probe_restore_timeline.py   # Open MPI: unbound
+
+Each rank prints the CPUs it may run on: Open MPI's mpirun binds two ranks to a core each by
+default, and a rank's I/O threads then share that core (the restore measures that core).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> None:
     a = ap.parse_args()
     restore_parts.install()
     rank = bl.RANK
+    print(f"rank {rank} may run on {len(os.sched_getaffinity(0))} CPU(s)", flush=True)
     os.environ["MPICKPT_NODE"] = f"n{rank}"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":  # a GPU per rank where there are several

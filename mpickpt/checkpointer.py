@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import assembly, log, preempt, slurm
+from . import assembly, background, log, preempt, slurm
 from .errors import CheckpointError, LocalTierFull, install_hook, mark_agreed
 from .exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from .format import codec, rootstart
@@ -133,6 +133,8 @@ class Checkpointer:
         self._proto = Protocol(comm, timeout)
         self.rank, self.world_size = self._proto.rank, self._proto.size
         self.log = log.setup(self.rank)
+        if self.rank == 0 and (crowded := background.one_cpu_warning(io_threads)):
+            self.log.warning("%s (the other ranks were likely bound alike)", crowded)
         self.pinned_budget = o.snapshots.budget()
         self._pool = HostPool(self.pinned_budget // self._proto.local_size(),
                               o.snapshots.max_in_flight)
