@@ -5,7 +5,9 @@ transfer between two ranks progresses only while both ranks' threads run, so a l
 starves it twice over. Measured on one H200 host (16 cores, two ranks as two nodes training,
 2 GB of state, ``bench/probe_protect_training.py``): protected 14.6 s after save() with those
 two threads at nice +10, against 2.4 s at the training thread's priority, with the training
-steps meanwhile at 0.998x and 1.047x of their time without a save.
+steps meanwhile at 0.998x and 1.047x of their time without a save. (Measured under Open MPI's
+``mpirun -n 2``, which bound each rank to one core: there priority decides everything; how
+much it matters to a rank with cores to spare was not measured.)
 """
 
 from __future__ import annotations
