@@ -1,0 +1,85 @@
+"""Where each rank's CPU goes in ``bench_frequent.py``'s mpickpt row: the thread CPU time
+(``time.thread_time``) of each stage of a save, on whichever thread runs it, per call, per rank.
+
+    mpiexec -n 4 python bench/probe_frequent_cpu.py --steps 60 --rounds 1 --methods mpickpt \\
+        --mpickpt '{}' --dir /tmp/bf --json /tmp/bf/p.json
+
+Arguments after the script's own are ``bench_frequent.py``'s. Each rank writes
+``--out-prefix``-RANK.json (``{stage: [calls, cpu_s]}``) and rank 0 prints the table. Stages nest
+(``Pipeline._save`` holds the store's write, publish and retain; ``Protocol.complete`` is the
+polling of every collective, wherever it is).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import runpy
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+STAGES = [("mpickpt.checkpointer", "Checkpointer.save"),
+          ("mpickpt.save.capture", "Capture.take"),
+          ("mpickpt.save.snapshot", "Snapshotter.take"),
+          ("mpickpt.save.pipeline", "Pipeline._save"),
+          ("mpickpt.save.rootstore", "RootStore.write"), ("mpickpt.save.pipeline", "assemble"),
+          ("mpickpt.format.manifest", "Manifest.assemble"),
+          ("mpickpt.save.rootstore", "RootStore.publish"),
+          ("mpickpt.save.rootstore", "RootStore._commit"),
+          ("mpickpt.format.manifest", "Manifest.to_json"),
+          ("mpickpt.save.rootstore", "RootStore.retain"),
+          ("mpickpt.save.upkeep", "Upkeep.after_commit"),
+          ("mpickpt.mpi.protocol", "Protocol.complete")]
+SPENT: dict[str, list[float]] = {}
+
+
+def wrap(module: str, qualname: str) -> None:
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            c = SPENT.setdefault(qualname, [0, 0.0])
+            c[0] += 1
+            c[1] += time.thread_time() - t
+
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    prefix = "/tmp/frequent-cpu"
+    args = sys.argv[1:]
+    if args[:1] == ["--out-prefix"]:
+        prefix, args = args[1], args[2:]
+    for module, qualname in STAGES:
+        wrap(module, qualname)
+    sys.argv = [str(Path(__file__).with_name("bench_frequent.py")), *args]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        comm = MPI.COMM_WORLD
+        with open(f"{prefix}-{comm.rank}.json", "w") as f:
+            json.dump(SPENT, f)
+        every = comm.gather(SPENT, 0)
+        if comm.rank == 0 and every:
+            print("thread CPU ms per call (calls), by rank")
+            for q in [q for _, q in STAGES]:
+                cells = [f"{s[q][1] / s[q][0] * 1e3:6.2f} ({s[q][0]})" if q in s else "-"
+                         for s in every]
+                print(f"{q:28} " + "  ".join(cells))
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
