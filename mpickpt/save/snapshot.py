@@ -28,14 +28,12 @@ staging, which copies straight into it): page-locking holds the CUDA driver, and
 it, for about 0.6 s per GB (:mod:`mpickpt.save.pinned_pool`). A staging buffer is emptied into a
 buffer that is not page-locked through a ring of two page-locked pieces of 16 MiB (page-locked
 when the Checkpointer is made if the process uses CUDA already): one piece
-comes over from the GPU while the other is copied into place by the CPU, split over
-:data:`LAND_THREADS` threads.
+comes over from the GPU while the other is copied into place by the CPU.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import time
 import weakref
@@ -162,40 +160,8 @@ def _unstage_ring(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tenso
 
 
 def _land(ev: torch.cuda.Event, a: int, b: int, slot: torch.Tensor, dst: torch.Tensor) -> None:
-    """Once piece ``a..b`` is in ``slot``, copy it into place: split over :data:`LAND_THREADS`
-    threads. With two ranks saving at once on an H200 host (``bench_levels.py``), one thread
-    emptied a rank's 3 GB staging buffer in 0.62-0.66 s and four in 0.30-0.35 s (protected
-    1.72 s against 1.55 s, medians); one process alone on that host empties it faster with one
-    thread (24-32 GB/s) than with four (14-16 GB/s; ``bench/probe_land.py``)."""
     ev.synchronize()
-    n = b - a
-    parts = LAND_THREADS if n >= LAND_THREADS * LAND_MIN else 1
-    if parts <= 1:
-        dst[a:b].copy_(slot[:n])
-        return
-    step = -(-n // parts)
-    futures = [_landers().submit(dst[a + lo: a + min(lo + step, n)].copy_,
-                                 slot[lo: min(lo + step, n)]) for lo in range(0, n, step)]
-    for f in futures:
-        f.result()
-
-
-LAND_THREADS = 4  # threads that copy a ring piece into place (_land); 1: the calling thread
-LAND_MIN = 1 << 20  # bytes each of them copies at least
-_LANDERS: list[ThreadPoolExecutor] = []
-_LANDERS_LOCK = threading.Lock()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_LANDERS.clear)  # a child has none of the threads
-
-
-def _landers() -> ThreadPoolExecutor:
-    """The threads of :func:`_land`, started once per process (MPICH keeps a little memory for
-    every thread started after MPI_Init), at the training thread's priority: the persist
-    thread waits for them."""
-    with _LANDERS_LOCK:
-        if not _LANDERS:
-            _LANDERS.append(ThreadPoolExecutor(LAND_THREADS, thread_name_prefix="mpickpt-land"))
-        return _LANDERS[0]
+    dst[a:b].copy_(slot[: b - a])
 
 
 class Snapshotter:
