@@ -12,6 +12,7 @@ much it matters to a rank with cores to spare was not measured.)
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -48,3 +49,10 @@ def one_cpu_warning(io_threads: int) -> str | None:
             "restores and the node-local level's transfers run at one core's speed. Give each "
             "rank several CPUs: srun --cpus-per-task=N; Open MPI's mpirun --bind-to none or "
             "--map-by slot:PE=N")
+
+
+def warn_one_cpu(log: logging.Logger, io_threads: int, rank: int) -> None:
+    """On rank 0: log :func:`one_cpu_warning`'s reason, if there is one (rank 0's affinity
+    stands for the others': launchers bind every rank alike)."""
+    if rank == 0 and (why := one_cpu_warning(io_threads)):
+        log.warning("%s (the other ranks were likely bound alike)", why)

@@ -133,8 +133,7 @@ class Checkpointer:
         self._proto = Protocol(comm, timeout)
         self.rank, self.world_size = self._proto.rank, self._proto.size
         self.log = log.setup(self.rank)
-        if self.rank == 0 and (crowded := background.one_cpu_warning(io_threads)):
-            self.log.warning("%s (the other ranks were likely bound alike)", crowded)
+        background.warn_one_cpu(self.log, io_threads, self.rank)
         self.pinned_budget = o.snapshots.budget()
         self._pool = HostPool(self.pinned_budget // self._proto.local_size(),
                               o.snapshots.max_in_flight)
