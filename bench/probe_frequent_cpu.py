@@ -12,15 +12,15 @@ polling of every collective, wherever it is).
 
 from __future__ import annotations
 
-import functools
-import importlib
 import json
 import runpy
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi4py import MPI
+from restore_parts import timed
 
 STAGES = [("mpickpt.checkpointer", "Checkpointer.save"),
           ("mpickpt.save.capture", "Capture.take"),
@@ -37,24 +37,10 @@ STAGES = [("mpickpt.checkpointer", "Checkpointer.save"),
 SPENT: dict[str, list[float]] = {}
 
 
-def wrap(module: str, qualname: str) -> None:
-    owner = importlib.import_module(module)
-    *path, name = qualname.split(".")
-    for p in path:
-        owner = getattr(owner, p)
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        t = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            c = SPENT.setdefault(qualname, [0, 0.0])
-            c[0] += 1
-            c[1] += time.thread_time() - t
-
-    setattr(owner, name, timed)
+def spent(qualname: str, start: float, end: float) -> None:
+    c = SPENT.setdefault(qualname, [0, 0.0])
+    c[0] += 1
+    c[1] += end - start
 
 
 def main() -> None:
@@ -63,7 +49,7 @@ def main() -> None:
     if args[:1] == ["--out-prefix"]:
         prefix, args = args[1], args[2:]
     for module, qualname in STAGES:
-        wrap(module, qualname)
+        timed(module, qualname, time.thread_time, spent)
     sys.argv = [str(Path(__file__).with_name("bench_frequent.py")), *args]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")

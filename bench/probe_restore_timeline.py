@@ -30,6 +30,7 @@ import restore_parts
 import torch
 
 import mpickpt
+from mpickpt.background import usable_cpus
 from mpickpt.local.nodedir import node_dirname
 
 
@@ -41,7 +42,7 @@ def main() -> None:
     a = ap.parse_args()
     restore_parts.install()
     rank = bl.RANK
-    print(f"rank {rank} may run on {len(os.sched_getaffinity(0))} CPU(s)", flush=True)
+    print(f"rank {rank} may run on {usable_cpus()} CPU(s)", flush=True)
     os.environ["MPICKPT_NODE"] = f"n{rank}"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":  # a GPU per rank where there are several

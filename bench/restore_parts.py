@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import time
+from collections.abc import Callable
 
 PARTS = [("mpickpt.mpi.protocol", q) for q in (
     "Protocol.alltoall", "Protocol.all_ok", "Protocol.max", "Protocol.sum", "Protocol.sums",
@@ -21,8 +22,10 @@ PARTS = [("mpickpt.mpi.protocol", q) for q in (
 EVENTS: list[tuple[str, float, float]] = []
 
 
-def wrap(module: str, qualname: str) -> None:
-    """Record every call of ``module.qualname`` (start, end) in :data:`EVENTS`."""
+def timed(module: str, qualname: str, clock: Callable[[], float],
+          record: Callable[[str, float, float], None]) -> None:
+    """Wrap ``module.qualname`` so that every call tells ``record(qualname, start, end)``, both
+    read from ``clock``, however the call ends."""
     owner = importlib.import_module(module)
     *path, name = qualname.split(".")
     for p in path:
@@ -30,14 +33,19 @@ def wrap(module: str, qualname: str) -> None:
     fn = getattr(owner, name)
 
     @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
+    def call(*args, **kwargs):
+        t = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            EVENTS.append((qualname, t, time.perf_counter()))
+            record(qualname, t, clock())
 
-    setattr(owner, name, timed)
+    setattr(owner, name, call)
+
+
+def wrap(module: str, qualname: str) -> None:
+    """Record every call of ``module.qualname`` (start, end) in :data:`EVENTS`."""
+    timed(module, qualname, time.perf_counter, lambda q, a, b: EVENTS.append((q, a, b)))
 
 
 def install() -> None:

@@ -40,10 +40,13 @@ def one_cpu_warning(io_threads: int) -> str | None:
     None otherwise. Measured on a 16-core H100 host, two ranks as two nodes, 5.84 GB of state
     (``probe_restore_timeline.py``): a restart from the node-local level's own shards took
     1.05-1.10 s with each rank bound to a core, 0.61-0.65 s unbound; a lost node 2.17 s, 1.79 s."""
-    cpus, machine = usable_cpus(), os.cpu_count() or 1
-    if cpus > 1 or machine <= 1 or io_threads <= 1:
+    machine = os.cpu_count() or 1
+    if not hasattr(os, "sched_getaffinity") or machine <= 1 or io_threads <= 1:
         return None
-    cpu = sorted(os.sched_getaffinity(0))[0] if hasattr(os, "sched_getaffinity") else 0
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) > 1:
+        return None
+    cpu = min(cpus)
     return (f"this rank may run on 1 CPU only (CPU {cpu} of {machine}: its CPU affinity, as "
             f"the launcher set it), which training and its {io_threads} I/O threads share: saves, "
             "restores and the node-local level's transfers run at one core's speed. Give each "

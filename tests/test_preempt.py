@@ -24,7 +24,7 @@ def test_a_signal_that_comes_during_the_interpreters_teardown_is_ignored():
     """Python resets its handlers to the default after the atexit hooks; SIGUSR2's default would
     kill a program that has finished (a late Slurm ``--signal``). A shell sends it every half
     millisecond until the process is gone, so it meets the last stages of the teardown too (its
-output goes nowhere: a pipe it held open would keep this test waiting for it)."""
+    output goes nowhere: a pipe it held open would keep this test waiting for it)."""
     p = run("import os, subprocess, time, mpickpt\n"
             "subprocess.Popen(['sh', '-c', f'while kill -USR2 {os.getpid()} 2>/dev/null; '\n"
             "                  'do sleep 0.0005; done'], stdout=subprocess.DEVNULL,\n"
