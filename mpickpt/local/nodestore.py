@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from .. import faults, log
+from ..errors import RankFailure
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
 from ..format.names import shard_name
@@ -132,17 +133,22 @@ class NodeStore:
         return None
 
     def publish(self, step: int, partial: str, manifest: Manifest | None, error: str | None,
-                stats: dict[str, float], started: float = 0.0) -> Published:
+                stats: dict[str, float], started: float = 0.0,
+                failures: tuple[RankFailure, ...] = ()) -> Published:
         """Every node's leader writes rank 0's manifest into its partial directory and renames
-        it into place; the step is protected once every node did."""
+        it into place; the step is protected once every node did. After a failed vote
+        (``failures``, rank 0's) every leader discards its partial directory."""
         lv, text = self.lv, None
         if manifest is not None:
             try:
                 text = manifest.to_json()
             except Exception as e:
                 error = f"rank 0: commit failed: {error_text(e)}"
-        text, error, metadata = self.proto.bcast(
-            (text, error, manifest.metadata if manifest is not None else {}), "commit")
+        text, error, metadata, failures = self.proto.bcast(
+            (text, error, manifest.metadata if manifest is not None else {}, failures), "commit")
+        if failures:  # every rank learnt the vote's outcome from rank 0: nothing to agree on
+            self.discard(partial)
+            return Published(None, error, {}, failures)
         if error is None:
             try:
                 faults.hit("mid-local-commit", self.rank, step)

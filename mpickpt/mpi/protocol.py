@@ -201,10 +201,13 @@ class Protocol:
             f"{self.timeout:g} s{error}; {details}"
         )
 
-    def _wait(self, req: Request, phase: str) -> None:
+    def _wait(self, req: Request, phase: str, joint: bool = True) -> None:
+        """``joint``: the collective completes here only once every rank joined it (not so a
+        gather's on a rank that only sends: the roll call's "last seen" stays before it)."""
         self._roll.enter(f"phase {phase!r} (collective #{self._roll.seq + 1})")
         self.complete(req, self._roll, phase)
-        self._roll.complete()
+        if joint:
+            self._roll.complete()
         self.collectives += 1
 
     def barrier(self, phase: str) -> None:
@@ -243,15 +246,15 @@ class Protocol:
         """Each value summed over every rank, in one collective."""
         return self._allreduce_all(values, "sum", phase)
 
-    def _objects(self, req: ObjectRequest, phase: str) -> Any:
-        self._wait(req, phase)
+    def _objects(self, req: ObjectRequest, phase: str, joint: bool = True) -> Any:
+        self._wait(req, phase, joint)
         return req.result()
 
     def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
         return self._objects(self.comm.ibcast(obj, root), phase)
 
     def gather(self, obj: Any, phase: str, root: int = 0) -> list[Any] | None:
-        return self._objects(self.comm.igather(obj, root), phase)
+        return self._objects(self.comm.igather(obj, root), phase, joint=self.rank == root)
 
     def allgather(self, obj: Any, phase: str) -> list[Any]:
         return self._objects(self.comm.iallgather(obj), phase)

@@ -1,15 +1,15 @@
 """Who did not arrive: a roll call, paid only when a deadline passes.
 
-The collectives on one
-communicator are numbered in the order every rank runs them, so a rank waiting in collective S
-knows that every rank completed S-1 (a barrier or allreduce completes only once all have joined):
-that is where a missing rank was last seen. When rank 0's deadline passes, or another rank's alarm
-reaches it (a non-zero rank whose deadline passes sends one), rank 0 calls the roll: a message to
-every rank; each rank polling in a collective answers where it waits; after ``grace`` seconds the
-ranks that did not answer are the missing ones, and rank 0 sends the report to every rank, which
-each logs. Without an answer from rank 0 within ``grace``, a rank reports that rank 0 is missing,
-with what it knows itself. O(N) messages, all point to point with rank 0, only after a deadline
-passed; none while the job is healthy beyond one ``Iprobe`` per poll of a collective that waits.
+The collectives on one communicator are numbered in the order every rank runs them, so a rank
+waiting in collective S knows that every rank completed S-1 (a barrier or allreduce completes
+only once all have joined; a gather on a rank that only sends does not count): that is where a
+missing rank was last seen. When rank 0's deadline passes, or another rank's alarm reaches it (a
+non-zero rank whose deadline passes sends one), rank 0 calls the roll: a message to every rank;
+each rank polling in a collective answers where it waits; after ``grace`` seconds the ranks that
+did not answer are the missing ones, and rank 0 sends the report to every rank, which each logs.
+Without an answer from rank 0 within ``grace``, a rank reports that rank 0 is missing, with what
+it knows itself. O(N) messages, all point to point with rank 0, only after a deadline passed;
+none while the job is healthy beyond one ``Iprobe`` per poll of a collective that waits.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""Stage 3's first half: every rank's entry goes to rank 0, which makes the manifest.
+"""Stage 3's first half, the vote: every rank's entry (or why it has none) goes to rank 0, which
+makes the manifest.
 
-The ranks' entries become the :class:`~mpickpt.format.manifest.Manifest` by the rules a parsed one
-obeys; the pieces of every sharded tensor must tile it (:func:`check_pieces`), and the older
-shards an incremental checkpoint refers to must still be there (:func:`check_sources`). A rank
-that failed after its yes vote is named, and the save aborts.
+One gather is the vote and the assembly at once: a rank that could not write or protect its
+shard sends its reason instead of its entry, and rank 0 aborts the save with a
+:class:`~mpickpt.errors.RankFailure` of phase ``"vote"`` per such rank. Otherwise the ranks'
+entries become the :class:`~mpickpt.format.manifest.Manifest` by the rules a parsed one obeys;
+the pieces of every sharded tensor must tile it (:func:`check_pieces`), and the older shards an
+incremental checkpoint refers to must still be there (:func:`check_sources`). A rank that failed
+while sending its entry is named, and the save aborts.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import faults, knobs, sharding
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankFailure
 from ..format import checksum, rootdir
 from ..format.entry import IndexRef, RankEntry
 from ..format.manifest import Manifest
@@ -26,36 +30,52 @@ from .incremental import size_problem
 from .request import SaveRequest
 from .shards import error_text
 
+FAILED = "failed"  # the key of a rank's payload that says why it has no entry
+
+
+class Vote(NamedTuple):
+    """What the vote leaves rank 0 (elsewhere: nothing): the manifest to commit, or why there is
+    none, and the failure of each rank that could not write or protect its shard."""
+
+    manifest: Manifest | None
+    error: str | None
+    failures: tuple[RankFailure, ...] = ()
+
 
 def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
-             entry: RankEntry | None, block: int, extended: bool, logger: logging.Logger
-             ) -> tuple[Manifest | None, str | None]:
-    """Collective: rank 0's manifest of step ``req.step`` from every rank's ``entry`` (None
-    elsewhere), or why it cannot be made (on rank 0). Rank 0's time for it is
-    ``req.stats["commit_s"]`` (the store's publish adds its own)."""
+             entry: RankEntry | None, error: str | None, block: int, extended: bool,
+             logger: logging.Logger) -> Vote:
+    """Collective (the phase ``"vote"``): rank 0's manifest of step ``req.step`` from every
+    rank's ``entry``, or why it cannot be made; ``error``: why this rank has no entry. Rank 0's
+    time for it is ``req.stats["commit_s"]`` (the store's publish adds its own)."""
     step, rank = req.step, proto.rank
     payload: dict[str, Any] | None = None
     try:
-        if rank != 0:  # voted yes; rank 0 cannot write the manifest without its entry
-            faults.hit("after-vote-before-manifest", rank, step)
-        if entry is None:
-            payload = None
-        elif entry.index is None:  # the records inline, in the manifest
-            payload = entry.to_dict()
-        else:  # a summary, and the records of tensors every rank holds for the replicated part
-            payload = entry.summary()
-            shared = replicated_records(entry, req.placements, proto.size)
-            if shared is not None:
-                payload["replicated"] = shared
+        if error is not None:
+            payload = {FAILED: error}
+        else:
+            if rank != 0:  # voting yes; rank 0 cannot write the manifest without its entry
+                faults.hit("after-vote-before-manifest", rank, step)
+            if entry is not None and entry.index is None:  # the records inline, in the manifest
+                payload = entry.to_dict()
+            elif entry is not None:  # a summary, and the records of the replicated part
+                payload = entry.summary()
+                shared = replicated_records(entry, req.placements, proto.size)
+                if shared is not None:
+                    payload["replicated"] = shared
     except Exception as e:  # rank 0 aborts the commit, naming this rank
         payload = {"error": f"rank {rank}: {error_text(e)}"}
-    entries = proto.gather(payload, "gather")
+    entries = proto.gather(payload, "vote")
     if rank != 0:  # rank 0 commits while this rank waits for the outcome
         try:
             faults.hit("mid-manifest-write", rank, step)
         except Exception as e:  # rank 0 decides alone now: wait for its outcome
             logger.error("rank %d: %s while rank 0 commits step %d", rank, error_text(e), step)
-        return None, None
+        return Vote(None, None)
+    failures = tuple(RankFailure(r, "vote", str(e[FAILED])) for r, e in enumerate(entries or [])
+                     if isinstance(e, dict) and FAILED in e)
+    if failures:
+        return Vote(None, "; ".join(map(str, failures)), failures)
     t = time.perf_counter()
     try:
         faults.hit("after-vote-before-manifest", 0, step)
@@ -74,9 +94,9 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
             check_pieces(manifest.ranks)  # with index parts: reads them all
             check_sources(partial, manifest.ranks)
     except Exception as e:
-        return None, f"rank 0: commit failed: {error_text(e)}"
+        return Vote(None, f"rank 0: commit failed: {error_text(e)}")
     req.stats.update(bytes=manifest.total_bytes, commit_s=time.perf_counter() - t)
-    return manifest, None
+    return Vote(manifest, None)
 
 
 def replicated_records(entry: RankEntry, placements: dict[str, sharding.Placement],

@@ -183,7 +183,8 @@ class Pipeline:
                           stats=req.stats, skipped=True)
 
     def _save(self, req: SaveRequest) -> SaveResult:
-        """Write, protect, vote, assemble, publish, retain: one save into the store."""
+        """Write, protect, vote (each rank's entry, or why it has none, gathered by rank 0),
+        publish, retain: one save into the store."""
         store, step, stats = self.store, req.step, req.stats
         partial = store.partial(step)
         try:
@@ -194,18 +195,13 @@ class Pipeline:
         with self.proto.fatal_timeouts(self.log):
             error = store.protect(req, partial, entry, error)
             before = self.proto.collectives
-            if failed := self.proto.agree(error, "vote", report="abort"):
-                store.discard(partial)
-                result = SaveResult(step, False, error=failed.named(), stats=stats,
-                                    level=store.level, failures=list(failed.records))
-            else:
-                manifest, error = assemble(self.proto, self.run_id, req, partial, entry,
-                                           self.root.shards.options.block, store.extended,
-                                           self.log)
-                out = store.publish(step, partial, manifest, error, stats, req.started)
-                result = SaveResult(step, out.error is None, path=out.path, error=out.error,
-                                    stats=stats, metadata=out.metadata, level=store.level,
-                                    failures=list(out.failures))
+            vote = assemble(self.proto, self.run_id, req, partial, entry, error,
+                            self.root.shards.options.block, store.extended, self.log)
+            out = store.publish(step, partial, vote.manifest, vote.error, stats, req.started,
+                                vote.failures)
+            result = SaveResult(step, out.error is None, path=out.path, error=out.error,
+                                stats=stats, metadata=out.metadata, level=store.level,
+                                failures=list(out.failures))
             stats["collectives"] = self.proto.collectives - before
         if result.committed:
             self.last = result

@@ -95,10 +95,11 @@ class RootStore:
         return None
 
     def publish(self, step: int, partial: str, manifest: Manifest | None, error: str | None,
-                stats: dict[str, float], started: float = 0.0, phase: str = "commit"
-                ) -> Published:
-        """Rank 0 commits, every rank learns the outcome (one broadcast)."""
-        outcome = Published(None, error, {})
+                stats: dict[str, float], started: float = 0.0,
+                failures: tuple[RankFailure, ...] = (), phase: str = "commit") -> Published:
+        """Rank 0 commits (or discards, after a failed vote), every rank learns the outcome (one
+        broadcast)."""
+        outcome = Published(None, error, {}, failures)
         if self.rank == 0:
             if error is None:
                 assert manifest is not None
@@ -112,8 +113,9 @@ class RootStore:
                 stats["commit_s"] = stats.get("commit_s", 0.0) + time.perf_counter() - t
             if outcome.error is not None:
                 self.discard(partial)
-                outcome = outcome._replace(failures=(
-                    RankFailure(0, phase, outcome.error.removeprefix("rank 0: ")),))
+                if not outcome.failures:
+                    outcome = outcome._replace(failures=(
+                        RankFailure(0, phase, outcome.error.removeprefix("rank 0: ")),))
         return Published(*self.proto.bcast(tuple(outcome), phase))
 
     def discard(self, partial: str) -> None:

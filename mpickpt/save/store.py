@@ -2,11 +2,12 @@
 
 The pipeline (:mod:`mpickpt.save.pipeline`) runs the same sequence for every save, whatever its
 destination: ``write`` (this rank's shard into the store's partial directory), ``protect``
-(redundancy, where the store has any), a vote, the assembly of the manifest, ``publish`` (the
-commit, :mod:`mpickpt.format.commit`), then ``retain`` (what follows a commit) or ``discard`` (what
-an abort leaves). Two stores do it: :class:`~mpickpt.save.rootstore.RootStore` (ROOT, a file per
-rank or per node) and :class:`~mpickpt.local.nodestore.NodeStore` (the node-local level, with
-partner copies or XOR parity). A drain is the same sequence from the node store into ROOT.
+(redundancy, where the store has any), the vote that is also the assembly of the manifest (one
+gather, :mod:`mpickpt.save.assemble`), ``publish`` (the commit, :mod:`mpickpt.format.commit`, or
+the discard of what an aborted save wrote), then ``retain`` (what follows a commit). Two stores
+do it: :class:`~mpickpt.save.rootstore.RootStore` (ROOT, a file per rank or per node) and
+:class:`~mpickpt.local.nodestore.NodeStore` (the node-local level, with partner copies or XOR
+parity). A drain is the same sequence from the node store into ROOT (its vote an allreduce).
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ class Store(Protocol):
         this rank's error, if any."""
 
     def publish(self, step: int, partial: str, manifest: Manifest | None, error: str | None,
-                stats: dict[str, float], started: float = 0.0) -> Published:
+                stats: dict[str, float], started: float = 0.0,
+                failures: tuple[RankFailure, ...] = ()) -> Published:
         """Collective: commit ``partial`` with ``manifest`` (rank 0's; None elsewhere, and
         where ``error`` says why there is none), or discard it; the outcome, on every rank.
-        ``started``: when the save was asked for (``perf_counter``)."""
+        ``started``: when the save was asked for (``perf_counter``); ``failures``: rank 0's
+        record of the ranks whose vote failed (the save is discarded)."""
 
     def discard(self, partial: str) -> None:
         """After an abort: remove ``partial`` (the ranks that own it do)."""

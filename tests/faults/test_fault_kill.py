@@ -67,7 +67,7 @@ def test_kill_during_save_restores_previous_checkpoint(tmp_path, reference_runs,
     [("mid-write:1:hang:10", 0, "vote",
       "did not arrive: rank 1, last seen in phase 'commit' (collective #"),
      ("after-vote-before-manifest:0:hang:10", 1, "commit",
-      "rank 0 did not answer within 5 s, so rank 0 did not arrive (last seen in phase 'gather' "
+      "rank 0 did not answer within 5 s, so rank 0 did not arrive (last seen in phase 'commit' "
       "(collective #")],
     ids=["rank1-hangs-mid-write", "rank0-hangs-before-manifest"],
 )

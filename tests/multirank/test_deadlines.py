@@ -94,12 +94,13 @@ def ended_at_deadline(job: Job, took: float) -> None:
     assert "finished" not in job.stdout, job.output
 
 
-def named_missing(details: str, missing: str, answered: str, phase: str) -> re.Match[str]:
+def named_missing(details: str, missing: str, *answered: tuple[str, str]) -> re.Match[str]:
     """The roll call's report: ``missing`` did not arrive (last seen in some phase, returned as
-    group 1), ``answered`` answered waiting in ``phase``."""
+    group 1), each ``(ranks, phase)`` of ``answered`` answered waiting in that phase."""
+    waiting = " and ".join(rf"{re.escape(ranks)} waiting in phase {re.escape(repr(phase))} "
+                           r"\(collective #\d+\)" for ranks, phase in answered)
     pattern = (rf"did not arrive: {re.escape(missing)}, last seen in phase '([a-z_-]+)' "
-               rf"\([^)]*\); rank 0's roll call was answered within {GRACE} s by "
-               rf"{re.escape(answered)} waiting in phase {re.escape(repr(phase))} ")
+               rf"\([^)]*\); rank 0's roll call was answered within {GRACE} s by {waiting}$")
     m = re.match(pattern, details)
     assert m, f"{details!r} does not match {pattern!r}"
     return m
@@ -110,10 +111,11 @@ def named_missing(details: str, missing: str, answered: str, phase: str) -> re.M
 def test_rank_hung_mid_write_is_named_by_every_surviving_rank(tmp_path, guarantees):
     with hung(tmp_path, guarantees, "mid-write:2:hang:10", "rank 2 of 4 hangs mid-write",
               [5]) as job:
-        for r in (0, 1, 3):
-            details = timed_out(job, r, "vote")
-            # rank 2 completed step 5's save (its last collective is the commit), never voted
-            m = named_missing(details, "rank 2", "ranks 0-1,3", "vote")
+        # the vote is a gather: rank 0 waits for rank 2's entry, ranks 1 and 3 sent theirs and
+        # wait for the outcome; rank 2 completed step 5's save (the commit), never voted
+        for r, phase in ((0, "vote"), (1, "commit"), (3, "commit")):
+            details = timed_out(job, r, phase)
+            m = named_missing(details, "rank 2", ("rank 0", "vote"), ("ranks 1,3", "commit"))
             assert m.group(1) == "commit", details
 
 
@@ -121,8 +123,8 @@ def test_rank_hung_mid_write_is_named_by_every_surviving_rank(tmp_path, guarante
 def test_rank_0_hung_the_others_say_it_did_not_answer(tmp_path, guarantees):
     with hung(tmp_path, guarantees, "mid-write:0:hang:10", "rank 0 of 4 hangs mid-write",
               [5]) as job:
-        for r in (1, 2, 3):
-            details = timed_out(job, r, "vote")
+        for r in (1, 2, 3):  # each sent its entry and waits for the outcome
+            details = timed_out(job, r, "commit")
             assert re.match(rf"rank 0 did not answer within {GRACE} s, so rank 0 did not arrive "
                             r"\(last seen in phase 'commit' \(collective #\d+\), the last "
                             r"collective every rank completed\)", details), details
@@ -132,8 +134,9 @@ def test_rank_0_hung_the_others_say_it_did_not_answer(tmp_path, guarantees):
 def test_two_hung_ranks_are_named_as_one_range(tmp_path, guarantees):
     with hung(tmp_path, guarantees, "mid-write:2:hang:10,mid-write:3:hang:10",
               "ranks 2 and 3 of 4 hang mid-write", [5]) as job:
-        for r in (0, 1):
-            m = named_missing(timed_out(job, r, "vote"), "ranks 2-3", "ranks 0-1", "vote")
+        for r, phase in ((0, "vote"), (1, "commit")):
+            m = named_missing(timed_out(job, r, phase), "ranks 2-3", ("rank 0", "vote"),
+                              ("rank 1", "commit"))
             assert m.group(1) == "commit", m.string
 
 

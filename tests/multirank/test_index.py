@@ -31,12 +31,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.quick
-def test_a_save_is_three_collectives_and_a_summary_per_rank(saved: Path):
-    """The vote (an allreduce), the gather and the outcome's broadcast (each the sizes, then the
-    bytes, non-blocking): 3 collectives on every rank, whatever the ranks hold; rank 0 writes a
-    manifest of a short summary per rank, not every rank's records."""
+def test_a_save_is_two_collectives_and_a_summary_per_rank(saved: Path):
+    """The vote, which gathers the entries, and the outcome's broadcast (each the sizes, then
+    the bytes, non-blocking): 2 collectives on every rank, whatever the ranks hold; rank 0 writes
+    a manifest of a short summary per rank, not every rank's records."""
     found = json.loads((saved.parent / "save-reports.json").read_text())
-    assert {r["stats"]["collectives"] for r in found.values()} == {3}, found
+    assert {r["stats"]["collectives"] for r in found.values()} == {2}, found
     size = found["0"]["stats"]["manifest_bytes"]
     assert size == (saved / "step-00000007" / "MANIFEST.json").stat().st_size
     parts = sum(p.stat().st_size for p in (saved / "step-00000007" / "index").iterdir())
