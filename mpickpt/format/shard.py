@@ -23,7 +23,7 @@ import torch
 from . import checksum, dtypes, rootdir
 from .blocks import DIRECT_ALIGN, _direct_len, _open_direct, pwrite_all
 from .h5image import MetadataImage, place
-from .h5layout import Layout
+from .h5layout import Layout, let_others_run
 from .h5template import Template
 from .iothreads import pool, run_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
@@ -267,6 +267,7 @@ class ShardWriter:
                 if digest is not None:
                     r.checksums[b] = digest
                 datasets[i].write_direct_chunk((b * sizes[i][1],), frame)
+                let_others_run()
                 if on_block is not None:
                     on_block()
         except BaseException:
@@ -280,6 +281,7 @@ class ShardWriter:
                 infos = [ds.get_chunk_info_by_coord((b * elems,))
                          for b in range(checksum.block_count(r.nbytes, block))]
                 r.chunks = [[int(x.byte_offset), int(x.size)] for x in infos]
+                let_others_run()
 
     def seal(self) -> int:
         """Record checksums as attributes, the metadata written, fsync; the file's size."""
