@@ -604,6 +604,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
                            if isinstance(reps[0][k], (int, float))}
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
+    out["persist_s_all"] = [r["persist_s"] for r in reps]
     out["first_stall_s"] = first["stall_s"]
     out["first_call_s"] = first["call_s"]
     out["slowest_steps"] = [r["slowest_steps"] for r in reps]

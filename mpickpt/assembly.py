@@ -32,8 +32,11 @@ def pipeline(proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
         if options.incremental else None
     shards = RankShards(proto.rank, proto.size, options, tracker, logger)
     node = node_files(proto, options.fanout, logger) if options.per_node else None
-    root_store = RootStore(proto, root, run_id, shards, Upkeep(root, run_id, policy, logger),
-                           logger, node=node)
+    # a retired shard is written over by the next save where that save writes a rank's shard
+    # whole through its template: not compressed, not a node's file, not a drain's copy
+    recycle = options.compression is None and node is None and lv is None
+    root_store = RootStore(proto, root, run_id, shards,
+                           Upkeep(root, run_id, policy, logger, recycle), logger, node=node)
     if lv is None:
         return Pipeline(proto, run_id, snapshotter, root_store, root_store, logger,
                         raise_on_error, skip=skip)

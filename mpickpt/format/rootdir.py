@@ -1,7 +1,9 @@
 """Names and file-system steps of the on-disk layout under ROOT.
 
 ``step-XXXXXXXX/`` is committed (its MANIFEST.json is there); ``step-XXXXXXXX.partial-<run>/`` is
-being written or was left by a crash and is never loaded; ``*.deleting-<run>`` is on its way out.
+being written or was left by a crash and is never loaded; ``*.deleting-<run>`` is on its way out;
+``.pool/`` holds the shard files of the checkpoint retention retired last, which the next save
+writes over (:func:`retire`, :func:`take`).
 Every durable change is write-temp, fsync, rename, fsync the directory.
 
 Files are created with mode :data:`FILE_MODE` and directories with :data:`DIR_MODE`: the umask
@@ -27,6 +29,7 @@ from collections.abc import Callable
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 PARTIAL_RE = re.compile(r"^step-(\d{8,})\.partial-([0-9a-z]+)$")
 LEFTOVER_RE = re.compile(r"^step-(\d{8,})\.(deleting|replaced)-([0-9a-z]+)$")
+POOL = ".pool"  # under ROOT: retired shard files, for the next save to write over
 FILE_MODE = 0o664  # 0o666 less world-write; the umask takes away more
 DIR_MODE = 0o775
 PRIVATE_FILE_MODE = 0o600  # under a private tree: the job's user only
@@ -261,6 +264,69 @@ def remove(path: str, run_id: str) -> None:
     os.rename(path, doomed)
     fsync_path(parent)
     shutil.rmtree(doomed)
+
+
+def retire(path: str, run_id: str, pool: str, keep: Callable[[str], bool]) -> None:
+    """Remove a checkpoint directory as :func:`remove` does, but first move the files that
+    ``keep`` accepts (by their path relative to the checkpoint) into ``pool`` under the same
+    relative path, for the next save to write over instead of allocating fresh blocks: freeing
+    a large file's blocks takes about a second per GB on ext4, and writing over allocated blocks
+    is faster than into new ones. What the pool held under other names is deleted, so that it
+    never holds more than one checkpoint's files."""
+    parent, name = os.path.split(path)
+    if os.path.islink(path):
+        remove(path, run_id)
+        return
+    doomed = os.path.join(parent, f"{name.split('.', 1)[0]}.deleting-{run_id}")
+    if os.path.lexists(doomed):
+        shutil.rmtree(doomed)
+    os.rename(path, doomed)
+    fsync_path(parent)
+    kept = set()
+    for dirpath, _, files in os.walk(doomed):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), doomed)
+            if keep(rel):
+                make_dirs(os.path.dirname(os.path.join(pool, rel)))
+                os.replace(os.path.join(doomed, rel), os.path.join(pool, rel))
+                kept.add(rel)
+    for dirpath, _, files in os.walk(pool):
+        for f in files:
+            if os.path.relpath(os.path.join(dirpath, f), pool) not in kept:
+                with contextlib.suppress(FileNotFoundError):  # a rank took it meanwhile
+                    os.unlink(os.path.join(dirpath, f))
+    shutil.rmtree(doomed)
+
+
+def take(pool: str, name: str, dest: str) -> bool:
+    """Move the pooled file ``name`` (relative to ``pool``) to ``dest``, if the pool has it as a
+    regular file of this user with no other link (writing over a file that a hard link shares
+    would change the other name's bytes), of the mode a new file ``dest`` would get under the
+    umask now; whether it did."""
+    src = os.path.join(pool, name)
+    try:
+        st = os.lstat(src)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    mask = umask()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 \
+            or mask is None or stat.S_IMODE(st.st_mode) != file_mode(dest) & ~mask:
+        return False
+    try:
+        os.rename(src, dest)
+    except FileNotFoundError:  # rank 0's retention deleted it meanwhile
+        return False
+    return True
+
+
+def umask() -> int | None:
+    """This process's umask, read without changing it (Linux's /proc); None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            lines = f.read().splitlines()
+    except OSError:  # no /proc: unknown, and nothing is recycled
+        return None
+    return next((int(x.split()[1], 8) for x in lines if x.startswith("Umask:")), None)
 
 
 COPY_CHUNK = 8 << 20

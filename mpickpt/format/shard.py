@@ -114,8 +114,11 @@ class ShardWriter:
         self._layout: Layout | None = None
         self._fd = self._dfd = -1
         if into is None:
-            # created here, so its mode is rootdir.file_mode's less the umask (HDF5: 0o666)
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+            # created here, so its mode is rootdir.file_mode's less the umask (HDF5: 0o666); a
+            # template's layout is written over a file there (a recycled one: rootdir.take),
+            # and the seal ends it at its size
+            keep = os.O_TRUNC if self._template is None else 0
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | keep | os.O_NOFOLLOW,
                                rootdir.file_mode(path))
         try:
             if self._template is not None:

@@ -1,6 +1,7 @@
 """The ROOT store: checkpoints in the shared directory every rank writes to.
 
-``write``: a shard per rank (``shards-NNNN/rank-RRRRR.h5`` past ``fanout`` ranks), or this
+``write``: a shard per rank (``shards-NNNN/rank-RRRRR.h5`` past ``fanout`` ranks), written over
+the file of that name that retention retired last where ``ROOT/.pool`` has one, or this
 rank's regions of its node's file (``Files(per="node")``, collective over the node), and with
 ``split_index`` an index part per rank. ``protect``: nothing (the shared file system is the
 redundancy). ``publish``: rank 0 checks that every shard is where it sees it, at its size, and
@@ -41,6 +42,7 @@ class RootStore:
         self.proto, self.root, self.run_id = proto, root, run_id
         self.rank, self.shards, self.upkeep, self.log = proto.rank, shards, upkeep, logger
         self.node = node  # files="per-node": this rank's node
+        self.pool = upkeep.pool  # where retired shard files wait to be written over
         self.extended = shards.options.extended(proto.size)
         self.tracker: Tracker | None = shards.tracker
 
@@ -67,7 +69,7 @@ class RootStore:
             elif req.snapshot is not None and req.tree is not None:
                 o = self.shards.options
                 name = shard_name(self.rank, self.proto.size, o.fanout)
-                entry = self.shards.write(req, partial, name)
+                entry = self.shards.write(req, partial, name, pool=self.pool)
                 if split:
                     self.shards.write_index(partial, entry)
         except Exception as e:

@@ -74,11 +74,13 @@ class RankShards:
 
     def write(self, req: SaveRequest, partial: str, name: str,
               into: Destination | None = None,
-              started: Callable[[ShardWriter, dict[str, torch.Tensor]], None] | None = None
-              ) -> RankEntry:
+              started: Callable[[ShardWriter, dict[str, torch.Tensor]], None] | None = None,
+              pool: str | None = None) -> RankEntry:
         """This rank's shard ``name`` in ``partial``, written and fsynced (``into``: a file of
-        the node-local level, already in place and mapped). ``started(writer, tensors)`` is
-        called once the layout fixes where each tensor's bytes go, before they are written."""
+        the node-local level, already in place and mapped; ``pool``: where a retired file of
+        that name may wait to be written over, :func:`~mpickpt.format.rootdir.take`).
+        ``started(writer, tensors)`` is called once the layout fixes where each tensor's bytes
+        go, before they are written."""
         assert req.snapshot is not None and req.tree is not None
         o, stats, t0 = self.options, req.stats, time.perf_counter()
         host, decision = self._host(req)
@@ -94,6 +96,8 @@ class RankShards:
         attrs = self._attrs(req)
         template = None if codecs else self.templates.get(host, attrs, alignment=o.alignment,
                                                           block=o.block)
+        if pool is not None and template is not None and into is None:
+            stats["recycled"] = float(rootdir.take(pool, name, path))
         writer = ShardWriter(path, host, attrs, alignment=o.alignment, into=into,
                              codecs=codecs, block=o.block, template=template)
         try:

@@ -1,4 +1,6 @@
-"""What follows a commit, on rank 0: the log line, the figures in ROOT/stats.jsonl, retention.
+"""What follows a commit, on rank 0: the log line, the figures in ROOT/stats.jsonl, retention
+(whose retired shard files wait in ``ROOT/.pool`` for the next save to write over, when saves
+write them whole: :func:`mpickpt.format.rootdir.retire`).
 
 The checkpoint is committed on every rank before any of this runs, so a failure here (a full
 disk, no write permission) is logged and undoes nothing.
@@ -14,7 +16,7 @@ from typing import Any
 
 from .. import faults, log
 from ..errors import ManifestError
-from ..format import rootdir
+from ..format import names, rootdir
 from ..format.manifest import Manifest
 from . import retention
 
@@ -28,8 +30,11 @@ class Upkeep:
     """Rank 0's work after each commit under ``root``, by ``policy``."""
 
     def __init__(self, root: str, run_id: str, policy: retention.Policy,
-                 logger: logging.Logger) -> None:
+                 logger: logging.Logger, recycle: bool = False) -> None:
         self.root, self.run_id, self.policy, self.log = root, run_id, policy, logger
+        # recycle: a retired checkpoint's shard files go to the pool, for the next save to
+        # write over (rootdir.retire), instead of being deleted
+        self.pool = os.path.join(root, rootdir.POOL) if recycle else None
         # of committed steps, read once each: user metadata, steps referred to (incremental)
         self._metadata: dict[int, dict[str, Any]] = {}
         self._references: dict[int, list[int]] = {}
@@ -80,7 +85,10 @@ class Upkeep:
             self._metadata.pop(step, None)
             self._references.pop(step, None)
             try:
-                rootdir.remove(committed[step], self.run_id)
+                if self.pool is None:
+                    rootdir.remove(committed[step], self.run_id)
+                else:
+                    rootdir.retire(committed[step], self.run_id, self.pool, _rank_shard)
             except OSError as e:
                 self.log.warning("retention could not remove %s: %s; what is left of it is "
                                  "removed at a later start", committed[step],
@@ -115,6 +123,12 @@ class Upkeep:
         if step not in self._references:
             self._read(step, path)
         return self._references[step]
+
+
+def _rank_shard(rel: str) -> bool:
+    """Whether ``rel`` (relative to a checkpoint) is a rank's shard, which a save writes over."""
+    m = names.SHARD_RE.match(rel)
+    return m is not None and m.group(1) == "rank"
 
 
 def _rotate(stats: str) -> None:

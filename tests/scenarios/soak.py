@@ -101,12 +101,14 @@ def main() -> None:
         comm.Barrier()  # every rank is done with this save and none has begun the next
         if rank == 0:
             names, total, stats_bytes = scan(root)
-            expect = ["stats.jsonl", *(f"step-{s:08d}" for s in range(max(1, step - keep + 1),
-                                                                     step + 1))]
+            # past keep saves, the retired checkpoint's shards wait in .pool to be written over
+            expect = [*([".pool"] if step > keep else []), "stats.jsonl",
+                      *(f"step-{s:08d}" for s in range(max(1, step - keep + 1), step + 1))]
             if names != expect and len(wrong) < 5:
                 wrong.append([step, names])
             most = {"bytes": max(most["bytes"], total),
-                    "entries": max(most["entries"], len(names) - 1)}
+                    "entries": max(most["entries"], len([n for n in names if
+                                                         n.startswith("step-")]))}
             ckpt_bytes.add(sum(os.path.getsize(os.path.join(result.path, n))
                                for n in os.listdir(result.path)) if result.path else 0)
         if step in marks:
