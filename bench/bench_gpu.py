@@ -498,6 +498,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
     ck: mpickpt.Checkpointer | None = None
     stagers: list[Any] = []
     pending: list[Any] = []  # DCP's futures: a failed async save must not pass for a fast one
+    handles: list[Any] = []  # mpickpt's, whose figures (where a save's time went) are kept
 
     def settle() -> None:
         for f in pending:
@@ -528,7 +529,8 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
             pending.append(getattr(fut, "upload_completion", fut))
             return pending[-1].done
         assert ck is not None
-        return ck.save(step, {"model": job.model, "optim": job.opt}).done
+        handles.append(ck.save(step, {"model": job.model, "optim": job.opt}))
+        return handles[-1].done
 
     def new_ck() -> mpickpt.Checkpointer:
         return mpickpt.Checkpointer(path, keep=2, io_threads=args.io_threads,
@@ -605,6 +607,9 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
     out["persist_s_all"] = [r["persist_s"] for r in reps]
+    if handles:  # the first save's and each rep's own figures: where their time went
+        out["save_stats_all"] = [{k: v for k, v in h.outcome().stats.items()
+                                  if isinstance(v, (int, float))} for h in handles[:args.reps + 1]]
     out["first_stall_s"] = first["stall_s"]
     out["first_call_s"] = first["call_s"]
     out["slowest_steps"] = [r["slowest_steps"] for r in reps]

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu import Job
 
-from mpickpt.save import pinned_pool, snapshot
+from mpickpt.save import landing, pinned_pool
 
 
 def beside(job: Job, base: float, work: Callable[[], Any]) -> dict[str, float]:
@@ -160,13 +160,13 @@ def main() -> None:
                                    (4, 1, pageable), (64, 1, pageable)):
         def work(c: int = chunk_mib << 20, d: int = depth, h: torch.Tensor = host,
                  src: torch.Tensor = staging) -> None:
-            snapshot.D2H_CHUNK, snapshot.D2H_DEPTH = c, d
-            snapshot._unstage(stream, src, h)
+            landing.D2H_CHUNK, landing.D2H_DEPTH = c, d
+            landing.unstage(stream, src, h)
         name = f"{chunk_mib} MiB x{depth}{'' if host is pinned else ' to pageable'}"
         r = beside(job, base, work)
         res["drain"][name] = r
         show("drain", name, r)
-    snapshot.D2H_CHUNK, snapshot.D2H_DEPTH = 4 << 20, 1
+    landing.D2H_CHUNK, landing.D2H_DEPTH = 4 << 20, 1
     del pinned, pageable, staging, work
     res["save"] = save_windows(job, base, args.trace)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -25,7 +25,7 @@ from .blocks import DIRECT_ALIGN, _direct_len, _open_direct, pwrite_all
 from .h5image import MetadataImage, place
 from .h5layout import Layout, let_others_run
 from .h5template import Template
-from .iothreads import pool, run_tasks
+from .iothreads import pool, run_tasks, start_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT as FORMAT,
 )
@@ -193,10 +193,17 @@ class ShardWriter:
         threads: int = 4,
         on_block: Callable[[], None] | None = None,
         digests: Mapping[str, list[str]] | None = None,
+        meanwhile: Callable[[], None] | None = None,
+        gate: Callable[[int, int], None] | None = None,
     ) -> None:
         """Write every tensor's bytes at its offset and hash each block; ``tensors`` must be the
         contiguous CPU tensors named as in the layout. ``digests`` gives the block checksums of
-        tensors already hashed (an incremental save's comparison): those are not hashed again."""
+        tensors already hashed (an incremental save's comparison): those are not hashed again.
+
+        ``meanwhile`` runs on this thread while the I/O threads write, which then take the
+        blocks in the order of their addresses, each once ``gate(start, end)`` (its bytes'
+        addresses) returns: the tensors' bytes may still be landing (:mod:`mpickpt.save.landing`).
+        """
         views = [byte_view(tensors[r.name]) for r in self.records]
         addrs = [tensors[r.name].data_ptr() for r in self.records]
         known = [digests is not None and r.name in digests for r in self.records]
@@ -221,6 +228,8 @@ class ShardWriter:
                 if hasher is not None:
                     r.checksums[b] = hasher.hexdigest()
             else:
+                if gate is not None:
+                    gate(addrs[i] + lo, addrs[i] + lo + len(buf))
                 if not known[i]:
                     r.checksums[b] = checksum.digest(buf)
                 _pwrite(self._fd, self._dfd, addrs[i] + lo, buf, r.offset + lo)
@@ -230,8 +239,23 @@ class ShardWriter:
         small = sum(r.nbytes for r in self.records) <= INLINE_BYTES
         plain = [r for r in self.records if r.codec is None]
         index = {id(r): i for i, r in enumerate(self.records)}
-        run_tasks([(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)], task,
-             1 if small else threads, background=True)
+        tasks = [(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)]
+        workers = 1 if small else threads
+        if meanwhile is not None and (workers <= 1 or self._dst is not None
+                                      or any(r.codec is not None for r in self.records)):
+            meanwhile()  # all of it first: nothing writes beside it
+            meanwhile = gate = None
+        if meanwhile is None:
+            run_tasks(tasks, task, workers, background=True)
+        else:
+            tasks.sort(key=lambda t: addrs[t[0]] + t[1] * block)
+            batch = start_tasks(tasks, task, workers, background=True)
+            try:
+                meanwhile()
+            except BaseException:
+                batch.abandon()
+                raise
+            batch.wait()
         if any(r.codec is not None for r in self.records):
             self._write_compressed(views, block, threads, on_block, known)
 

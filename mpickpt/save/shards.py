@@ -27,6 +27,7 @@ from ..format.names import FANOUT, index_name
 from ..format.records import TensorRecord
 from ..format.shard import DEFAULT_ALIGNMENT, ShardWriter
 from .incremental import Decision, Tracker
+from .landing import Landing
 from .request import SaveRequest
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ class RankShards:
         go, before they are written."""
         assert req.snapshot is not None and req.tree is not None
         o, stats, t0 = self.options, req.stats, time.perf_counter()
-        host, decision = self._host(req)
+        # a full save into a file of its own writes each block as soon as it has landed
+        landing = req.snapshot.landing() if into is None and self.tracker is None else None
+        host, decision = self._host(req, landing is None)
         path = os.path.join(partial, name)
         rootdir.make_dirs(os.path.dirname(path))
         codecs = None
@@ -106,7 +109,9 @@ class RankShards:
             t2 = time.perf_counter()
             writer.write(host, block=o.block, threads=o.io_threads,
                          on_block=lambda: faults.hit("mid-write", self.rank, req.step),
-                         digests=decision.digests)
+                         digests=decision.digests,
+                         meanwhile=None if landing is None else lambda: self._landed(req, landing),
+                         gate=None if landing is None else landing.gate)
             t3 = time.perf_counter()
             size = writer.seal()
             stats.update(create_s=t2 - t1, data_s=t3 - t2, seal_s=time.perf_counter() - t3)
@@ -159,16 +164,26 @@ class RankShards:
         rootdir.atomic_write(os.path.join(partial, name), data)
         entry.index = IndexRef(name, len(data), checksum.digest(data))
 
-    def _host(self, req: SaveRequest) -> tuple[dict[str, torch.Tensor], Decision]:
-        """The snapshot's tensors once copied, less those an incremental save refers to."""
+    def _host(self, req: SaveRequest, wait: bool = True) -> tuple[dict[str, torch.Tensor],
+                                                                  Decision]:
+        """The snapshot's tensors once copied (unless not ``wait``: they are landing), less
+        those an incremental save refers to."""
         assert req.snapshot is not None
-        req.snapshot.wait()
-        req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
+        if wait:
+            req.snapshot.wait()
+            req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
         host = req.snapshot.tensors
         decision = self._decide(req)
         if decision.reused:
             host = {n: t for n, t in host.items() if n not in decision.reused}
         return host, decision
+
+    @staticmethod
+    def _landed(req: SaveRequest, landing: Landing) -> None:
+        """Empty the snapshot's staging buffers into host memory, saying how far as it goes."""
+        assert req.snapshot is not None
+        req.snapshot.wait(landing)
+        req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
 
     def _attrs(self, req: SaveRequest) -> dict[str, str | int]:
         """The attributes of a rank's shard (or of its group in a node's file)."""

@@ -4,7 +4,8 @@ CUDA tensors: an event recorded on the current stream orders a dedicated copy st
 work already queued; on that stream the tensors are copied into a device staging buffer (when GPU
 memory allows: a device-to-device copy at HBM speed), or straight to the host buffer otherwise.
 ``take`` returns once the copies are queued. The persist thread then empties the staging buffer
-into the page-locked host buffer in :meth:`Snapshot.wait`, one 4 MiB piece at a time. Measured on an
+into the page-locked host buffer in :meth:`Snapshot.wait`, one 4 MiB piece at a time, while the
+I/O threads write the shard's blocks that have landed (:mod:`mpickpt.save.landing`). Measured on an
 H200: while the copy engine always has a device-to-host transfer queued (the whole state, or even
 two 32 MiB pieces kept in flight), a device-to-host copy of the training loop (``loss.item()``)
 from another stream starves until the engine is idle (95 ms for 5.8 GB); with one piece in flight
@@ -34,10 +35,10 @@ comes over from the GPU while the other is copied into place by the CPU.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,11 +47,9 @@ from typing import Any
 import torch
 
 from ..format.blocks import align
+from .landing import Landing, unstage
 from .pinned_pool import HostPool, Lease
 
-# The staging->host copy goes in pieces of this size, at most D2H_DEPTH queued at a time.
-D2H_CHUNK = 4 << 20
-D2H_DEPTH = 1
 # Through the ring (into a pageable buffer), in pieces of this size: each piece takes the
 # Python interpreter's lock three times, which a training thread holds most of the time (on an
 # H200 with 4 MiB pieces, emptying 5.84 GB took seconds longer while the job trained)
@@ -90,19 +89,39 @@ class Snapshot:
     def buffer(self) -> torch.Tensor | None:
         return self.lease.buffer
 
-    def wait(self) -> None:
+    def landing(self) -> Landing | None:
+        """For a writer that starts before the staging buffers are emptied: how far they have
+        landed, once everything else has (None when there is nothing to empty: :meth:`wait`
+        then). :meth:`wait` with it empties them."""
+        if not self.unstage:
+            return None
+        if self.ready is not None:
+            self.ready.result()
+        for ev in self.done_events:  # copies straight into the host buffer, and the staging
+            ev.synchronize()
+        assert self.lease.buffer is not None
+        return Landing(self.lease.buffer.data_ptr(), [(lo, hi) for *_, lo, hi in self.unstage])
+
+    def wait(self, landing: Landing | None = None) -> None:
         """Block until every copy has landed in host memory; release the user's tensors.
-        Called by the persist thread; empties the staging buffers."""
-        t0 = time.perf_counter()
+        Called by the persist thread; empties the staging buffers, telling ``landing`` how far
+        as it goes."""
+        t0, error = time.perf_counter(), None
         try:
             if self.ready is not None:
                 self.ready.result()
             assert self.lease.buffer is not None
             ring = self.ring() if self.ring is not None and self.unstage else None
-            for stream, src, lo, hi in self.unstage:
-                _unstage(stream, src, self.lease.buffer[lo:hi], ring)
+            for k, (stream, src, lo, hi) in enumerate(self.unstage):
+                unstage(stream, src, self.lease.buffer[lo:hi], ring,
+                        None if landing is None else functools.partial(_at, landing, k, lo))
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self.staging_free.set()
+            if landing is not None:
+                landing.finish(error)
         for ev in self.done_events:
             ev.synchronize()
         if self.done_events:
@@ -114,54 +133,8 @@ class Snapshot:
         self.sources.clear()
 
 
-def _unstage(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor,
-             ring: torch.Tensor | None = None) -> None:
-    """Copy device ``src`` to host ``dst`` on ``stream``, at most D2H_DEPTH pieces queued:
-    straight when ``dst`` is page-locked (``ring`` None), else through ``ring``."""
-    if ring is not None:
-        _unstage_ring(stream, src, dst, ring)
-        return
-    queued: deque[torch.cuda.Event] = deque()
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-        for a in range(0, src.numel(), D2H_CHUNK):
-            if len(queued) >= D2H_DEPTH:
-                queued.popleft().synchronize()
-            b = min(a + D2H_CHUNK, src.numel())
-            dst[a:b].copy_(src[a:b], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            queued.append(ev)
-        for ev in queued:
-            ev.synchronize()
-
-
-def _unstage_ring(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor,
-                  ring: torch.Tensor) -> None:
-    """Copy device ``src`` to pageable ``dst`` through the two page-locked halves of ``ring``:
-    while one piece comes over from the GPU (one at a time, as D2H_DEPTH wants), the CPU
-    copies the one before into place. A device-to-host copy into pageable memory would instead
-    go through the driver's own staging, and cost the training loop about 0.35 s per 5.8 GB
-    (``bench/probe_snapshot.py``)."""
-    half = ring.numel() // 2
-    slots = (ring[:half], ring[half:])
-    landed: tuple[torch.cuda.Event, int, int, torch.Tensor] | None = None
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-        for k, a in enumerate(range(0, src.numel(), half)):
-            b = min(a + half, src.numel())
-            slot = slots[k % 2]
-            slot[: b - a].copy_(src[a:b], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            if landed is not None:
-                _land(*landed, dst)
-            landed = (ev, a, b, slot)
-        if landed is not None:
-            _land(*landed, dst)
-
-
-def _land(ev: torch.cuda.Event, a: int, b: int, slot: torch.Tensor, dst: torch.Tensor) -> None:
-    ev.synchronize()
-    dst[a:b].copy_(slot[: b - a])
+def _at(landing: Landing, k: int, lo: int, n: int) -> None:
+    landing.landed(k, lo + n)
 
 
 class Snapshotter:
@@ -172,7 +145,7 @@ class Snapshotter:
         self.device_staging = device_staging
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staging: dict[torch.device, torch.Tensor] = {}
-        self._ring: torch.Tensor | None = None  # page-locked, 2 x RING_PIECE (_unstage_ring)
+        self._ring: torch.Tensor | None = None  # page-locked, 2 x RING_PIECE (landing.unstage)
         self._safe: dict[torch.device, torch.cuda.Event] = {}
         self._reading: Future[None] | None = None  # the lazy copy out of the user's tensors
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-snapshot")

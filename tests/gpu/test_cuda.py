@@ -5,6 +5,8 @@ Skipped without a GPU (CI has none); run on a GPU machine: python -m pytest test
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -125,13 +127,13 @@ def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_pat
     x = torch.randn(1024, 1024, device="cuda")
     step(m, opt, x)
     rings: list[bool] = []
-    real = snapshot._unstage
+    real = snapshot.unstage
 
-    def spy(stream, src, dst, ring=None):
+    def spy(stream, src, dst, ring=None, on_landed=None):
         rings.append(ring is not None)
-        return real(stream, src, dst, ring)
+        return real(stream, src, dst, ring, on_landed)
 
-    snapshot._unstage = spy
+    snapshot.unstage = spy
     try:
         with mpickpt.Checkpointer(tmp_path) as ck:
             # the ring is page-locked with the Checkpointer: CUDA was in use already
@@ -156,7 +158,41 @@ def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_pat
             for a, b in zip(values(m2, opt2), after, strict=True):
                 assert torch.equal(a, b)
     finally:
-        snapshot._unstage = real
+        snapshot.unstage = real
+
+
+def test_blocks_are_written_as_they_land_bit_exact(tmp_path, monkeypatch):
+    """A save's staging buffer is emptied into host memory while the I/O threads write the
+    blocks that have landed (mpickpt.save.landing): each block waits at its gate, the pieces
+    land one after another, and what the loop does meanwhile never reaches the checkpoint."""
+    from mpickpt.save import landing
+
+    gates: list[tuple[int, int]] = []
+    landed: list[int] = []
+    real_gate, real_landed = landing.Landing.gate, landing.Landing.landed
+    monkeypatch.setattr(landing.Landing, "gate",
+                        lambda self, a, b: (gates.append((a, b)), real_gate(self, a, b))[1])
+    monkeypatch.setattr(landing.Landing, "landed",
+                        lambda self, k, n: (landed.append(n), real_landed(self, k, n))[1])
+    m, opt = model_and_opt(0)
+    x = torch.randn(1024, 1024, device="cuda")
+    step(m, opt, x)
+    with mpickpt.Checkpointer(tmp_path, io_threads=4,
+                              files=mpickpt.Files(checksum_block=1 << 20)) as ck:
+        for i in range(2):
+            expected = values(m, opt)
+            h = ck.save(i, {"model": m, "optim": opt})
+            step(m, opt, x)  # the copy must not see this step
+            assert h.wait().committed
+            m2, opt2 = model_and_opt(1)
+            step(m2, opt2, x)
+            assert ck.restore({"model": m2, "optim": opt2}, step=i) == i
+            for a, b in zip(values(m2, opt2), expected, strict=True):
+                assert torch.equal(a, b)
+    restarts = sum(1 for a, b in itertools.pairwise(landed) if b < a)
+    assert restarts == 1 and len(landed) >= 4  # two saves, each landing in several pieces
+    blocks = sum(-(-t.numel() * t.element_size() // (1 << 20)) for t in expected if t.is_cuda)
+    assert len(gates) >= 2 * blocks
 
 
 def test_prepare_page_locks_and_no_room_to_stage_page_locks_with_a_hint(tmp_path, monkeypatch,

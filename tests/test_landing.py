@@ -1,0 +1,110 @@
+"""mpickpt.save.landing: a shard's blocks written while its bytes are still landing in host memory.
+
+On a GPU the persist thread empties the snapshot's staging buffer into the host buffer piece by
+piece while the I/O threads write the blocks that have landed. Here the host buffer is filled by
+hand, piece by piece, over garbage: what the shard holds (and its checksums) must be the landed
+bytes, never the garbage before them, and a landing that fails must fail the write, not hang it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from harness import never_blocks
+
+from mpickpt.errors import CheckpointError
+from mpickpt.format import reader, shard
+from mpickpt.save.landing import Landing
+
+BLOCK = 1 << 16
+PIECE = 1 << 20
+
+
+def test_a_gate_opens_once_its_bytes_have_landed():
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    base = buf.data_ptr()
+    landing = Landing(base, [(0, 400), (600, 1000)])
+    landing.gate(base + 400, base + 600)  # outside the ranges: there already
+    opened: list[float] = []
+    t = threading.Thread(target=lambda: (landing.gate(base + 300, base + 700),
+                                         opened.append(time.monotonic())))
+    t.start()
+    landing.landed(0, 400)
+    landing.landed(1, 650)
+    time.sleep(0.2)
+    assert not opened  # [650, 700) of the second range is not there yet
+    at = time.monotonic()
+    landing.landed(1, 700)
+    t.join(5)
+    assert opened and opened[0] >= at
+
+
+def test_a_failed_landing_fails_every_gate_naming_why():
+    buf = torch.zeros(100, dtype=torch.uint8)
+    landing = Landing(buf.data_ptr(), [(0, 100)])
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            landing.gate(buf.data_ptr(), buf.data_ptr() + 10)
+        except CheckpointError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    landing.finish(RuntimeError("CUDA error: an illegal memory access"))
+    t.join(5)
+    assert len(errors) == 1 and "illegal memory access" in str(errors[0])
+
+
+def written_while_landing(tmp_path, fail_at: int | None = None):
+    """A shard of three tensors (views of one buffer holding garbage) written on 4 threads while
+    another thread lands the real bytes a MiB at a time."""
+    real = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(3))
+    host = torch.full_like(real, 0xEE)
+    tensors = {"a": host[: 5 << 20].view(torch.float32),
+               "b": host[5 << 20 : (9 << 20) + 8].view(torch.int64),
+               "c": host[(9 << 20) + 8 :]}
+    landing = Landing(host.data_ptr(), [(0, host.numel())])
+
+    def land() -> None:
+        try:
+            for a in range(0, host.numel(), PIECE):
+                if fail_at is not None and a >= fail_at:
+                    raise RuntimeError("the copy engine stopped")
+                time.sleep(0.01)
+                host[a : a + PIECE].copy_(real[a : a + PIECE])
+                landing.landed(0, min(a + PIECE, host.numel()))
+        except BaseException as e:
+            landing.finish(e)
+            raise
+        landing.finish()
+
+    w = shard.ShardWriter(str(tmp_path / "s.h5"), tensors, {"tree": "{}"})
+    try:
+        w.write(tensors, block=BLOCK, threads=4, meanwhile=land, gate=landing.gate)
+    except BaseException:
+        w.close()
+        raise
+    size = w.seal()
+    want = {"a": real[: 5 << 20].view(torch.float32),
+            "b": real[5 << 20 : (9 << 20) + 8].view(torch.int64), "c": real[(9 << 20) + 8 :]}
+    return w.records, size, want
+
+
+def test_blocks_written_while_landing_hold_the_landed_bytes(tmp_path):
+    records, size, want = written_while_landing(tmp_path)
+    out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3)
+    for k, t in want.items():  # read_shard checks every block's checksum too
+        assert torch.equal(out[k].reshape(-1).view(torch.uint8),
+                           t.reshape(-1).view(torch.uint8)), k
+
+
+def test_a_landing_that_fails_fails_the_write(tmp_path):
+    with never_blocks("a write whose landing failed", 30), \
+            pytest.raises(RuntimeError, match="copy engine stopped"):
+        written_while_landing(tmp_path, fail_at=6 << 20)
