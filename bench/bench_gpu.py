@@ -271,8 +271,9 @@ def run_parallel_io(directory: str, nbytes: int, threads: int, chunk: int = 64 <
                     ) -> dict[str, float]:
     """The disk's parallel bounds, the way mpickpt's persist and restore run: per rank one file
     of ``nbytes`` (the state's size), written by ``threads`` threads with ``O_DIRECT`` ``pwrite``s
-    of ``chunk`` bytes at aligned offsets, then fsynced; after the page cache is dropped, read
-    back the same way. All ranks at once; the aggregate is over the slowest rank's time."""
+    of ``chunk`` bytes at aligned offsets, then fsynced; then written over the same way (a save
+    writes over the files retention retired); after the page cache is dropped, read back the
+    same way. All ranks at once; the aggregate is over the slowest rank's time."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
@@ -294,11 +295,14 @@ def run_parallel_io(directory: str, nbytes: int, threads: int, chunk: int = 64 <
             list(pool.map(run, range(threads)))
 
     out: dict[str, float] = {}
-    for write in (True, False):
+    # a new file, then the same one written over (as a save into a recycled file), then read
+    flags = {"write": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "overwrite": os.O_WRONLY,
+             "read": os.O_RDONLY}
+    for kind, how in flags.items():
+        write = kind != "read"
         if not write:
             out["par_cache_dropped"] = drop_caches()
-        fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY)
-                     | os.O_DIRECT, 0o644)
+        fd = os.open(path, how | os.O_DIRECT, 0o644)
         COMM.Barrier()
         t = time.perf_counter()
         try:
@@ -309,7 +313,6 @@ def run_parallel_io(directory: str, nbytes: int, threads: int, chunk: int = 64 <
             os.close(fd)
         took = time.perf_counter() - t
         slowest = COMM.allreduce(took, op=MPI.MAX)
-        kind = "write" if write else "read"
         out[f"par_{kind}_GBps"] = size / took / 1e9
         out[f"par_{kind}_aggregate_GBps"] = SIZE * size / slowest / 1e9
     os.unlink(path)
@@ -468,9 +471,11 @@ def main() -> None:
             mine = {"error": f"{type(e).__name__}: {e}"}
         every = COMM.gather(mine)
         if RANK == 0:
+            # persist is judged against the faster of a new file and one written over
+            par_write = max(res.get("par_write_aggregate_GBps") or 0,
+                            res.get("par_overwrite_aggregate_GBps") or 0) or None
             res["methods"][m] = summarize(every, nbytes, res.get("dd_write_aggregate_GBps"),
-                                          res.get("par_write_aggregate_GBps"),
-                                          res.get("par_read_aggregate_GBps"))
+                                          par_write, res.get("par_read_aggregate_GBps"))
             log(m, json.dumps({k: v for k, v in res["methods"][m].items() if k != "per_rank"}))
         job.load(ref)  # back to the reference so every method saves the same values
     import torch.distributed as dist
@@ -704,7 +709,8 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
                    f" {res['dd_mb_per_rank']} MiB{per}")
     if "par_write_GBps" in res:
         limits += (f", parallel O_DIRECT ({res.get('io_threads', '?')} threads) write "
-                   f"{res['par_write_aggregate_GBps']:.2f} GB/s, read "
+                   f"{res['par_write_aggregate_GBps']:.2f} GB/s (over the same file: "
+                   f"{res.get('par_overwrite_aggregate_GBps', float('nan')):.2f}), read "
                    f"{res['par_read_aggregate_GBps']:.2f} GB/s (aggregate)")
     print(limits)
     dd = "dd_write_aggregate_GBps" in res
