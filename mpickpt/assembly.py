@@ -33,8 +33,8 @@ def pipeline(proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
     shards = RankShards(proto.rank, proto.size, options, tracker, logger)
     node = node_files(proto, options.fanout, logger) if options.per_node else None
     # a retired shard is written over by the next save where that save writes a rank's shard
-    # whole through its template: not compressed, not a node's file, not a drain's copy
-    recycle = options.compression is None and node is None and lv is None
+    # whole, through its template or as a drain's copy: not compressed, not a node's file
+    recycle = options.compression is None and node is None
     root_store = RootStore(proto, root, run_id, shards,
                            Upkeep(root, run_id, policy, logger, recycle), logger, node=node)
     if lv is None:

@@ -137,3 +137,26 @@ def test_retire_keeps_only_the_retired_shards_in_the_pool(tmp_path):
     assert rootdir.take(str(pool), "shards-0001/rank-01025.h5", str(taken))
     assert taken.read_bytes() == b"a" * 100
     assert not rootdir.take(str(pool), "shards-0001/rank-01025.h5", str(taken))
+
+
+def test_a_drain_to_root_writes_over_the_retired_shard(tmp_path):
+    """With a node-local level, ROOT's checkpoints are drains (copies of the node's shards):
+    the third drain with keep=2 writes over the shard ROOT's retention retired, and ROOT's
+    copy loads exactly."""
+    root = tmp_path / "root"
+    local = mpickpt.Local(tmp_path / "local", persist_every=1)
+    with mpickpt.Checkpointer(root, keep=2, local=local) as ck:
+        inodes = []
+        for step in (1, 2, 3, 4):
+            save(ck, step)
+            ck.wait()  # its drain
+            assert ck.drained == step
+            inodes.append(os.stat(shard(root, step)).st_ino)
+    assert inodes[3] == inodes[0]  # step 1's file, retired by step 3's drain
+    assert sorted(os.listdir(root)) == [rootdir.POOL, "stats.jsonl", "step-00000003",
+                                        "step-00000004"]
+    got = {k: torch.zeros_like(v) for k, v in state(0.0).items()}
+    with mpickpt.Checkpointer(root) as ck:
+        assert ck.restore(got, step=4) == 4
+    want = state(4.0)
+    assert all(torch.equal(got[k], want[k]) for k in want)

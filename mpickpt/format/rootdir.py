@@ -333,14 +333,15 @@ COPY_CHUNK = 8 << 20
 
 
 def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None,
-              bandwidth: float | None = None) -> int:
+              bandwidth: float | None = None, over: bool = False) -> int:
     """Copy ``src`` (a regular file, never through a link) to ``dst`` (created, never through
-    a link) and fsync it, in chunks (a kernel copy where it can), at most ``bandwidth`` bytes
-    per second; ``on_bytes`` after each chunk. The bytes copied."""
+    a link; ``over``: written over where it is, a recycled file, :func:`take`) and fsync it, in
+    chunks (a kernel copy where it can), at most ``bandwidth`` bytes per second; ``on_bytes``
+    after each chunk. The bytes copied."""
     fin = open_regular(src)
     try:
-        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       file_mode(dst))
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | (0 if over else os.O_TRUNC)
+                       | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode(dst))
         try:
             size, done, t0 = os.fstat(fin).st_size, 0, time.monotonic()
             while done < size:
@@ -361,6 +362,8 @@ def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None,
                     ahead = done / bandwidth - (time.monotonic() - t0)
                     if ahead > 0:
                         time.sleep(ahead)
+            if over:
+                os.ftruncate(fout, size)
             os.fsync(fout)
             return done
         finally:

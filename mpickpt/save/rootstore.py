@@ -4,8 +4,9 @@
 the file of that name that retention retired last where ``ROOT/.pool`` has one, or this
 rank's regions of its node's file (``Files(per="node")``, collective over the node), and with
 ``split_index`` an index part per rank. ``protect``: nothing (the shared file system is the
-redundancy). ``publish``: rank 0 checks that every shard is where it sees it, at its size, and
-commits (:func:`mpickpt.format.commit.publish`); a step committed before is replaced, unless
+redundancy). ``copy_in``: a drain's copy of the node's shard, over a recycled file too.
+``publish``: rank 0 checks that every shard is where it sees it, at its size, and commits
+(:func:`mpickpt.format.commit.publish`); a step committed before is replaced, unless
 incremental checkpoints refer to its files. ``retain``: rank 0's
 :class:`~mpickpt.save.upkeep.Upkeep` (the log line, the figures, retention); the incremental
 tracker learns the committed entry.
@@ -88,10 +89,12 @@ class RootStore:
         try:
             rootdir.make_dirs(partial)
             name = shard_name(self.rank)
+            dst = os.path.join(partial, name)
+            over = self.pool is not None and rootdir.take(self.pool, name, dst)
             stats["drained_bytes"] = rootdir.copy_file(
-                os.path.join(source, name), os.path.join(partial, name),
+                os.path.join(source, name), dst,
                 on_bytes=lambda _: faults.hit("mid-drain", self.rank, step),
-                bandwidth=bandwidth)
+                bandwidth=bandwidth, over=over)
         except Exception as e:
             return f"rank {self.rank}: {error_text(e)}"
         return None
