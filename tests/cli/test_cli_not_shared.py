@@ -119,4 +119,4 @@ def test_under_mpiexec_every_rank_must_see_the_same_root(tmp_path, tmp_path_fact
     assert p.returncode == EXIT_NO_CHECKPOINT, (p.stdout, p.stderr)
     assert json.loads(p.stdout)["not_shared"]["missing_ranks"] == [1]
     assert all(step_dir(root, s).is_dir() for s in COMMITTED)  # read-only: nothing written
-    assert not any(n.startswith(".") for n in os.listdir(root))
+    assert not any(n.startswith(".mpickpt-root-check-") for n in os.listdir(root))

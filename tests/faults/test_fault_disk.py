@@ -19,6 +19,9 @@ import pytest
 from faultkit import committed_steps, partials, reports, step_dirs
 from harness import NO_DAC, SCENARIOS, Job, mpiexec, python
 
+from mpickpt.format import rootdir
+from mpickpt.format.names import RANK_FILE_RE
+
 N = 2
 pytestmark = pytest.mark.guarantee("failed-save-aborts")
 SCENARIO = str(SCENARIOS / "fault_disk.py")
@@ -66,8 +69,8 @@ def run_scenario(root: Path, mode: str, reports_dir: Path, prefix: list[str] | N
 
 def restart(root: Path, reports_dir: Path, steps: list[int]) -> tuple[Job, list[str]]:
     """A new job's Checkpointer and restore (tests/scenarios/fault_restore.py) must restore the
-    newest of ``steps`` on every rank and leave exactly ``steps`` under ROOT, nothing partial or
-    half-deleted; the job and what went wrong."""
+    newest of ``steps`` on every rank and leave exactly ``steps`` under ROOT (and the pool of
+    retired rank shards), nothing partial or half-deleted; the job and what went wrong."""
     job = launch([str(SCENARIOS / "fault_restore.py"), str(root), str(reports_dir),
                   "--width", "256"])
     found = reports(reports_dir)
@@ -76,8 +79,12 @@ def restart(root: Path, reports_dir: Path, steps: list[int]) -> tuple[Job, list[
     out = [f"rank {r}: the restart restored {rep['step']} ({rep['error']})"
            for r, rep in sorted(found.items()) if rep["step"] != steps[-1]]
     names = sorted(p.name for p in root.iterdir())
-    if names != ["stats.jsonl", *(f"step-{s:08d}" for s in steps)]:
-        out.append(f"after the restart ROOT holds {names}")
+    pool = root / rootdir.POOL
+    pooled = sorted(p.name for p in pool.iterdir()) if rootdir.POOL in names else []
+    if [n for n in names if n != rootdir.POOL] != ["stats.jsonl",
+                                                     *(f"step-{s:08d}" for s in steps)] \
+            or not all(RANK_FILE_RE.match(n) for n in pooled):
+        out.append(f"after the restart ROOT holds {names}, its pool {pooled}")
     return job, out
 
 
