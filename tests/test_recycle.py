@@ -135,7 +135,7 @@ def test_retire_keeps_only_the_retired_shards_in_the_pool(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [rootdir.POOL]
     taken = tmp_path / "taken.h5"
     assert rootdir.take(str(pool), "shards-0001/rank-01025.h5", str(taken))
-    assert taken.read_bytes() == b"a" * 100
+    assert taken.read_bytes() == bytes(rootdir.SIGNATURE_BYTES) + b"a" * 92  # header wiped
     assert not rootdir.take(str(pool), "shards-0001/rank-01025.h5", str(taken))
 
 
@@ -160,3 +160,37 @@ def test_a_drain_to_root_writes_over_the_retired_shard(tmp_path):
         assert ck.restore(got, step=4) == 4
     want = state(4.0)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_recycled_file_cut_short_says_so_as_a_new_one_would(tmp_path):
+    """A shard's HDF5 header is written last, so a crash diagnosis tells a finished shard from
+    one whose writer died (mpickpt.cli.diagnose.shard_state). A recycled file holds a retired
+    shard's sealed header: taking it wipes that, and a drain's copy over it writes the header
+    last, so a copy cut short is "unsealed", not the retired checkpoint's "complete" shard."""
+    from mpickpt.cli.diagnose import shard_state
+    from mpickpt.format import shard as shardfile
+
+    src = tmp_path / "src.h5"
+    big = {"w": torch.arange(5 << 20, dtype=torch.int32), "b": torch.ones(7)}
+    w = shardfile.ShardWriter(str(src), big, {"tree": "{}"})
+    w.write(big)
+    w.seal()
+    pool = tmp_path / rootdir.POOL
+    pool.mkdir()
+    for name in ("a.h5", "b.h5"):
+        (pool / name).write_bytes(src.read_bytes())  # a retired, sealed shard
+        os.chmod(pool / name, rootdir.file_mode(str(pool / name)) & ~rootdir.umask())
+    assert shard_state(str(pool / "a.h5")) == "complete"
+    cut, whole = tmp_path / "cut.h5", tmp_path / "whole.h5"
+    assert rootdir.take(str(pool), "a.h5", str(cut))
+    assert shard_state(str(cut)) == "unsealed"
+
+    def die(n: int) -> None:
+        raise OSError("killed mid-copy")
+
+    with pytest.raises(OSError, match="killed mid-copy"):
+        rootdir.copy_file(str(src), str(cut), on_bytes=die, over=True)
+    assert shard_state(str(cut)) == "unsealed"
+    assert rootdir.take(str(pool), "b.h5", str(whole))
+    assert rootdir.copy_file(str(src), str(whole), over=True) == src.stat().st_size
+    assert shard_state(str(whole)) == "complete" and whole.read_bytes() == src.read_bytes()

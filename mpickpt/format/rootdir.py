@@ -30,6 +30,7 @@ STEP_RE = re.compile(r"^step-(\d{8,})$")
 PARTIAL_RE = re.compile(r"^step-(\d{8,})\.partial-([0-9a-z]+)$")
 LEFTOVER_RE = re.compile(r"^step-(\d{8,})\.(deleting|replaced)-([0-9a-z]+)$")
 POOL = ".pool"  # under ROOT: retired shard files, for the next save to write over
+SIGNATURE_BYTES = 8  # HDF5's signature at the start of a shard, wiped when it is recycled
 FILE_MODE = 0o664  # 0o666 less world-write; the umask takes away more
 DIR_MODE = 0o775
 PRIVATE_FILE_MODE = 0o600  # under a private tree: the job's user only
@@ -302,7 +303,9 @@ def take(pool: str, name: str, dest: str) -> bool:
     """Move the pooled file ``name`` (relative to ``pool``) to ``dest``, if the pool has it as a
     regular file of this user with no other link (writing over a file that a hard link shares
     would change the other name's bytes), of the mode a new file ``dest`` would get under the
-    umask now; whether it did."""
+    umask now; whether it did. Its HDF5 signature is wiped at once: a shard's header is written
+    last, so a writer killed before it leaves a file that says so, as a new one would
+    (``mpickpt.cli.diagnose.shard_state``), not the retired checkpoint's sealed shard."""
     src = os.path.join(pool, name)
     try:
         st = os.lstat(src)
@@ -315,6 +318,15 @@ def take(pool: str, name: str, dest: str) -> bool:
     try:
         os.rename(src, dest)
     except FileNotFoundError:  # rank 0's retention deleted it meanwhile
+        return False
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, bytes(SIGNATURE_BYTES), 0)
+        finally:
+            os.close(fd)
+    except OSError:  # it cannot be written over: a new file instead
+        os.unlink(dest)
         return False
     return True
 
@@ -344,20 +356,18 @@ def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None,
                        | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode(dst))
         try:
             size, done, t0 = os.fstat(fin).st_size, 0, time.monotonic()
-            while done < size:
-                n = min(COPY_CHUNK, size - done)
-                try:
-                    got = os.copy_file_range(fin, fout, n, done, done)
-                except OSError:
-                    got = 0
-                if got <= 0:
-                    data = os.pread(fin, n, done)
-                    if not data:
-                        raise OSError(errno.EIO, f"{src} ended at byte {done} of {size}")
-                    got = os.pwrite(fout, data, done)
-                done += got
+            # over a recycled file, its first piece (a shard's HDF5 header) goes last: a copy
+            # cut short leaves no header, as a new file's would be short
+            starts = [*range(COPY_CHUNK, size, COPY_CHUNK), 0] if over else \
+                list(range(0, size, COPY_CHUNK))
+            for start in starts:
+                at, end = start, min(start + COPY_CHUNK, size)
+                while at < end:
+                    got = _copy_range(fin, fout, at, end - at, src, size)
+                    at += got
+                done += end - start
                 if on_bytes is not None:
-                    on_bytes(got)
+                    on_bytes(end - start)
                 if bandwidth:
                     ahead = done / bandwidth - (time.monotonic() - t0)
                     if ahead > 0:
@@ -370,6 +380,20 @@ def copy_file(src: str, dst: str, on_bytes: Callable[[int], None] | None = None,
             os.close(fout)
     finally:
         os.close(fin)
+
+
+def _copy_range(fin: int, fout: int, at: int, n: int, src: str, size: int) -> int:
+    """Copy up to ``n`` bytes at offset ``at`` (a kernel copy where it can); how many."""
+    try:
+        got = os.copy_file_range(fin, fout, n, at, at)
+    except OSError:
+        got = 0
+    if got <= 0:
+        data = os.pread(fin, n, at)
+        if not data:
+            raise OSError(errno.EIO, f"{src} ended at byte {at} of {size}")
+        got = os.pwrite(fout, data, at)
+    return got
 
 
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")

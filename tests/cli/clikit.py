@@ -21,6 +21,7 @@ from harness import step_dir, train
 
 from mpickpt.cli import main as cli_main
 from mpickpt.cli import restore as cli_restore
+from mpickpt.format import rootdir
 
 COMMITTED = [20, 15, 10]
 PARTIAL = 25
@@ -102,8 +103,9 @@ def by_step(doc: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
 
 
 def listing(root: Path) -> list[str]:
-    """Names directly under ROOT and under ROOT/quarantine/, sorted."""
-    names = [p.name for p in root.iterdir()]
+    """Names directly under ROOT and under ROOT/quarantine/, sorted; not ROOT/.pool, the shards
+    retention retired (which the next save writes over; no command touches it)."""
+    names = [p.name for p in root.iterdir() if p.name != rootdir.POOL]
     q = root / "quarantine"
     if q.is_dir():
         names += [f"quarantine/{p.name}" for p in q.iterdir()]
