@@ -253,18 +253,25 @@ def remove(path: str, run_id: str) -> None:
     """Remove a checkpoint directory so that no crash leaves it looking committed: rename it to
     ``*.deleting-<run>`` (fsync'd), then delete the files. A symbolic link is unlinked, never
     followed."""
+    doomed = _set_aside(path, run_id)
+    if doomed is not None:
+        shutil.rmtree(doomed)
+
+
+def _set_aside(path: str, run_id: str) -> str | None:
+    """The first step of :func:`remove`: the checkpoint directory renamed to
+    ``*.deleting-<run>`` (fsync'd), which it returns; a symbolic link is unlinked (None)."""
     parent, name = os.path.split(path)
     if os.path.islink(path):
         os.unlink(path)
         fsync_path(parent)
-        return
-    base = name.split(".", 1)[0]
-    doomed = os.path.join(parent, f"{base}.deleting-{run_id}")
+        return None
+    doomed = os.path.join(parent, f"{name.split('.', 1)[0]}.deleting-{run_id}")
     if os.path.lexists(doomed):
         shutil.rmtree(doomed)
     os.rename(path, doomed)
     fsync_path(parent)
-    shutil.rmtree(doomed)
+    return doomed
 
 
 def retire(path: str, run_id: str, pool: str, keep: Callable[[str], bool]) -> None:
@@ -274,15 +281,9 @@ def retire(path: str, run_id: str, pool: str, keep: Callable[[str], bool]) -> No
     a large file's blocks takes about a second per GB on ext4, and writing over allocated blocks
     is faster than into new ones. What the pool held under other names is deleted, so that it
     never holds more than one checkpoint's files."""
-    parent, name = os.path.split(path)
-    if os.path.islink(path):
-        remove(path, run_id)
+    doomed = _set_aside(path, run_id)
+    if doomed is None:
         return
-    doomed = os.path.join(parent, f"{name.split('.', 1)[0]}.deleting-{run_id}")
-    if os.path.lexists(doomed):
-        shutil.rmtree(doomed)
-    os.rename(path, doomed)
-    fsync_path(parent)
     kept = set()
     for dirpath, _, files in os.walk(doomed):
         for f in files:

@@ -241,8 +241,8 @@ class ShardWriter:
         index = {id(r): i for i, r in enumerate(self.records)}
         tasks = [(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)]
         workers = 1 if small else threads
-        if meanwhile is not None and (workers <= 1 or self._dst is not None
-                                      or any(r.codec is not None for r in self.records)):
+        compressed = any(r.codec is not None for r in self.records)
+        if meanwhile is not None and (workers <= 1 or self._dst is not None or compressed):
             meanwhile()  # all of it first: nothing writes beside it
             meanwhile = gate = None
         if meanwhile is None:
@@ -256,7 +256,7 @@ class ShardWriter:
                 batch.abandon()
                 raise
             batch.wait()
-        if any(r.codec is not None for r in self.records):
+        if compressed:
             self._write_compressed(views, block, threads, on_block, known)
 
     def _write_compressed(self, views: list[memoryview], block: int, threads: int,

@@ -170,8 +170,7 @@ class RankShards:
         those an incremental save refers to."""
         assert req.snapshot is not None
         if wait:
-            req.snapshot.wait()
-            req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
+            self._landed(req)
         host = req.snapshot.tensors
         decision = self._decide(req)
         if decision.reused:
@@ -179,8 +178,9 @@ class RankShards:
         return host, decision
 
     @staticmethod
-    def _landed(req: SaveRequest, landing: Landing) -> None:
-        """Empty the snapshot's staging buffers into host memory, saying how far as it goes."""
+    def _landed(req: SaveRequest, landing: Landing | None = None) -> None:
+        """Wait for the snapshot's copies, emptying its staging buffers into host memory (and
+        telling ``landing`` how far as it goes); its figure ``copy_s``."""
         assert req.snapshot is not None
         req.snapshot.wait(landing)
         req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
