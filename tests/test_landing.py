@@ -17,6 +17,7 @@ from harness import never_blocks
 
 from mpickpt.errors import CheckpointError
 from mpickpt.format import reader, shard
+from mpickpt.local.pool import Maps
 from mpickpt.save.landing import Landing
 
 BLOCK = 1 << 16
@@ -60,9 +61,10 @@ def test_a_failed_landing_fails_every_gate_naming_why():
     assert len(errors) == 1 and "illegal memory access" in str(errors[0])
 
 
-def written_while_landing(tmp_path, fail_at: int | None = None):
+def written_while_landing(tmp_path, fail_at: int | None = None, into: bool = False):
     """A shard of three tensors (views of one buffer holding garbage) written on 4 threads while
-    another thread lands the real bytes a MiB at a time."""
+    another thread lands the real bytes a MiB at a time (``into``: into a mapped file of the
+    node-local level, filled with garbage too)."""
     real = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(3))
     host = torch.full_like(real, 0xEE)
@@ -84,27 +86,35 @@ def written_while_landing(tmp_path, fail_at: int | None = None):
             raise
         landing.finish()
 
-    w = shard.ShardWriter(str(tmp_path / "s.h5"), tensors, {"tree": "{}"})
+    dest = None
+    if into:
+        (tmp_path / "s.h5").write_bytes(b"\xdd" * (16 << 20))
+        dest = Maps().take(str(tmp_path / "pool"), str(tmp_path), "s.h5")
+    w = shard.ShardWriter(str(tmp_path / "s.h5"), tensors, {"tree": "{}"}, into=dest)
     try:
         w.write(tensors, block=BLOCK, threads=4, meanwhile=land, gate=landing.gate)
     except BaseException:
         w.close()
         raise
     size = w.seal()
+    if dest is not None:
+        dest.close()
     want = {"a": real[: 5 << 20].view(torch.float32),
             "b": real[5 << 20 : (9 << 20) + 8].view(torch.int64), "c": real[(9 << 20) + 8 :]}
     return w.records, size, want
 
 
-def test_blocks_written_while_landing_hold_the_landed_bytes(tmp_path):
-    records, size, want = written_while_landing(tmp_path)
+@pytest.mark.parametrize("into", [False, True], ids=["file", "into-mapped"])
+def test_blocks_written_while_landing_hold_the_landed_bytes(tmp_path, into):
+    records, size, want = written_while_landing(tmp_path, into=into)
     out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3)
     for k, t in want.items():  # read_shard checks every block's checksum too
         assert torch.equal(out[k].reshape(-1).view(torch.uint8),
                            t.reshape(-1).view(torch.uint8)), k
 
 
-def test_a_landing_that_fails_fails_the_write(tmp_path):
+@pytest.mark.parametrize("into", [False, True], ids=["file", "into-mapped"])
+def test_a_landing_that_fails_fails_the_write(tmp_path, into):
     with never_blocks("a write whose landing failed", 30), \
             pytest.raises(RuntimeError, match="copy engine stopped"):
-        written_while_landing(tmp_path, fail_at=6 << 20)
+        written_while_landing(tmp_path, fail_at=6 << 20, into=into)

@@ -217,6 +217,8 @@ class ShardWriter:
         def task(i: int, b: int) -> None:
             r, lo = self.records[i], b * block
             buf = views[i][lo : lo + block]
+            if gate is not None:
+                gate(addrs[i] + lo, addrs[i] + lo + len(buf))
             if self._dst is not None:  # hash and copy a piece at a time: read once, from cache
                 hasher = None if known[i] else checksum.hasher()
                 at, src = r.offset + lo, sources[i]
@@ -228,8 +230,6 @@ class ShardWriter:
                 if hasher is not None:
                     r.checksums[b] = hasher.hexdigest()
             else:
-                if gate is not None:
-                    gate(addrs[i] + lo, addrs[i] + lo + len(buf))
                 if not known[i]:
                     r.checksums[b] = checksum.digest(buf)
                 _pwrite(self._fd, self._dfd, addrs[i] + lo, buf, r.offset + lo)
@@ -242,7 +242,7 @@ class ShardWriter:
         tasks = [(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)]
         workers = 1 if small else threads
         compressed = any(r.codec is not None for r in self.records)
-        if meanwhile is not None and (workers <= 1 or self._dst is not None or compressed):
+        if meanwhile is not None and (workers <= 1 or compressed):
             meanwhile()  # all of it first: nothing writes beside it
             meanwhile = gate = None
         if meanwhile is None:

@@ -23,11 +23,13 @@ from ..format import rootdir
 from ..format.blocks import pwrite_all
 from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
+from ..save.landing import Landing
 from .pool import Mapped
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
 WINDOW = 32 << 20
 DEPTH = 4  # partner windows in flight
+READY_WAIT_S = 0.001  # a window not landed yet: MPI's progress is driven this often meanwhile
 
 
 class _Mapped:
@@ -185,17 +187,20 @@ class Exchange:
     # ------------------------------------------------------------- partner copies, streamed
 
     def stream(self, ranges: list[tuple[int, memoryview]], data_end: int,
-               take: Callable[[int], Mapped], on_window: Callable[[], None]
-               ) -> Future[Streamed]:
+               take: Callable[[int], Mapped], on_window: Callable[[], None],
+               landing: Landing | None = None) -> Future[Streamed]:
         """Start sending this rank's tensor bytes (``ranges``: each one's offset in its shard
         file and its bytes, straight from the snapshot) to its holder, and receiving the rank
         it holds into ``take(source)`` (its copy's file, recycled and mapped) at the same
-        offsets; on the exchange's own thread, while this rank writes its shard. A rank that
-        could not lay its shard out streams no ranges, so that its partner does not wait."""
-        return self._streamer.submit(self._stream, ranges, data_end, take, on_window)
+        offsets; on the exchange's own thread, while this rank writes its shard. With a
+        ``landing`` each window goes once its bytes have landed in host memory (``ranges`` in
+        the order they land). A rank that could not lay its shard out streams no ranges, so
+        that its partner does not wait."""
+        return self._streamer.submit(self._stream, ranges, data_end, take, on_window, landing)
 
     def _stream(self, ranges: list[tuple[int, memoryview]], data_end: int,
-                take: Callable[[int], Mapped], on_window: Callable[[], None]) -> Streamed:
+                take: Callable[[int], Mapped], on_window: Callable[[], None],
+                landing: Landing | None) -> Streamed:
         t0 = time.perf_counter()
         holder = partner_holder(self.teams, self.rank)
         source = partner_source(self.teams, self.rank)
@@ -217,11 +222,13 @@ class Exchange:
         out = [v[lo:lo + self.window] for _, v in ranges for lo in range(0, len(v), self.window)]
         into = [(int(off) + lo, min(self.window, int(n) - lo)) for off, n in their
                 for lo in range(0, int(n), self.window)]
+        ready = _ready(out, landing, keep)
         if keep.error is None and dest is not None:
-            # every window posted at once, straight into the copy's pages: MPI keeps the link
-            # busy, and no window waits for a thread posting the next one
-            pending = self.proto.start([(v, holder) for v in out],
-                                       [(dest.view(off, n), source) for off, n in into], phase)
+            # every window posted at once (each send once it has landed), straight into the
+            # copy's pages: MPI keeps the link busy, no window waits for a thread to post it
+            pending = self.proto.start_gated([(v, holder) for v in out],
+                                             [(dest.view(off, n), source) for off, n in into],
+                                             ready, phase)
             keep.do(on_window)
             pending.wait()
         else:  # through a scratch buffer, a few windows in flight, to be thrown away
@@ -232,6 +239,9 @@ class Exchange:
                     keep.do(on_window)
                 recv = ([(self.buffer(f"in{k % DEPTH}", into[k][1]), source)]
                         if k < len(into) else [])
+                if k < len(out):
+                    while not ready(k):
+                        pass
                 flying.append(self.proto.start([(out[k], holder)] if k < len(out) else [],
                                                recv, phase))
             while flying:
@@ -311,6 +321,23 @@ class Exchange:
             os.close(src)
         keep.check()
         return Moved((n - 1) * chunk, chunk)
+
+
+def _ready(out: list[memoryview], landing: Landing | None, keep: _Keep
+           ) -> Callable[[int], bool]:
+    """Whether window ``k`` of ``out`` has landed in host memory, waiting a millisecond at
+    most; a landing that failed is kept as this side's error, and the windows go all the same
+    (their bytes are not used: the save fails), so that the partner does not wait."""
+    def ready(k: int) -> bool:
+        if landing is None or keep.error is not None:
+            return True
+        addr = np.frombuffer(out[k], dtype=np.uint8).ctypes.data
+        try:
+            return landing.gate(addr, addr + len(out[k]), READY_WAIT_S)
+        except Exception as e:
+            keep.error = e
+            return True
+    return ready
 
 
 def _span(size: int, off: int, window: int) -> int:

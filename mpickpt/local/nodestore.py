@@ -25,6 +25,7 @@ from ..format.manifest import Manifest
 from ..format.names import shard_name
 from ..format.shard import ShardWriter, byte_view
 from ..mpi.protocol import Protocol
+from ..save.landing import Landing
 from ..save.request import SaveRequest, SaveResult
 from ..save.shards import RankShards, error_text
 from ..save.store import Published, discard
@@ -62,19 +63,22 @@ class NodeStore:
     def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
         """The shard, into its recycled file kept mapped (or a new one); with partner
         redundancy its tensor bytes stream to the holder meanwhile (:meth:`Exchange.stream`),
-        straight from the snapshot, and the copy of the rank held here comes in likewise."""
+        straight from the snapshot as they land in host memory, and the copy of the rank held
+        here comes in likewise."""
         lv, entry, error = self.lv, None, req.error
         streaming = lv.exchange is not None and lv.scheme == "partner"
         stream: Future[Streamed] | None = None
         sealed: list[ShardWriter] = []
 
-        def started(writer: ShardWriter, host: dict[str, torch.Tensor]) -> None:
+        def started(writer: ShardWriter, host: dict[str, torch.Tensor], landing: Landing | None
+                    ) -> None:
             nonlocal stream
             sealed.append(writer)
-            if streaming:
+            if streaming:  # in the order the bytes land in host memory
+                tensors = sorted((r for r in writer.records if r.codec is None and r.nbytes),
+                                 key=lambda r: host[r.name].data_ptr())
                 stream = self._stream(req, partial, writer.data_end, [
-                    (r.offset, byte_view(host[r.name])) for r in writer.records
-                    if r.codec is None and r.nbytes])
+                    (r.offset, byte_view(host[r.name])) for r in tensors], landing)
 
         try:
             if req.snapshot is not None and req.tree is not None:
@@ -95,13 +99,14 @@ class NodeStore:
         return entry, error
 
     def _stream(self, req: SaveRequest, partial: str, data_end: int,
-                ranges: list[tuple[int, memoryview]]) -> Future[Streamed]:
+                ranges: list[tuple[int, memoryview]], landing: Landing | None = None
+                ) -> Future[Streamed]:
         lv = self.lv
         assert lv.exchange is not None
         return lv.exchange.stream(
             ranges, data_end,
             lambda source: lv.take(partial, lv.names(source)),
-            lambda: faults.hit("mid-exchange", self.rank, req.step))
+            lambda: faults.hit("mid-exchange", self.rank, req.step), landing)
 
     def protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
                 error: str | None) -> str | None:

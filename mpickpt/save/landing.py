@@ -42,18 +42,21 @@ class Landing:
             self._cv.notify_all()
 
     def finish(self, error: BaseException | None = None) -> None:
-        """Every range has landed, or ``error`` stopped it: no gate waits any longer."""
+        """Every range has landed, or ``error`` stopped it: no gate waits any longer (a later
+        call changes nothing)."""
         with self._cv:
+            if self._done:
+                return
             self._done, self._error = True, error
             self._cv.notify_all()
 
-    def gate(self, addr: int, end: int) -> None:
-        """Block until the host bytes at addresses ``[addr, end)`` have landed; raise if emptying
-        the staging buffers failed."""
+    def gate(self, addr: int, end: int, timeout: float | None = None) -> bool:
+        """Block until the host bytes at addresses ``[addr, end)`` have landed (True), or for
+        ``timeout`` seconds at most (False if they have not); raise if emptying the staging
+        buffers failed."""
         a, b = addr - self.base, end - self.base
         with self._cv:
-            while not self._ready(a, b):
-                self._cv.wait()
+            return self._cv.wait_for(lambda: self._ready(a, b), timeout)
 
     def _ready(self, a: int, b: int) -> bool:
         if self._error is not None:

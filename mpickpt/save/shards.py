@@ -75,17 +75,19 @@ class RankShards:
 
     def write(self, req: SaveRequest, partial: str, name: str,
               into: Destination | None = None,
-              started: Callable[[ShardWriter, dict[str, torch.Tensor]], None] | None = None,
+              started: Callable[[ShardWriter, dict[str, torch.Tensor], Landing | None], None]
+              | None = None,
               pool: str | None = None) -> RankEntry:
         """This rank's shard ``name`` in ``partial``, written and fsynced (``into``: a file of
         the node-local level, already in place and mapped; ``pool``: where a retired file of
         that name may wait to be written over, :func:`~mpickpt.format.rootdir.take`).
-        ``started(writer, tensors)`` is called once the layout fixes where each tensor's bytes
-        go, before they are written."""
+        ``started(writer, tensors, landing)`` is called once the layout fixes where each
+        tensor's bytes go, before they are written; ``landing`` (else None) says how far the
+        tensors' bytes have landed in host memory while they still do (:class:`Landing`)."""
         assert req.snapshot is not None and req.tree is not None
         o, stats, t0 = self.options, req.stats, time.perf_counter()
-        # a full save into a file of its own writes each block as soon as it has landed
-        landing = req.snapshot.landing() if into is None and self.tracker is None else None
+        # a full save writes each block as soon as it has landed
+        landing = req.snapshot.landing() if self.tracker is None else None
         host, decision = self._host(req, landing is None)
         path = os.path.join(partial, name)
         rootdir.make_dirs(os.path.dirname(path))
@@ -105,7 +107,7 @@ class RankShards:
                              codecs=codecs, block=o.block, template=template)
         try:
             if started is not None:
-                started(writer, host)
+                started(writer, host, landing)
             t2 = time.perf_counter()
             writer.write(host, block=o.block, threads=o.io_threads,
                          on_block=lambda: faults.hit("mid-write", self.rank, req.step),
@@ -115,13 +117,12 @@ class RankShards:
             t3 = time.perf_counter()
             size = writer.seal()
             stats.update(create_s=t2 - t1, data_s=t3 - t2, seal_s=time.perf_counter() - t3)
-        except OSError as e:
+        except BaseException as e:
             writer.close()
-            if e.filename is None:  # pwrite and fsync name no file: say which
+            if landing is not None:  # whoever else waits on it (a partner stream) waits no more
+                landing.finish(e)
+            if isinstance(e, OSError) and e.filename is None:  # pwrite and fsync name no file
                 raise OSError(e.errno, e.strerror, path) from e
-            raise
-        except BaseException:
-            writer.close()
             raise
         return self._entry(req, name, size, writer.records, decision, t0)
 
