@@ -29,7 +29,7 @@ from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_ch
 
 WINDOW = 32 << 20
 DEPTH = 4  # partner windows in flight
-READY_WAIT_S = 0.001  # a window not landed yet: MPI's progress is driven this often meanwhile
+READY_WAIT_S = 0.05  # a window not landed yet: the deadline is looked at this often meanwhile
 
 
 class _Mapped:
@@ -224,11 +224,13 @@ class Exchange:
                 for lo in range(0, int(n), self.window)]
         ready = _ready(out, landing, keep)
         if keep.error is None and dest is not None:
-            # every window posted at once (each send once it has landed), straight into the
-            # copy's pages: MPI keeps the link busy, no window waits for a thread to post it
-            pending = self.proto.start_gated([(v, holder) for v in out],
-                                             [(dest.view(off, n), source) for off, n in into],
-                                             ready, phase)
+            # every window posted at once, straight into the copy's pages: MPI keeps the link
+            # busy, and no window waits for a thread posting the next one; while the bytes land
+            # (a GPU state), each send goes once its window has
+            sends = [(v, holder) for v in out]
+            recvs = [(dest.view(off, n), source) for off, n in into]
+            pending = (self.proto.start(sends, recvs, phase) if landing is None
+                       else self.proto.start_gated(sends, recvs, ready, phase))
             keep.do(on_window)
             pending.wait()
         else:  # through a scratch buffer, a few windows in flight, to be thrown away
@@ -325,9 +327,10 @@ class Exchange:
 
 def _ready(out: list[memoryview], landing: Landing | None, keep: _Keep
            ) -> Callable[[int], bool]:
-    """Whether window ``k`` of ``out`` has landed in host memory, waiting a millisecond at
-    most; a landing that failed is kept as this side's error, and the windows go all the same
-    (their bytes are not used: the save fails), so that the partner does not wait."""
+    """Whether window ``k`` of ``out`` has landed in host memory, waiting
+    :data:`READY_WAIT_S` at most; a landing that failed is kept as this side's error, and the
+    windows go all the same (their bytes are not used: the save fails), so that the partner
+    does not wait."""
     def ready(k: int) -> bool:
         if landing is None or keep.error is not None:
             return True
