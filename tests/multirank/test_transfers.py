@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from harness import SCENARIOS, run_mpi
 
@@ -22,3 +24,21 @@ def test_a_partner_stream_sends_each_window_once_it_has_landed(tmp_path):
         assert f"rank {rank}: landed: the copy holds the landed bytes" in job.stdout, job.output
     assert "rank 0: failed: the failed landing reported" in job.stdout, job.output
     assert "rank 1: failed: received all" in job.stdout, job.output
+
+
+@pytest.mark.parametrize("mode", ["hang", "stuck"])
+def test_a_gated_partner_stream_ends_at_its_deadline(tmp_path, mode):
+    """A peer that hangs, or bytes that never land: the stream ends with a CollectiveTimeout
+    naming the phase within its 3 s deadline, and does not hang."""
+    job = run_mpi(2, [str(SCENARIOS / "stream_landing.py"), str(tmp_path), mode], timeout=120)
+    took = re.findall(rf"rank (\d): {mode}: CollectiveTimeout after ([\d.]+) s: (.*)", job.stdout)
+    ranks = {"hang": {"0"}, "stuck": {"0", "1"}}[mode]
+    assert {r for r, _, _ in took} == ranks, job.output
+    for rank, seconds, text in took:
+        assert 2.5 <= float(seconds) <= 15, job.output
+        assert "the partner exchange with rank" in text, job.output
+        if mode == "stuck" and rank == "0":
+            assert "its data was not ready within 3 s" in text, job.output
+        else:
+            assert "did not complete within 3 s" in text, job.output
+    assert "without a deadline" not in job.stdout, job.output

@@ -5,6 +5,13 @@ MiB at a time. Each rank's copy of the other must hold the real bytes, never the
 too early. Then again with a landing that fails halfway on rank 0: that side reports the failure,
 its windows still go, and neither rank waits past its deadline.
 
+With a second argument, the deadlines of such a stream (3 s here), each must end it with a
+CollectiveTimeout naming the phase and never hang: ``hang``, rank 1 never joins the stream (a
+peer that hangs before it): rank 0 gives up at the deadline; ``stuck``, rank 0's bytes never
+land (for rank 1, a peer that stops in the middle of the stream): rank 0 gives up posting its
+sends, and rank 1, whose receives are posted and never fill, gives up waiting. Each rank then
+leaves at once (a job the deadline ends aborts).
+
 Run by tests/multirank/test_transfers.py with a directory to write into.
 """
 
@@ -18,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from mpickpt.errors import CollectiveTimeout
 from mpickpt.local.exchange import Exchange
 from mpickpt.local.pool import Maps
 from mpickpt.mpi.protocol import Protocol
@@ -25,7 +33,8 @@ from mpickpt.save.landing import Landing
 
 MIB = 1 << 20
 out_dir = sys.argv[1]
-proto = Protocol(timeout=60)
+mode = sys.argv[2] if len(sys.argv) > 2 else None
+proto = Protocol(timeout=3 if mode else 60)
 me, peer = proto.rank, 1 - proto.rank
 ex = Exchange(proto, [[0, 1]], "partner", window=MIB)
 maps = Maps()
@@ -86,6 +95,33 @@ def round_trip(name: str, fail_at: int | None) -> None:
     print(f"rank {me}: {name}: the copy holds the landed bytes", flush=True)
 
 
+
+
+def deadline(mode: str) -> None:
+    """One of the deadline cases (the docstring's); leaves the process."""
+    if mode == "hang" and me == 1:
+        time.sleep(20)  # never streams; the test's timeout is far off
+        os._exit(0)
+    host = torch.arange(4 * MIB, dtype=torch.int32).view(torch.uint8)[: 4 * MIB]
+    landing = Landing(host.data_ptr(), [(0, host.numel())])
+    if not (mode == "stuck" and me == 0):
+        landing.finish()  # everything is there
+    directory = os.path.join(out_dir, f"{mode}-{me}")
+    os.makedirs(directory, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        ex.stream([(4096, memoryview(host.numpy()))], 4096 + host.numel(),
+                  lambda src: maps.take(pool, directory, f"copy-{src}"), lambda: None,
+                  landing).result(60)
+        print(f"rank {me}: {mode}: the stream ended without a deadline", flush=True)
+    except CollectiveTimeout as e:
+        print(f"rank {me}: {mode}: CollectiveTimeout after {time.monotonic() - t0:.1f} s: {e}",
+              flush=True)
+    os._exit(0)
+
+
+if mode:
+    deadline(mode)
 round_trip("landed", None)
 round_trip("failed", 4 * MIB if me == 0 else None)
 ex.free()
