@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..format import rollback
+from ..format import rollback, rootdir
 from ..format.rollback import Rollback
 from ..log import human_bytes
 from . import (
@@ -49,6 +49,7 @@ class Survey:
     checked_bytes: int = 0
     seconds: float = 0.0
     not_shared: dict[str, Any] | None = None  # diagnose.not_shared: ROOT was node-local
+    pool: tuple[int, int] = (0, 0)  # ROOT/.pool: retired shard files, bytes allocated
 
     @property
     def committed(self) -> list[Entry]:
@@ -64,6 +65,7 @@ class Survey:
                 "current": self.current.step if self.current else None,
                 "checked_bytes": self.checked_bytes, "verify_seconds": round(self.seconds, 3),
                 "not_shared": self.not_shared,
+                "pool": {"files": self.pool[0], "bytes": self.pool[1]},
                 "checkpoints": [e.to_json(now) for e in self.entries]}
 
 
@@ -74,7 +76,7 @@ def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> 
     committed = [e for e in entries if e.status == "committed"]
     for e in committed:
         checks.quick(e)
-    s = Survey(root, entries, level)
+    s = Survey(root, entries, level, pool=rootdir.pooled(root))
     if level == "full":
         if chain:
             for e in committed:
@@ -125,6 +127,10 @@ def show(out: Out, s: Survey, now: float, local_step: int | None = None) -> None
     out.table(["", "STEP", "WRITTEN", "AGE", "RANKS", "SIZE", "STATUS", "NOTE"], rows,
               right=(1, 4, 5))
     out.line()
+    if s.pool[0]:
+        out.line(f"{rootdir.POOL}/: {s.pool[0]} shard file(s) of a retired checkpoint, "
+                 f"{human_bytes(s.pool[1])}, which the job's next save writes over "
+                 f"(`rm -r {os.path.join(s.root, rootdir.POOL)}` frees them while no job runs)")
     cur = s.current
     if local_step is not None:
         out.line(f"Checkpointer.restore() will load step {local_step} from the node-local "

@@ -300,6 +300,17 @@ def retire(path: str, run_id: str, pool: str, keep: Callable[[str], bool]) -> No
     shutil.rmtree(doomed)
 
 
+def pooled(root: str) -> tuple[int, int]:
+    """What ``ROOT/.pool`` holds: (files, bytes allocated); (0, 0) without one."""
+    files = allocated = 0
+    for dirpath, _, names in os.walk(os.path.join(root, POOL)):
+        for f in names:
+            with contextlib.suppress(FileNotFoundError):  # a save took it meanwhile
+                allocated += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                files += 1
+    return files, allocated
+
+
 def take(pool: str, name: str, dest: str) -> bool:
     """Move the pooled file ``name`` (relative to ``pool``) to ``dest``, if the pool has it as a
     regular file of this user with no other link (writing over a file that a hard link shares

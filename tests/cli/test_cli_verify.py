@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from clikit import (
@@ -85,6 +86,24 @@ def test_every_kind_of_damage_is_named(tmp_path, tmp_path_factory):
     assert "not valid JSON" in rows[(10, "corrupt")]["problems"][0]["reason"]
     code, out, _ = cli("ls", root)
     assert "no checkpoint passes verification" in out
+
+
+def test_ls_says_what_the_pool_of_retired_shards_holds(tmp_path, tmp_path_factory):
+    root = copy_tree(2, tmp_path_factory, tmp_path / "ckpt")
+    shutil.rmtree(root / ".pool", ignore_errors=True)
+    code, doc = cli_json("ls", root)
+    assert code == EXIT_OK and doc["pool"] == {"files": 0, "bytes": 0}
+    assert ".pool/" not in cli("ls", root)[1]
+    (root / ".pool" / "00").mkdir(parents=True)
+    for name, mib in (("rank-00000.h5", 3), ("00/rank-00001.h5", 1)):
+        (root / ".pool" / name).write_bytes(os.urandom(mib << 20))
+    code, doc = cli_json("ls", root)
+    assert code == EXIT_OK and doc["pool"]["files"] == 2
+    assert 4 << 20 <= doc["pool"]["bytes"] < (4 << 20) + (64 << 10)
+    out = cli("ls", root)[1]
+    assert ".pool/: 2 shard file(s) of a retired checkpoint, 4.2 MB, which the job's next save " \
+        "writes over" in out, out
+    assert f"rm -r {root / '.pool'}" in " ".join(out.split()), out
 
 
 def test_empty_root(tmp_path):
