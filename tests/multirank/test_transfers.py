@@ -18,7 +18,7 @@ def test_grouped_receives_arrive_where_asked_with_a_bounded_window_of_groups_in_
 
 @pytest.mark.quick
 def test_a_partner_stream_sends_each_window_once_it_has_landed(tmp_path):
-    job = run_mpi(2, [str(SCENARIOS / "stream_landing.py"), str(tmp_path)], timeout=120)
+    job = run_mpi(2, [str(SCENARIOS / "transfers_landing.py"), str(tmp_path)], timeout=120)
     assert job.returncode == 0, job.output
     for rank in (0, 1):
         assert f"rank {rank}: landed: the copy holds the landed bytes" in job.stdout, job.output
@@ -30,7 +30,7 @@ def test_a_partner_stream_sends_each_window_once_it_has_landed(tmp_path):
 def test_a_gated_partner_stream_ends_at_its_deadline(tmp_path, mode):
     """A peer that hangs, or bytes that never land: the stream ends with a CollectiveTimeout
     naming the phase within its 3 s deadline, and does not hang."""
-    job = run_mpi(2, [str(SCENARIOS / "stream_landing.py"), str(tmp_path), mode], timeout=120)
+    job = run_mpi(2, [str(SCENARIOS / "transfers_landing.py"), str(tmp_path), mode], timeout=120)
     took = re.findall(rf"rank (\d): {mode}: CollectiveTimeout after ([\d.]+) s: (.*)", job.stdout)
     ranks = {"hang": {"0"}, "stuck": {"0", "1"}}[mode]
     assert {r for r, _, _ in took} == ranks, job.output

@@ -10,7 +10,7 @@ CollectiveTimeout naming the phase and never hang: ``hang``, rank 1 never joins 
 peer that hangs before it): rank 0 gives up at the deadline; ``stuck``, rank 0's bytes never
 land (for rank 1, a peer that stops in the middle of the stream): rank 0 gives up posting its
 sends, and rank 1, whose receives are posted and never fill, gives up waiting. Each rank then
-leaves at once (a job the deadline ends aborts).
+leaves a few seconds later (a job the deadline ends aborts).
 
 Run by tests/multirank/test_transfers.py with a directory to write into.
 """
@@ -100,7 +100,7 @@ def round_trip(name: str, fail_at: int | None) -> None:
 def deadline(mode: str) -> None:
     """One of the deadline cases (the docstring's); leaves the process."""
     if mode == "hang" and me == 1:
-        time.sleep(20)  # never streams; the test's timeout is far off
+        time.sleep(10)  # never streams; the test's timeout is far off
         os._exit(0)
     host = torch.arange(4 * MIB, dtype=torch.int32).view(torch.uint8)[: 4 * MIB]
     landing = Landing(host.data_ptr(), [(0, host.numel())])
@@ -117,6 +117,7 @@ def deadline(mode: str) -> None:
     except CollectiveTimeout as e:
         print(f"rank {me}: {mode}: CollectiveTimeout after {time.monotonic() - t0:.1f} s: {e}",
               flush=True)
+    time.sleep(5)  # the other rank's deadline passes too: a rank that leaves ends the job
     os._exit(0)
 
 
