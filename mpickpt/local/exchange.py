@@ -233,7 +233,8 @@ class Exchange:
                        else self.proto.start_gated(sends, recvs, ready, phase))
             keep.do(on_window)
             pending.wait()
-        else:  # through a scratch buffer, a few windows in flight, to be thrown away
+        else:  # through a scratch buffer, a few windows in flight, to be thrown away; the
+            # save fails (no room for the copy), so this rank's windows go without waiting
             flying: deque[Pending] = deque()
             for k in range(max(len(out), len(into))):
                 while len(flying) >= DEPTH - 1:
@@ -241,9 +242,6 @@ class Exchange:
                     keep.do(on_window)
                 recv = ([(self.buffer(f"in{k % DEPTH}", into[k][1]), source)]
                         if k < len(into) else [])
-                if k < len(out):
-                    while not ready(k):
-                        pass
                 flying.append(self.proto.start([(out[k], holder)] if k < len(out) else [],
                                                recv, phase))
             while flying:

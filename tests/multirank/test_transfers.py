@@ -42,3 +42,16 @@ def test_a_gated_partner_stream_ends_at_its_deadline(tmp_path, mode):
         else:
             assert "did not complete within 3 s" in text, job.output
     assert "without a deadline" not in job.stdout, job.output
+
+
+def test_a_stream_whose_copy_has_no_room_waits_for_no_landing(tmp_path):
+    """Rank 0 has no room for its copy of rank 1 and its bytes never land: its save fails, so
+    its windows go at once; both streams end well before the deadline, rank 0's with the
+    error, and nobody times out."""
+    job = run_mpi(2, [str(SCENARIOS / "transfers_landing.py"), str(tmp_path), "stuck-full"],
+                  timeout=120)
+    ended = dict(re.findall(r"rank (\d): stuck-full: the stream ended without a deadline after "
+                            r"[\d.]+ s, error: (.*)", job.stdout))
+    assert set(ended) == {"0", "1"}, job.output
+    assert "No space left on device" in ended["0"] and ended["1"] == "None", job.output
+    assert "CollectiveTimeout" not in job.stdout, job.output

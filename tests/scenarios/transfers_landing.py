@@ -9,7 +9,9 @@ With a second argument, the deadlines of such a stream (3 s here), each must end
 CollectiveTimeout naming the phase and never hang: ``hang``, rank 1 never joins the stream (a
 peer that hangs before it): rank 0 gives up at the deadline; ``stuck``, rank 0's bytes never
 land (for rank 1, a peer that stops in the middle of the stream): rank 0 gives up posting its
-sends, and rank 1, whose receives are posted and never fill, gives up waiting. Each rank then
+sends, and rank 1, whose receives are posted and never fill, gives up waiting; ``stuck-full``,
+the same with no room for rank 0's copy of rank 1: rank 0's save fails, so its windows go at
+once without waiting to land, and neither rank waits for a deadline. Each rank then
 leaves a few seconds later (a job the deadline ends aborts).
 
 Run by tests/multirank/test_transfers.py with a directory to write into.
@@ -17,6 +19,7 @@ Run by tests/multirank/test_transfers.py with a directory to write into.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -27,7 +30,7 @@ import torch
 
 from mpickpt.errors import CollectiveTimeout
 from mpickpt.local.exchange import Exchange
-from mpickpt.local.pool import Maps
+from mpickpt.local.pool import Mapped, Maps
 from mpickpt.mpi.protocol import Protocol
 from mpickpt.save.landing import Landing
 
@@ -104,16 +107,22 @@ def deadline(mode: str) -> None:
         os._exit(0)
     host = torch.arange(4 * MIB, dtype=torch.int32).view(torch.uint8)[: 4 * MIB]
     landing = Landing(host.data_ptr(), [(0, host.numel())])
-    if not (mode == "stuck" and me == 0):
+    if not (mode.startswith("stuck") and me == 0):
         landing.finish()  # everything is there
     directory = os.path.join(out_dir, f"{mode}-{me}")
     os.makedirs(directory, exist_ok=True)
+
+    def take(src: int) -> Mapped:
+        if mode == "stuck-full" and me == 0:
+            raise OSError(errno.ENOSPC, "No space left on device", directory)
+        return maps.take(pool, directory, f"copy-{src}")
+
     t0 = time.monotonic()
     try:
-        ex.stream([(4096, memoryview(host.numpy()))], 4096 + host.numel(),
-                  lambda src: maps.take(pool, directory, f"copy-{src}"), lambda: None,
-                  landing).result(60)
-        print(f"rank {me}: {mode}: the stream ended without a deadline", flush=True)
+        streamed = ex.stream([(4096, memoryview(host.numpy()))], 4096 + host.numel(), take,
+                             lambda: None, landing).result(60)
+        print(f"rank {me}: {mode}: the stream ended without a deadline after "
+              f"{time.monotonic() - t0:.1f} s, error: {streamed.error}", flush=True)
     except CollectiveTimeout as e:
         print(f"rank {me}: {mode}: CollectiveTimeout after {time.monotonic() - t0:.1f} s: {e}",
               flush=True)
