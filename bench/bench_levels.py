@@ -769,6 +769,24 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
 table = bench_cpu.columns
 
 
+PHASES = (("copy_s", "into host memory"), ("data_s", "shard written"),
+          ("stream_s", "partner stream"), ("protect_s", "protect"), ("protected_s", "protected"))
+
+
+def phases_report(p1: dict[str, Any]) -> list[str]:
+    """Rank 0's own figures of each mpickpt row's timed saves (median), from save(): where the
+    time to protected goes."""
+    out = []
+    for r in p1.values():
+        stats = [x.get("mpickpt_stats") or {} for x in r.get("reps", [])]
+        have = [(label, statistics.median(s[k] for s in stats)) for k, label in PHASES
+                if stats and all(k in s for s in stats)]
+        if have:
+            out.append(f"  {r['label']}, rank 0's phases (median s): "
+                       + ", ".join(f"{label} {v:.3f}" for label, v in have))
+    return out
+
+
 def bounds_report(doc: dict[str, Any]) -> list[str]:
     """Part 0's table, and the ratios the node-local level is held to (issue goals in
     brackets)."""
@@ -828,8 +846,8 @@ def report(doc: dict[str, Any]) -> str:
                      f"{r['protected_s']:.3f} ({r['protected_best_s']:.3f})",
                      f"{r['first_s']:.3f}", f"{gb / r['protected_s']:.2f}", r["protects"]))
     out += [table(("method", "save() s", "protected s", "first s", "state GB/s", "survives"),
-                  rows),
-            ""]
+                  rows)]
+    out += [*phases_report(p1), ""]
     out.append(f"2. training: {p2['steps']} steps, {p2['passes_per_step']} forward pass(es) of "
                f"batch {p2['batch']} each, checkpoint at the local level every {p2['every']} "
                f"steps ({p2['checkpoints']} checkpoints)")
