@@ -222,7 +222,6 @@ class Exchange:
         out = [v[lo:lo + self.window] for _, v in ranges for lo in range(0, len(v), self.window)]
         into = [(int(off) + lo, min(self.window, int(n) - lo)) for off, n in their
                 for lo in range(0, int(n), self.window)]
-        ready = _ready(out, landing, keep)
         if keep.error is None and dest is not None:
             # every window posted at once, straight into the copy's pages: MPI keeps the link
             # busy, and no window waits for a thread posting the next one; while the bytes land
@@ -230,7 +229,8 @@ class Exchange:
             sends = [(v, holder) for v in out]
             recvs = [(dest.view(off, n), source) for off, n in into]
             pending = (self.proto.start(sends, recvs, phase) if landing is None
-                       else self.proto.start_gated(sends, recvs, ready, phase))
+                       else self.proto.start_gated(sends, recvs, _ready(out, landing, keep),
+                                                   phase))
             keep.do(on_window)
             pending.wait()
         else:  # through a scratch buffer, a few windows in flight, to be thrown away; the
@@ -323,14 +323,13 @@ class Exchange:
         return Moved((n - 1) * chunk, chunk)
 
 
-def _ready(out: list[memoryview], landing: Landing | None, keep: _Keep
-           ) -> Callable[[int], bool]:
+def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[int], bool]:
     """Whether window ``k`` of ``out`` has landed in host memory, waiting
     :data:`READY_WAIT_S` at most; a landing that failed is kept as this side's error, and the
     windows go all the same (their bytes are not used: the save fails), so that the partner
     does not wait."""
     def ready(k: int) -> bool:
-        if landing is None or keep.error is not None:
+        if keep.error is not None:
             return True
         addr = np.frombuffer(out[k], dtype=np.uint8).ctypes.data
         try:
