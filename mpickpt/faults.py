@@ -36,8 +36,9 @@ LEVEL_PHASES = ("mid-exchange", "after-exchange-before-vote", "mid-local-commit"
 # leave every kept checkpoint loadable)
 RETENTION_PHASES = ("mid-retention",)
 # the node-local level's recovery: each window of a shard copied from its partner (the donor
-# and the receiver)
-RECOVERY_PHASES = ("mid-rebuild",)
+# and the receiver); the copy out of a slot of the restore's ring into place (the "step" is
+# the ring group's number: local/ring.py)
+RECOVERY_PHASES = ("mid-rebuild", "mid-ring-copy")
 ALL_PHASES = PHASES + LEVEL_PHASES + RETENTION_PHASES + RECOVERY_PHASES
 ACTIONS = ("kill", "raise", "hang", "exit", "delay")
 EXIT_CODE = 17

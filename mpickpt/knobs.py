@@ -122,11 +122,16 @@ CHECK_PIECES_RANKS = Knob("MPICKPT_CHECK_PIECES_RANKS", 64, _count, "a number of
                           "with index parts, rank 0 reads every part at the commit to check "
                           "that sharded tensors tile, up to this many ranks (above, a restore "
                           "checks the pieces it reads); 0 never")
+RESTORE_GPU_ROOM = Knob("MPICKPT_RESTORE_GPU_ROOM", True, _flag, "0 or 1",
+                        "0: a restore from the local level whose bytes come over MPI takes "
+                        "them through host memory, not GPU memory set aside while they come "
+                        "(used where the GPU has the shard's bytes and 1 GiB free)")
 FAULT = Knob("MPICKPT_FAULT", "", str, "phase:rank:action[:step],...",
              "fault injection for tests (mpickpt/faults.py); unset in production")
 
 ALL: tuple[Knob, ...] = (TIMEOUT, TIMEOUT_GRACE, DEADLINE, REQUEUE, SIGNAL, LOG, EXIT_GRACE,
-                         READY_FILE, ABORT_DELAY, NODE, BACKEND, CHECK_PIECES_RANKS, FAULT)
+                         READY_FILE, ABORT_DELAY, NODE, BACKEND, CHECK_PIECES_RANKS,
+                         RESTORE_GPU_ROOM, FAULT)
 
 
 def markdown_table() -> str:

@@ -129,7 +129,7 @@ class LocalRecovery:
         rank, the rank whose copy serves its bytes straight into the restore, and
         :meth:`write_back` rebuilds the files afterwards."""
         d = self.path(step)
-        clock = _Clock()
+        clock = Clock()
         self.served, self._pending, self.manifest = {}, None, None
         inv = self.proto.allgather(self._inventory(d), "local-inventory")
         holders = [r for r, (has, _, _) in enumerate(inv) if has]
@@ -197,7 +197,7 @@ class LocalRecovery:
         t = time.perf_counter()
         step, whole, manifest, text, level_text, moves, xor_lost, layout = pending
         why, _ = self._rebuild(step, whole, manifest, text, level_text, moves, xor_lost,
-                               layout, True, _Clock())
+                               layout, True, Clock())
         if self.rank == 0:
             if why is not None:
                 self.log.error("step %d was restored, but writing the lost shards back to their "
@@ -259,7 +259,7 @@ class LocalRecovery:
     def _rebuild(self, step: int, whole: bool, manifest: Manifest, text: str,
                  level_text: str | None, moves: list[tuple[int, int]],
                  xor_lost: dict[int, int], layout: dict[str, Any], verify: bool,
-                 clock: _Clock) -> tuple[str | None, int]:
+                 clock: Clock) -> tuple[str | None, int]:
         """Bring every lost shard back (``moves``: partner copies, ``xor_lost``: a rebuild per
         team), into the node's committed directory where it holds the step (``whole``), else
         into its partial directory, which its leader then publishes. Collective. (Why it
@@ -353,7 +353,7 @@ def receivers(moves: list[tuple[int, int]], xor_lost: dict[int, int]) -> set[int
     return {r for _, r in moves} | set(xor_lost.values())
 
 
-class _Clock:
+class Clock:
     """Seconds per phase, each lap from the end of the one before."""
 
     def __init__(self) -> None:

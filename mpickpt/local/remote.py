@@ -35,11 +35,12 @@ import torch
 
 from .. import faults
 from ..errors import ShardError
-from ..format.iothreads import Batch
+from ..format.iothreads import Batch, start_tasks
 from ..format.manifest import Manifest
 from ..format.reader import MappedSpans, Span, read_spans, start_verify_spans
 from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
+from .ring import Ring
 
 WINDOW = 256 << 20  # bytes per message at most
 GROUP = 32 << 20  # bytes received, at least, before they are verified (remote._groups)
@@ -56,15 +57,20 @@ def _pieces(t: object) -> list[object]:
 
 def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
           threads: int, failed: bool, servers: dict[int, int] | None = None,
-          served_from: Callable[[int], str] | None = None) -> tuple[bool, str | None]:
+          served_from: Callable[[int], str] | None = None,
+          ring: Ring | None = None) -> tuple[bool, str | None]:
     """Fill the spans of ``wanted`` (shard's rank -> spans of that shard) from the rank that
     serves each shard (its own rank, or in ``servers`` the rank that holds a copy of a lost
     one), verify what came, and serve what others ask of the shards on this rank's node.
     ``failed``: this rank could not plan (it asks for nothing); ``served_from(rank)``: the
-    directory that rank serves from (``directory`` if not given), to name a damaged copy.
+    directory that rank serves from (``directory`` if not given), to name a damaged copy;
+    ``ring``: the uncompressed spans land in its slots and are copied into place from there
+    (:mod:`mpickpt.local.ring`: for destinations in GPU memory).
     (whether every rank's transfer happened and what it received is intact, this rank's
     reason if not); collective."""
     servers = servers or {}
+    if ring is not None:  # asked for in pieces of at most a slot
+        wanted = {owner: _split(spans, ring.size) for owner, spans in wanted.items()}
     asks: list[list[tuple[int, str, int, int]]] = [[] for _ in range(proto.size)]
     for owner, spans in ({} if failed else wanted).items():
         asks[servers.get(owner, owner)] += [(owner, s.record.name, s.lo, s.hi) for s in spans
@@ -84,11 +90,21 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
         why = failure(e)
     if not proto.all_ok(why is None and not failed, "local-serve"):
         return False, why
-    groups = _groups([(owner, servers.get(owner, owner), s) for owner, spans in wanted.items()
-                      for s in spans if s.nbytes])
-    pending = proto.start_grouped(sends, [[(b, server) for _, server, s in g
-                                           for b in _pieces(s.dest)] for g in groups],
-                                  "local-fetch")
+    groups, rings = _groups([(owner, servers.get(owner, owner), s)
+                             for owner, spans in wanted.items() for s in spans if s.nbytes],
+                            ring.size if ring is not None else 0)
+    lands = [_landing(g, ring.slot(r)) if ring is not None and r is not None
+             else [s.dest for _, _, s in g] for g, r in zip(groups, rings, strict=True)]
+
+    def before_post(k: int) -> None:
+        if ring is not None and rings[k] is not None:
+            ring.wait_free(rings[k])
+
+    pending = proto.start_grouped(sends, [[(b, server) for (_, server, _), d in zip(g, land,
+                                                                                  strict=True)
+                                           for b in _pieces(d)]
+                                          for g, land in zip(groups, lands, strict=True)],
+                                  "local-fetch", before_post=before_post)
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
     for m in mapped:  # the pages to send mapped in ahead of MPI's copy, while it runs
@@ -97,23 +113,17 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     # while the next ones move (compressed ones: by their server, as it decompressed them)
     checks: list[Batch] = []
     try:
-        for group, arrived in zip(groups, pending, strict=False):
+        for group, land, r, arrived in zip(groups, lands, rings, pending, strict=False):
             arrived.wait()
-            by_source: dict[tuple[int, int], list[Span]] = {}
-            for owner, server, s in group:
-                if s.record.codec is None:
-                    by_source.setdefault((owner, server), []).append(s)
-            for (owner, server), spans in by_source.items():
-                where = served_from(server) if served_from is not None else directory
-                try:  # the group's spans of one shard from one sender at once
-                    checks.append(start_verify_spans(
-                        owner, os.path.join(where, manifest.ranks[owner].file), spans,
-                        block=manifest.checksum_block, threads=threads,
-                        how=f" as rank {server} sent it"))
-                except Exception as e:
-                    why = why or failure(e)
+            started, error = _use(group, land, ring if r is not None else None, r, manifest,
+                                  served_from or (lambda _: directory), threads, proto.rank)
+            checks += started
+            if error is not None:
+                why = why or failure(error)
         pending[-1].wait()
     except BaseException:
+        if ring is not None:
+            ring.abandon()
         for c in checks:
             c.abandon()
         raise
@@ -125,18 +135,90 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     return why is None, why
 
 
-def _groups(coming: list[tuple[int, int, Span]]) -> list[list[tuple[int, int, Span]]]:
+def _use(group: list[tuple[int, int, Span]], land: list[torch.Tensor], ring: Ring | None,
+         r: int | None, manifest: Manifest, served_from: Callable[[int], str], threads: int,
+         rank: int) -> tuple[list[Batch], Exception | None]:
+    """A group that is in: its uncompressed spans verified where they landed (a slot of the
+    ring, or in place), by shard and sender, and with a ring copied into place from its slot,
+    which is free again once both are done; all started on the I/O threads. (The batches, and
+    the error of one that could not start.)"""
+    by_source: dict[tuple[int, int], list[Span]] = {}
+    for (owner, server, s), d in zip(group, land, strict=True):
+        if s.record.codec is None:  # (compressed ones: by their server, as it decompressed)
+            by_source.setdefault((owner, server), []).append(Span(s.record, s.lo, s.hi, d))
+    started: list[Batch] = []
+    error = None
+    for (owner, server), spans in by_source.items():
+        try:  # the group's spans of one shard from one sender at once
+            started.append(start_verify_spans(
+                owner, os.path.join(served_from(server), manifest.ranks[owner].file), spans,
+                block=manifest.checksum_block, threads=threads, how=f" as rank {server} sent it"))
+        except Exception as e:
+            error = error or e
+    if ring is not None and r is not None:
+        started.append(_into_place([(s.dest, d) for (_, _, s), d in zip(group, land, strict=True)],
+                                   threads, rank, r))
+        ring.release_after(r, [f for b in started for f in b.futures])
+    return started, error
+
+
+def _groups(coming: list[tuple[int, int, Span]], slot: int = 0
+            ) -> tuple[list[list[tuple[int, int, Span]]], list[int | None]]:
     """The spans to receive, in order, in groups of at least :data:`GROUP` bytes (the last may
     be less): what is verified at once, as soon as all of it is in (fewer wake-ups than a
-    span at a time where tensors are small)."""
+    span at a time where tensors are small). With ``slot``, the uncompressed spans go in
+    groups of at most ``slot`` bytes of their own, each landing in a slot of the ring. (The
+    groups, and each one's number among the ring's groups, or None.)"""
     out: list[list[tuple[int, int, Span]]] = []
-    size = GROUP
+    rings: list[int | None] = []
+    size, count = GROUP, 0
     for c in coming:
-        if size >= GROUP:
+        ringed = bool(slot) and c[2].record.codec is None
+        if ringed:
+            new = not out or rings[-1] is None or size + c[2].nbytes > slot
+        else:
+            new = not out or rings[-1] is not None or size >= GROUP
+        if new:
             out.append([])
+            rings.append(count if ringed else None)
+            count += ringed
             size = 0
         out[-1].append(c)
         size += c[2].nbytes
+    return out, rings
+
+
+def _split(spans: list[Span], size: int) -> list[Span]:
+    """Uncompressed spans cut into pieces of at most ``size`` bytes (a whole number of
+    checksum blocks, so that each piece is verified on its own); the rest as they are."""
+    out: list[Span] = []
+    for s in spans:
+        if s.record.codec is not None:
+            out.append(s)
+            continue
+        out += [Span(s.record, s.lo + a, min(s.lo + a + size, s.hi), s.dest[a:a + size])
+                for a in range(0, s.nbytes, size)]
+    return out
+
+
+def _into_place(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int, rank: int,
+                r: int) -> Batch:
+    """Each ``(destination, slot bytes)`` of ring group ``r`` copied (into the GPU, mostly),
+    started on the I/O threads."""
+    def task(i: int, _: int) -> None:
+        if not i:
+            faults.hit("mid-ring-copy", rank, r)
+        pairs[i][0].copy_(pairs[i][1])
+
+    return start_tasks([(i, 0) for i in range(len(pairs))], task, threads)
+
+
+def _landing(group: list[tuple[int, int, Span]], slot: torch.Tensor) -> list[torch.Tensor]:
+    """Where each span of a ring group lands: one after another in ``slot``."""
+    out, at = [], 0
+    for _, _, s in group:
+        out.append(slot[at:at + s.nbytes])
+        at += s.nbytes
     return out
 
 

@@ -141,12 +141,15 @@ class Protocol:
         return Pending(self, sent, what, job=lambda: received.result() or self.comm.waitall(sent))
 
     def start_grouped(self, sends: list[tuple[Any, int]], groups: list[list[tuple[Any, int]]],
-                      phase: str, ahead: int = 4) -> list[Pending]:
+                      phase: str, ahead: int = 4,
+                      before_post: Callable[[int], None] | None = None) -> list[Pending]:
         """:meth:`start` with the receives in groups: a :class:`Pending` per group, in order,
         then one for the sends. Only ``ahead`` groups are posted at a time, the next as each
         one is in, so that they arrive in order (posted all at once, MPI moves them side by
         side and the first is complete only near the end of all): a group can be used as soon
-        as its own wait returns while the next ones move."""
+        as its own wait returns while the next ones move. ``before_post(k)`` returns once
+        group ``k``'s buffers may be written (a ring of buffers: once an earlier group's are
+        used); it runs on the transfer thread, and an error it raises fails the transfer."""
         if ahead < 1:
             raise ValueError(f"ahead must be 1 or more, not {ahead}")
         peers = sorted({p for _, p in sends} | {p for g in groups for _, p in g})
@@ -156,6 +159,8 @@ class Protocol:
 
         def post(k: int) -> None:
             if k < len(groups):
+                if before_post is not None:
+                    before_post(k)
                 recvs[k] = [self.comm.irecv(buf, src, TAG_DATA) for buf, src in groups[k]]
 
         def arrival(k: int) -> Callable[[], str | None]:

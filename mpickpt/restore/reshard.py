@@ -30,6 +30,7 @@ from ..format.reader import Span, mapped_spans, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
+from .device_room import DeviceRoom, to_device
 
 # a record used where it lies in its file must start on such a boundary (a tensor's elements
 # aligned; tensors of 1 MiB and more start on 1 MiB): a smaller one goes through the buffer
@@ -111,6 +112,7 @@ class Plan:
     # the entries whose records it reads, by rank (a writer of replicated tensors: maybe only
     # those records, from the manifest's replicated part)
     entries: dict[int, RankEntry] = field(default_factory=dict)
+    devices: dict[str, torch.device] = field(default_factory=dict)  # where the state has each
 
     def specs(self) -> dict[str, ArraySpec]:
         return {n: ArraySpec(t.dtype, t.shape) for n, t in self.targets.items()}
@@ -207,8 +209,10 @@ def _plan(manifest: Manifest, source: int, names: list[str], own: dict[str, Tens
             hi = min(-(-end * item // block) * block, s.record.nbytes)
             wanted.setdefault(s.key, []).append(ByteRange(lo, hi))
     spans = {k: _merge(v) for k, v in wanted.items()}
+    devices = {n: t.device for n, t in live.items()
+               if n in targets and isinstance(t, torch.Tensor)}
     return Plan(source, entry.tree, targets, spans,
-                {k.rank: entries[k.rank] for k in spans})
+                {k.rank: entries[k.rank] for k in spans}, devices)
 
 
 def _target(name: str, own: dict[str, TensorRecord],
@@ -289,6 +293,8 @@ class Staged:
     staged: dict[RecordKey, list[Span]]  # stored record -> its spans, in byte order
     # target -> the one whole record it is, used where it lies in its file (mapped, verified)
     mapped: dict[str, Source] = field(default_factory=dict)
+    # a mapped target -> its room on the GPU, where it is copied once verified (device_room)
+    device_out: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
              on_block: Callable[[], None] | None = None) -> None:
@@ -312,6 +318,9 @@ class Staged:
                                      block=block, threads=threads)
                 for (n, src), view in zip(whole, views, strict=True):
                     self.out[n] = _over(view, src.record)
+                moved = [n for n, _ in whole if n in self.device_out]
+                to_device([(self.device_out[n], self.out[n]) for n in moved], threads)
+                self.out |= {n: self.device_out[n] for n in moved}
                 if on_block is not None:
                     on_block()
 
@@ -325,23 +334,32 @@ class Staged:
 
 
 def stage(p: Plan, buffer: Callable[[int], torch.Tensor],
-          mappable: Callable[[int], bool] | None = None) -> Staged:
+          mappable: Callable[[int], bool] | None = None, room: DeviceRoom | None = None
+          ) -> Staged:
     """Allocate the targets of ``p`` in one ``buffer`` and lay out the spans to read: a record
     that lands whole in one contiguous range of its target is read straight there. A target
     that is one whole record, uncompressed and in the shard of a rank that ``mappable`` accepts
     (a file in memory: the node-local level's own shards), takes no room in the buffer: it is
-    used where it lies in its file (:attr:`Staged.mapped`)."""
+    used where it lies in its file (:attr:`Staged.mapped`). With ``room``, the targets the
+    state has on its GPU whose uncompressed bytes come from other ranks or are mapped get
+    their room there instead, if it has it (:mod:`mpickpt.restore.device_room`)."""
     mapped = {n: t.sources[0] for n, t in p.targets.items()
               if mappable is not None and len(t.sources) == 1 and _whole(t, t.sources[0])
               and mappable(t.sources[0].rank)}
-    offsets, pos = {}, 0
-    for name, t in p.targets.items():
-        if name not in mapped:
-            offsets[name] = pos
-            pos = align(pos + t.nbytes)
+    gpu = set() if room is None else {
+        n for n, t in p.targets.items() if p.devices.get(n) == room.device
+        and all(s.record.codec is None and (n in mapped or room.fetched(s.rank))
+                for s in t.sources)}
+    at_gpu, gpu_pos = _layout(p, gpu)
+    on_gpu = room.buffer(gpu_pos) if gpu and room is not None else None
+    if on_gpu is None:
+        gpu, at_gpu = set(), {}
+    offsets, pos = _layout(p, set(p.targets) - set(mapped) - gpu)
     buf = buffer(pos) if pos else torch.empty(0, dtype=torch.uint8)
-    out = {n: buf[offsets[n]: offsets[n] + t.nbytes].view(dtypes.torch_dtype(t.dtype))
-           .view(t.shape) for n, t in p.targets.items() if n not in mapped}
+    out = {n: (on_gpu if n in gpu else buf)[at: at + p.targets[n].nbytes]
+           .view(dtypes.torch_dtype(p.targets[n].dtype)).view(p.targets[n].shape)
+           for n, at in (offsets | at_gpu).items()}
+    device_out = {n: out.pop(n) for n in gpu & set(mapped)}
     direct: dict[RecordKey, int] = {}
     for t in p.targets.values():
         for src in t.sources:
@@ -367,7 +385,17 @@ def stage(p: Plan, buffer: Callable[[int], torch.Tensor],
                 spans.append(Span(src.record, r.lo, r.hi, dest))
             by_rank.setdefault(key.rank, []).extend(spans)
             staged[key] = spans
-    return Staged(p, out, by_rank, direct, staged, mapped)
+    return Staged(p, out, by_rank, direct, staged, mapped, device_out)
+
+
+def _layout(p: Plan, names: set[str]) -> tuple[dict[str, int], int]:
+    """Offsets of the targets ``names`` one after another, aligned, and the bytes they take."""
+    offsets, pos = {}, 0
+    for name, t in p.targets.items():
+        if name in names:
+            offsets[name] = pos
+            pos = align(pos + t.nbytes)
+    return offsets, pos
 
 
 def _whole(t: Target, src: Source) -> bool:

@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +38,12 @@ from ..format.manifest import NAME as MANIFEST
 from ..format.manifest import Manifest, read_bytes
 from ..format.reader import Span
 from ..format.records import check_file, check_records
-from ..local.recovery import LocalRecovery
+from ..local.recovery import Clock, LocalRecovery
 from ..local.remote import fetch as remote_fetch
 from ..mpi.protocol import Protocol
 from ..save.pinned_pool import HostPool
 from . import provenance, reshard
+from .device_room import DeviceRoom
 
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
@@ -73,6 +73,9 @@ class RestoreInfo:
     # (level "local", a node directory in memory) of bytes_read, used where they lie in this
     # node's files: verified in place, never copied into a buffer
     mapped_bytes: int = 0
+    # (level "local") bytes of GPU memory the state's bytes were put in while they came over
+    # MPI, taken by the state after the vote (restore/device_room.py)
+    room_bytes: int = 0
     root_bytes: int = 0  # read from ROOT by every rank
     # seconds of each phase on this rank (level "local": the recovery's, then "load")
     phases: dict[str, float] = field(default_factory=dict)
@@ -89,9 +92,14 @@ class Restorer:
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
         self.mapped_bytes = 0  # of bytes_read, used where they lie (a node directory in memory)
+        self.room_bytes = 0  # put in GPU memory set aside while bytes came over MPI
         self.fetched_bytes = 0  # the node-local level: received from other nodes' ranks
         self.served_bytes = 0  # and of its own lost shard, from the rank holding its copy
         self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
+        # seconds of the last load's parts on this rank: stage (plan, buffers), fetch (the
+        # node-local level's transfer), own-read (this node's shards, beside the fetch),
+        # apply (the verify vote, then into the state)
+        self.phases: dict[str, float] = {}
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
             explicit: bool = False, local: LocalRecovery | None = None,
@@ -119,6 +127,7 @@ class Restorer:
                 info.network_bytes = local.last.received if level == "local" and local else 0
                 info.fetched_bytes = self.fetched_bytes if level == "local" else 0
                 info.mapped_bytes = self.mapped_bytes if level == "local" else 0
+                info.room_bytes = self.room_bytes if level == "local" else 0
                 break
             info.skipped.append((step, verdict))
             later = [t for t in tries[n + 1:] if t[0] == step]
@@ -147,6 +156,7 @@ class Restorer:
             got = self._try(state, step, local.path(step), nodes, local.served,
                             local.manifest, lambda r: local.path_of(r, step))
             local.last.phases["load"] = time.perf_counter() - t
+            local.last.phases.update({f"load.{k}": v for k, v in self.phases.items()})
             if local.served:
                 local.last.received = self.served_bytes
             return got
@@ -226,17 +236,17 @@ class Restorer:
         self.manifest = manifest
         verdict, err, arrays, held = _OK, None, {}, []
         plan = None
-        self.mapped_bytes = 0
+        self.mapped_bytes = self.room_bytes = 0
+        clock = Clock()
+        self.phases = clock.phases
 
         def buffer(nbytes: int) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
             self.pool.lock(held[-1])  # before the loop: fast copies to the GPU (pinned_pool)
             return held[-1]
 
-        where = path
-        staged: reshard.Staged | None = None
+        where, staged, reading, room = path, None, None, None
         remote: dict[int, list[Span]] = {}
-        reading: Future[None] | None = None
         try:
             # records that cannot be are damage (fall back), before they are compared with the
             # state (a mismatch stops the restore) or anything is allocated for them
@@ -247,27 +257,23 @@ class Restorer:
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             _check_records(plan, needed - {source}, path, manifest.checksum_block)
-            staged, here, remote = self._stage(plan, path, needed, served, nodes, buffer)
-
-            def read_here() -> None:
-                assert staged is not None
-                staged.read(manifest, path, here, threads=self.io_threads,
-                            on_block=lambda: faults.hit("mid-restore-read", self.rank,
-                                                        manifest.step))
-
+            staged, here, remote, room = self._stage(plan, path, needed, served, nodes,
+                                                     buffer, manifest.checksum_block)
+            clock.lap("stage")
             if nodes is None:
-                read_here()
+                self._read_here(staged, manifest, path, here, clock.phases)
             else:  # this node's shards read while the others' bytes come over MPI below
-                reading = pool(1, False).submit(read_here)
+                reading = pool(1, False).submit(self._read_here, staged, manifest, path, here,
+                                                clock.phases)
             self.mapped_bytes = sum(src.record.nbytes for src in staged.mapped.values())
             self.bytes_read = self.mapped_bytes + sum(
                 s.nbytes for r in here for s in staged.by_rank.get(r, []))
         except Exception as e:
             verdict, err = self._verdict(e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed
-            moved, why = remote_fetch(self.proto, remote, manifest, path, self.io_threads,
-                                      failed=verdict != _OK, servers=served,
-                                      served_from=served_from)
+            moved, why = self._fetch(remote, manifest, path, verdict != _OK, served,
+                                     served_from, room)
+            clock.lap("fetch")
             if reading is not None:
                 try:
                     reading.result()
@@ -275,25 +281,50 @@ class Restorer:
                     verdict, err = self._verdict(e, where, manifest, path)
             if not moved:
                 verdict, err = max(verdict, _CORRUPT), err or why
-            # this rank's own lost shard, and the rest (other ranks' shards, replicated shares)
-            self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
-            self.fetched_bytes = sum(s.nbytes for r, spans in remote.items() if r != self.rank
-                                     for s in spans)
         if verdict == _OK and staged is not None:
             arrays = staged.finish()
+        clock.lap("read")
         try:
             tree = plan.tree if plan is not None else {}
             return self._agree_and_apply(path, manifest, tree, state, arrays, verdict, err)
         finally:
+            clock.lap("apply")
             arrays.clear()
             for buf in held:
                 self.pool.release(buf)
+            staged = remote = None  # (views of the room on the GPU)
+            if room is not None:
+                self.room_bytes = sum(b.numel() for b in room.held)
+                room.close()
+
+    def _fetch(self, remote: dict[int, list[Span]], manifest: Manifest, path: str,
+               failed: bool, served: dict[int, int], served_from: Callable[[int], str] | None,
+               room: DeviceRoom | None) -> tuple[bool, str | None]:
+        """The node-local level's transfer (:func:`mpickpt.local.remote.fetch`), and the bytes
+        this rank received: of its own lost shard, and the rest (other ranks' shards,
+        replicated shares)."""
+        got = remote_fetch(self.proto, remote, manifest, path, self.io_threads, failed=failed,
+                           servers=served, served_from=served_from,
+                           ring=room.ring if room is not None else None)
+        self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
+        self.fetched_bytes = sum(s.nbytes for r, spans in remote.items() if r != self.rank
+                                 for s in spans)
+        return got
+
+    def _read_here(self, staged: reshard.Staged, manifest: Manifest, path: str,
+                   here: list[int], phases: dict[str, float]) -> None:
+        """Read and verify this node's shards of ``here`` (:meth:`reshard.Staged.read`)."""
+        t = time.perf_counter()
+        staged.read(manifest, path, here, threads=self.io_threads,
+                    on_block=lambda: faults.hit("mid-restore-read", self.rank, manifest.step))
+        phases["own-read"] = time.perf_counter() - t
 
     def _stage(self, plan: reshard.Plan, path: str, needed: set[int], served: dict[int, int],
-               nodes: Sequence[str] | None, buffer: Callable[[int], torch.Tensor]
-               ) -> tuple[reshard.Staged, list[int], dict[int, list[Span]]]:
+               nodes: Sequence[str] | None, buffer: Callable[[int], torch.Tensor], block: int
+               ) -> tuple[reshard.Staged, list[int], dict[int, list[Span]], DeviceRoom | None]:
         """This node's shards of the ``needed`` ranks checked, the targets laid out: (the
-        staging, the ranks whose shards are read here, the spans that come from other ranks)."""
+        staging, the ranks whose shards are read here, the spans that come from other ranks,
+        the room on the GPU it took, if any)."""
         def on_node(r: int) -> bool:
             return r not in served and (nodes is None or nodes[r] == nodes[self.rank])
 
@@ -301,11 +332,18 @@ class Restorer:
         _check_files(plan, {r for r in needed if on_node(r)}, path)
         # the node-local level in memory: this node's shards are used where they lie
         in_memory = nodes is not None and rootdir.in_memory(path)
-        staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None)
+        # bytes moving over MPI (a lost node's, or shares of other nodes' ranks): meanwhile
+        # into GPU memory, where it has the room, and this rank's own mapped ones too
+        room = DeviceRoom.find(plan.devices, lambda r: not on_node(r)) \
+            if nodes is not None and (served or not all(map(on_node, needed))) else None
+        staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None,
+                               room=room)
         here = sorted({r for r in staged.by_rank if on_node(r)}
                       | {src.rank for src in staged.mapped.values()})
         remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}
-        return staged, here, remote
+        if room is not None and room.held and any(remote.values()):
+            room.take_ring(block, self.pool.pin)  # the received bytes' way into the room
+        return staged, here, remote, room
 
     def _verdict(self, e: Exception, where: str, manifest: Manifest, path: str
                  ) -> tuple[int, str]:

@@ -224,13 +224,56 @@ def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
     assert all(reports[r]["final"] == reference[4][r] for r in range(4))
 
 
+ROOM_BLOCK = 4096  # the checksum block of the room cases: the ring's slots hold 8 KiB
+
+
+@pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
+@pytest.mark.parametrize("replicated", [False, True], ids=["own-state", "replicated"])
+def test_a_lost_nodes_bytes_go_through_the_ring_into_room_set_aside(
+        tmp_path: Path, reference, guarantees, in_memory, replicated: bool) -> None:
+    """The way a restore over MPI goes for a state on a GPU with room (restore/device_room.py,
+    local/ring.py), run in host memory with 4 KiB checksum blocks, so that each shard moves in
+    many groups through the ring's six slots: node 1 lost, its shards come from node 0's
+    partner copies through the ring into the room (a replicated model: every rank's shares
+    of other nodes too), node 0's own mapped tensors are copied there once verified, and the
+    run ends bit-identical. Rank 2's copy out of the first group's slot is held up a second
+    (a fault point): the groups that come meanwhile wait for it rather than land in a slot in
+    use."""
+    done, reports = crash_then_resume(tmp_path, 4, [1], redundancy="partner", per_node=2,
+                                      window=WINDOW, replicated=replicated, room=ROOM_BLOCK,
+                                      fault="mid-ring-copy:2:delay:0")
+    finals = reference[4, replicated]
+    guarantees.record(SUITE, f"ring-{'replicated' if replicated else 'own'}",
+                      outcome(reports, 4, CRASH, finals), done.output[-2000:])
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(4)]
+    assert {r["step"] for r in restored} == {CRASH} and {r["level"] for r in restored} == {
+        "local"}, restored
+    assert [r["source"].startswith("partner copy") for r in restored] == [False, False, True,
+                                                                            True], restored
+    for r in range(4):  # the model staged in the room: all of it that came over MPI; of a
+        # survivor's own, the tensors mapped where they lie (those of a block or more, aligned)
+        least = restored[r]["model_bytes"] - (0 if r >= 2 or replicated else ROOM_BLOCK)
+        assert restored[r]["room_bytes"] >= least > 0, (r, str(restored[r]))
+    for r in (2, 3):  # the lost shard: many groups, so every slot of the ring used again
+        if not replicated:
+            assert restored[r]["network_bytes"] > 6 * 2 * ROOM_BLOCK, restored[r]
+    # a replicated model: every rank gets the shares of the other node's ranks through it
+    assert all((r["fetched_bytes"] > 0) == replicated for r in restored), restored
+    assert all(reports[r]["final"] == finals[r] for r in range(4))
+
+
 @pytest.mark.guarantee("damage-detected", "resume-bit-identical")
+@pytest.mark.parametrize("room", [False, True], ids=["host", "ring"])
 def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
-        tmp_path: Path, reference, guarantees) -> None:
+        tmp_path: Path, reference, guarantees, room: bool) -> None:
     """Node 1 lost, and node 0's copy of rank 2's shard has a flipped byte: rank 2 verifies the
-    bytes it received, the restore names the file they came from, the sender and the tensor and
-    falls back to ROOT; the run ends bit-identical."""
+    bytes it received (where they landed: its buffer, or a slot of the ring), the restore names
+    the file they came from, the sender and the tensor and falls back to ROOT; the run ends
+    bit-identical."""
     settings: dict[str, Any] = {"redundancy": "partner", "per_node": 2}
+    if room:
+        settings["room"] = ROOM_BLOCK
     crashed, _ = job(tmp_path, "crash", 4, crash_after=CRASH, **settings)
     assert crashed.returncode != 0, crashed.output
     shutil.rmtree(local_of(tmp_path) / "n1")
@@ -241,8 +284,8 @@ def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
     data[rec["offset"] + rec["nbytes"] // 2] ^= 0xFF
     copy.write_bytes(bytes(data))
     done, reports = job(tmp_path, "resume", 4, **settings)
-    guarantees.record(SUITE, "damaged-copy-served", outcome(reports, 4, DRAINED, reference[4]),
-                      done.output[-2000:])
+    guarantees.record(SUITE, "damaged-copy-served" + ("-ring" if room else ""),
+                      outcome(reports, 4, DRAINED, reference[4]), done.output[-2000:])
     assert done.returncode == 0, done.output
     assert str(copy) in done.stderr and rec["name"] in done.stderr, done.output
     assert re.search(r"checksum mismatch in block \d+ \(bytes \d+\.\.\d+\) as rank [01] sent "

@@ -20,6 +20,11 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
   ``replicated=("model",)``: each rank writes a share of it, and a restore from the local level
   needs the shares of other nodes' ranks;
 * ``device``: where the model's tensors live (default ``cpu``; ``cuda``: on the GPU);
+* ``room``: checksum blocks and tensor alignment of that many bytes, and a restore whose
+  bytes move over MPI goes the way it goes for a state on a GPU with room
+  (``restore/device_room.py``, ``local/ring.py``), in host memory: the room set aside is CPU
+  memory, and the ring's slots hold two blocks, so that the small state moves in many groups
+  and every slot is used again;
 * ``verify``: restore only, then check ROOT alone: a Checkpointer without the local level
   restores every step committed in ROOT explicitly; each must be bit for bit the state trained
   to that step (``root_steps`` in the report).
@@ -47,7 +52,8 @@ from mpi4py import MPI
 import mpickpt
 from mpickpt import faults
 from mpickpt.format import rootdir
-from mpickpt.local import exchange
+from mpickpt.local import exchange, ring
+from mpickpt.restore import device_room, restorer
 
 NAMES = ("w1", "w2", "b")
 
@@ -125,6 +131,8 @@ def main() -> None:
     os.environ["MPICKPT_NODE"] = f"n{rank // plan.get('per_node', 1)}"
     if plan.get("window"):
         exchange.WINDOW = plan["window"]
+    if plan.get("room"):
+        _host_room(plan["room"])
     report: dict[str, Any] = {"rank": rank, "saves": {}}
     ck = mpickpt.Checkpointer(
         plan["root"], keep=plan.get("keep"), timeout=plan.get("timeout", 60),
@@ -132,7 +140,9 @@ def main() -> None:
                             persist_every=plan.get("persist_every"),
                             keep=plan.get("keep_local", 1), budget=plan.get("local_budget"),
                             xor_set=plan.get("xor_set")),
-        replicated=("model",) if REPLICATED else ())
+        replicated=("model",) if REPLICATED else (),
+        files=mpickpt.Files(checksum_block=plan["room"], alignment=plan["room"])
+        if plan.get("room") else "per-rank")
     faults.configure(plan.get("fault", ""))
     state = initial(rank)
     start = ck.restore(state) or 0
@@ -143,7 +153,8 @@ def main() -> None:
         "network_bytes": info.network_bytes, "total_network_bytes": info.total_network_bytes,
         "root_bytes": info.root_bytes, "skipped": info.skipped, "digest": digest(state),
         "fetched_bytes": info.fetched_bytes, "mapped_bytes": info.mapped_bytes,
-        "bytes_read": info.bytes_read,
+        "bytes_read": info.bytes_read, "room_bytes": info.room_bytes,
+        "model_bytes": sum(t.nbytes for t in state["model"].values()),
         "exact": digest(state) == digest(trained(rank, start))}
     ck.wait()  # a lost node's shards, loaded from their copies, are written back behind it
     # this rank's node directory once the restore's write-back is done (a rebuilt node: whole)
@@ -180,6 +191,22 @@ def main() -> None:
     report["final"] = digest(state)
     report["drained"] = ck.drained
     _write(plan, rank, report)
+
+
+def _host_room(block: int) -> None:
+    """The plan's ``room``: restore/device_room.py's room taken in host memory (CPU tensors),
+    and the ring's slots two checksum blocks of ``block`` bytes."""
+    class HostRoom(device_room.DeviceRoom):
+        @classmethod
+        def find(cls, devices: Any, fetched: Any) -> device_room.DeviceRoom:
+            return cls(torch.device("cpu"), fetched)
+
+        def buffer(self, nbytes: int) -> torch.Tensor:
+            self.held.append(torch.empty(nbytes, dtype=torch.uint8))
+            return self.held[-1]
+
+    restorer.DeviceRoom = HostRoom  # type: ignore[misc]
+    ring.SLOT = 2 * block
 
 
 def _damage_pool(pool: str) -> None:

@@ -1,0 +1,103 @@
+"""A ring of page-locked slots through which a restore's received bytes go to the GPU.
+
+A lost node's shard (or any bytes another rank sends a restore) bound for a state on a GPU does
+not need a host buffer as large as itself, faulted in and page-locked before the first byte can
+come (0.5-0.8 s for 2.8 GB on an H100 host): each group of received spans lands in one slot of a
+small page-locked ring, is verified there against the manifest and copied to the GPU memory set
+aside for the restore, both on the I/O threads, and the slot is used again by a later group.
+:func:`mpickpt.local.remote.fetch` drives it: a group's receives are posted only once the group
+that last used its slot is done with it (:meth:`Ring.wait_free`, on the transfer thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from ..save.pinned_pool import HostPool
+
+SLOT = 64 << 20  # bytes per slot, at least (a whole number of checksum blocks)
+SLOTS = 6  # the groups posted ahead (remote's transfer posts 4) and two being used
+
+
+def slot_bytes(block: int) -> int:
+    """The size of a slot for checksum blocks of ``block`` bytes: whole blocks, at least
+    :data:`SLOT`."""
+    return max(1, -(-SLOT // block)) * block
+
+
+def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
+    """A ring for checksum blocks of ``block`` bytes in memory of its own, page-locked where
+    ``pin`` (not a slot of the Checkpointer's pool, which the restore's buffer takes), and
+    what lets it go."""
+    size = slot_bytes(block)
+    pool = HostPool(SLOTS * size, pin=pin)
+    buf = pool.acquire(SLOTS * size)
+    pool.lock(buf)
+
+    def close() -> None:
+        pool.release(buf)
+        pool.close()
+
+    return Ring(buf, size), close
+
+
+class RingAbandoned(RuntimeError):
+    """The restore's transfer stopped: no slot will be freed."""
+
+
+class Ring:
+    """:data:`SLOTS` slots of ``size`` bytes in ``buf`` (a page-locked uint8 CPU tensor of at
+    least ``SLOTS * size`` bytes). Ring group ``r`` uses slot ``r % SLOTS``, once ring group
+    ``r - SLOTS`` has released it."""
+
+    def __init__(self, buf: torch.Tensor, size: int) -> None:
+        if buf.numel() < SLOTS * size:
+            raise ValueError(f"a ring of {SLOTS} slots of {size} bytes needs "
+                             f"{SLOTS * size} bytes, not {buf.numel()}")
+        self.size = size
+        self.slots = [buf[i * size:(i + 1) * size] for i in range(SLOTS)]
+        self._done: set[int] = set()
+        self._cond = threading.Condition()
+        self._abandoned = False
+
+    def slot(self, r: int) -> torch.Tensor:
+        return self.slots[r % SLOTS]
+
+    def wait_free(self, r: int) -> None:
+        """Until ring group ``r``'s slot may be written; :class:`RingAbandoned` once
+        :meth:`abandon` was called."""
+        with self._cond:
+            while r >= SLOTS and r - SLOTS not in self._done and not self._abandoned:
+                self._cond.wait()
+            if self._abandoned:
+                raise RingAbandoned("the transfer into the restore's ring was abandoned")
+
+    def release_after(self, r: int, futures: list[Future[None]]) -> None:
+        """Release ring group ``r``'s slot once ``futures`` (what reads it) are done, whatever
+        their outcome (their errors are the caller's to gather)."""
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: object = None) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] <= 0
+            if last:
+                with self._cond:
+                    self._done.add(r)
+                    self._cond.notify_all()
+
+        if not futures:
+            one_done()
+        for f in futures:
+            f.add_done_callback(one_done)
+
+    def abandon(self) -> None:
+        """Wake every :meth:`wait_free` with :class:`RingAbandoned` (the transfer failed)."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()

@@ -1,0 +1,95 @@
+"""GPU memory set aside for a restore whose bytes come over MPI: filled while they come, taken
+by the state device to device once every rank has verified what it holds.
+
+A restore from the node-local level after a lost node waits for the lost shard's bytes from
+its partner. Through host memory, the state can take them only after they are all in and
+verified, and then at the speed of a copy to the GPU from pageable memory (the serving rank's
+own shard, mapped where it lies) or after page-locking a buffer as large as the shard (the
+receiving rank's). With room on the GPU, both copies run while the bytes move: the received
+ones through a small ring of page-locked slots (:mod:`mpickpt.local.ring`), a rank's own mapped
+shard once its checksums pass; after the verify vote the state copies from GPU memory. Nothing
+of the state changes before that vote, as before.
+
+Used only where the GPU has the room free (with :data:`HEADROOM` to spare), a target's bytes
+are uncompressed, and ``MPICKPT_RESTORE_GPU_ROOM`` is not 0; otherwise the restore goes through
+host memory as it did.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from .. import knobs
+from ..format.iothreads import run_tasks
+from ..local.ring import Ring, pinned_ring
+
+HEADROOM = 1 << 30  # bytes of the GPU left free, at least, when room is set aside
+PIECE = 64 << 20  # bytes per copy into the GPU on the I/O threads
+
+log = logging.getLogger("mpickpt")
+
+
+class DeviceRoom:
+    """Room on ``device`` for the targets whose bytes come from other ranks (``fetched(rank)``)
+    or are mapped where they lie."""
+
+    def __init__(self, device: torch.device, fetched: Callable[[int], bool]) -> None:
+        self.device, self.fetched = device, fetched
+        self.held: list[torch.Tensor] = []
+        self.ring: Ring | None = None  # the received bytes' way in (take_ring)
+        self._let_go: Callable[[], None] | None = None
+
+    @classmethod
+    def find(cls, devices: dict[str, torch.device], fetched: Callable[[int], bool]
+             ) -> DeviceRoom | None:
+        """For the GPU that holds most of the state's targets (``devices``), if any."""
+        cuda = Counter(d for d in devices.values() if d.type == "cuda")
+        if not cuda or not torch.cuda.is_available() or not knobs.RESTORE_GPU_ROOM.get():
+            return None
+        return cls(cuda.most_common(1)[0][0], fetched)
+
+    def buffer(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of GPU memory, or None where the GPU does not have them free."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if nbytes + HEADROOM > free:
+            log.debug("restore: %d bytes of %s free, %d wanted: through host memory", free,
+                      self.device, nbytes)
+            return None
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            return None
+        self.held.append(buf)
+        return buf
+
+    def take_ring(self, block: int, pin: bool) -> None:
+        """A ring for the bytes received into the room (checksum blocks of ``block`` bytes;
+        page-locked where ``pin``): :attr:`ring`."""
+        self.ring, self._let_go = pinned_ring(block, pin)
+
+    def close(self) -> None:
+        """Let the ring go, and the room back to the GPU (every view of it dropped before)."""
+        if self._let_go is not None:
+            self.ring, self._let_go = None, self._let_go()
+        if self.held:
+            self.held.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def to_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+    """Copy each ``(GPU destination, host source)`` of the same shape, in pieces of at most
+    :data:`PIECE` bytes on ``threads`` (copies from pageable memory go faster side by side)."""
+    flat = [(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
+            for d, s in pairs]
+    tasks = [(i, a) for i, (d, _) in enumerate(flat) for a in range(0, d.numel(), PIECE)]
+
+    def task(i: int, a: int) -> None:
+        d, s = flat[i]
+        d[a:a + PIECE].copy_(s[a:a + PIECE])
+
+    run_tasks(tasks, task, threads)
