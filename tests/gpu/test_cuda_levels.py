@@ -30,7 +30,8 @@ def shm():
     shutil.rmtree(where, ignore_errors=True)
 
 
-def job(base: Path, local: Path, name: str, **plan: Any) -> tuple[Any, dict[int, dict]]:
+def job(base: Path, local: Path, name: str, env: dict[str, str] | None = None,
+        **plan: Any) -> tuple[Any, dict[int, dict]]:
     """tests/scenarios/levels.py on 2 ranks, one per node, the model on the GPU."""
     out = base / f"out-{name}"
     full = {"root": str(base / "root"), "local": str(local), "steps": LAST, "every": 10,
@@ -39,21 +40,25 @@ def job(base: Path, local: Path, name: str, **plan: Any) -> tuple[Any, dict[int,
     base.mkdir(parents=True, exist_ok=True)
     path = base / f"plan-{name}.json"
     path.write_text(json.dumps(full))
-    done = run_mpi(2, [str(JOB), str(path)], timeout=240)
+    done = run_mpi(2, [str(JOB), str(path)], timeout=240, env=env)
     reports = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)
                if (out / f"rank-{r}.json").exists()}
     return done, reports
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("room", ["1", "0"], ids=["gpu-room", "host-memory"])
 def test_a_lost_node_on_the_gpu_comes_back_from_its_partner_and_ends_bit_identical(
-        tmp_path: Path, shm: Path) -> None:
+        tmp_path: Path, shm: Path, room: str) -> None:
+    """The lost shard comes through the ring into GPU memory set aside (restore/device_room.py),
+    or with MPICKPT_RESTORE_GPU_ROOM=0 through host memory; bit for bit either way."""
     ref, refs = job(tmp_path / "ref", shm / "ref", "ref")
     assert ref.returncode == 0, ref.output
     crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH)
     assert crashed.returncode != 0, crashed.output
     shutil.rmtree(shm / "run" / "n1")
-    done, reports = job(tmp_path / "run", shm / "run", "resume")
+    done, reports = job(tmp_path / "run", shm / "run", "resume",
+                        env={"MPICKPT_RESTORE_GPU_ROOM": room})
     assert done.returncode == 0, done.output
     restored = [reports[r]["restore"] for r in range(2)]
     assert [r["step"] for r in restored] == [CRASH, CRASH], restored
@@ -61,6 +66,9 @@ def test_a_lost_node_on_the_gpu_comes_back_from_its_partner_and_ends_bit_identic
     assert restored[1]["source"].startswith("partner copy from rank 0"), restored
     assert all(r["exact"] for r in restored), restored
     assert restored[0]["mapped_bytes"] > 0, restored  # its own shard, verified where it lies
+    # the lost rank's whole model through the ring into the room; none with the room off
+    assert [r["room_bytes"] >= r["model_bytes"] for r in restored][1] == (room == "1"), restored
+    assert restored[1]["room_bytes"] == 0 or room == "1", restored
     for r in range(2):
         assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
 
