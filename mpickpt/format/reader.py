@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import ShardError
@@ -143,6 +144,12 @@ class MappedSpans:
         self._spans = spans
         self.views = [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]
 
+    def address(self) -> tuple[int, int] | None:
+        """(where the file is mapped, its bytes), or None for an empty file."""
+        if self._map is None:
+            return None
+        return np.frombuffer(self._map, dtype=np.uint8).ctypes.data, len(self._map)
+
     def populate(self, threads: int = 4) -> None:
         """Map the spans' pages in ahead of their use (``MADV_POPULATE_READ``, in pieces on
         ``threads``): bytes about to be sent, so that MPI's copy does not take a page fault at
@@ -209,15 +216,6 @@ def _verify_views(rank: int, path: str, views: list[tuple[TensorRecord, int, mem
                              f"{at + len(got)}){how}: the data is corrupt", tensor=r.name)
 
     return start_tasks(tasks, task, threads)
-
-
-def mapped_spans(rank: int, path: str, file_bytes: int,
-                 spans: list[tuple[TensorRecord, int, int]], *,
-                 block: int = checksum.DEFAULT_BLOCK, threads: int = 4) -> list[memoryview]:
-    """The views of :class:`MappedSpans`, every block verified first."""
-    mapped = MappedSpans(rank, path, file_bytes, spans, block=block)
-    mapped.verify(threads)
-    return mapped.views
 
 
 def _whole_blocks(r: TensorRecord, lo: int, hi: int, block: int) -> bool:

@@ -26,11 +26,11 @@ from ..format import dtypes, state_tree
 from ..format.blocks import align
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
-from ..format.reader import Span, mapped_spans, read_spans
+from ..format.reader import MappedSpans, Span, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
-from .device_room import DeviceRoom, to_device
+from .device_room import DeviceRoom, verify_into
 
 # a record used where it lies in its file must start on such a boundary (a tensor's elements
 # aligned; tensors of 1 MiB and more start on 1 MiB): a smaller one goes through the buffer
@@ -313,14 +313,13 @@ class Staged:
             whole = [(n, src) for n, src in self.mapped.items() if src.rank == src_rank]
             if whole:
                 path, size = os.path.join(directory, entry.file), entry.bytes
-                views = mapped_spans(src_rank, path, size,
-                                     [(src.record, 0, src.record.nbytes) for _, src in whole],
-                                     block=block, threads=threads)
-                for (n, src), view in zip(whole, views, strict=True):
-                    self.out[n] = _over(view, src.record)
-                moved = [n for n, _ in whole if n in self.device_out]
-                to_device([(self.device_out[n], self.out[n]) for n in moved], threads)
-                self.out |= {n: self.device_out[n] for n in moved}
+                mapped = MappedSpans(src_rank, path, size, [(src.record, 0, src.record.nbytes)
+                                                             for _, src in whole], block=block)
+                verify_into(mapped, {i: self.device_out[n] for i, (n, _) in enumerate(whole)
+                                     if n in self.device_out}, threads)  # (their room: GPU)
+                for (n, src), view in zip(whole, mapped.views, strict=True):
+                    self.out[n] = self.device_out[n] if n in self.device_out else \
+                        _over(view, src.record)
                 if on_block is not None:
                     on_block()
 
