@@ -1,0 +1,73 @@
+"""The restore's ring of slots (mpickpt/local/ring.py): a slot is written again only once what
+read it is done, a transfer that fails wakes whoever waits for a slot, and a ring whose memory
+could not be made says why to whoever asks for a slot."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from mpickpt.local.ring import SLOTS, Ring, RingAbandoned, pinned_ring, slot_bytes
+
+
+def test_a_slot_is_free_again_only_once_every_reader_of_its_last_group_is_done() -> None:
+    ring = Ring(8, torch.zeros(SLOTS * 8, dtype=torch.uint8))
+    for r in range(SLOTS):  # the first SLOTS groups: their slots are free from the start
+        ring.wait_free(r)
+    readers = [Future[None](), Future[None]()]
+    ring.release_after(0, readers)
+    waited = threading.Event()
+    t = threading.Thread(target=lambda: (ring.wait_free(SLOTS), waited.set()))
+    t.start()
+    readers[0].set_result(None)
+    assert not waited.wait(0.2), "group SLOTS got slot 0 while its last group was being read"
+    readers[1].set_exception(RuntimeError("a failed check still frees the slot"))
+    assert waited.wait(5), "group SLOTS never got slot 0 once its readers were done"
+    t.join()
+    assert ring.slot(SLOTS).data_ptr() == ring.slot(0).data_ptr()
+    ring.release_after(1, [])  # nothing read it: free at once
+    ring.wait_free(SLOTS + 1)
+
+
+def test_an_abandoned_transfer_wakes_whoever_waits_for_a_slot() -> None:
+    ring = Ring(8, torch.zeros(SLOTS * 8, dtype=torch.uint8))
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            ring.wait_free(SLOTS)
+        except RingAbandoned as e:
+            got.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.1)
+    ring.abandon()
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1, got
+
+
+def test_a_ring_whose_memory_could_not_be_made_says_why() -> None:
+    ring = Ring(8)
+    ring.fill(None, MemoryError("no room for the ring"))
+    with pytest.raises(MemoryError, match="no room for the ring"):
+        ring.slot(0)
+    small = Ring(8)
+    small.fill(torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="6 slots of 8 bytes needs 48 bytes"):
+        small.wait_ready()
+
+
+def test_a_pinned_ring_is_made_beside_the_caller_and_its_slots_are_whole_blocks() -> None:
+    assert slot_bytes(1 << 20) == 64 << 20 and slot_bytes(256 << 20) == 256 << 20
+    ring, close = pinned_ring(1 << 20, pin=False)
+    try:
+        ring.wait_ready()
+        assert [s.numel() for s in ring.slots] == [64 << 20] * SLOTS
+        assert len({s.data_ptr() for s in ring.slots}) == SLOTS
+    finally:
+        close()
