@@ -1,6 +1,6 @@
 """The restore's ring of slots (mpickpt/local/ring.py): a slot is written again only once what
-read it is done, a transfer that fails wakes whoever waits for a slot, and a ring whose memory
-could not be made says why to whoever asks for a slot."""
+read it is done, a transfer that fails wakes whoever waits for a slot, and a ring too small for
+its slots is refused."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mpickpt.local.ring import SLOTS, Ring, RingAbandoned, pinned_ring, slot_byt
 
 
 def test_a_slot_is_free_again_only_once_every_reader_of_its_last_group_is_done() -> None:
-    ring = Ring(8, torch.zeros(SLOTS * 8, dtype=torch.uint8))
+    ring = Ring(torch.zeros(SLOTS * 8, dtype=torch.uint8), 8)
     for r in range(SLOTS):  # the first SLOTS groups: their slots are free from the start
         ring.wait_free(r)
     readers = [Future[None](), Future[None]()]
@@ -34,7 +34,7 @@ def test_a_slot_is_free_again_only_once_every_reader_of_its_last_group_is_done()
 
 
 def test_an_abandoned_transfer_wakes_whoever_waits_for_a_slot() -> None:
-    ring = Ring(8, torch.zeros(SLOTS * 8, dtype=torch.uint8))
+    ring = Ring(torch.zeros(SLOTS * 8, dtype=torch.uint8), 8)
     got: list[BaseException] = []
 
     def wait() -> None:
@@ -51,22 +51,15 @@ def test_an_abandoned_transfer_wakes_whoever_waits_for_a_slot() -> None:
     assert not t.is_alive() and len(got) == 1, got
 
 
-def test_a_ring_whose_memory_could_not_be_made_says_why() -> None:
-    ring = Ring(8)
-    ring.fill(None, MemoryError("no room for the ring"))
-    with pytest.raises(MemoryError, match="no room for the ring"):
-        ring.slot(0)
-    small = Ring(8)
-    small.fill(torch.zeros(8, dtype=torch.uint8))
+def test_a_buffer_too_small_for_the_slots_is_refused() -> None:
     with pytest.raises(ValueError, match="6 slots of 8 bytes needs 48 bytes"):
-        small.wait_ready()
+        Ring(torch.zeros(8, dtype=torch.uint8), 8)
 
 
-def test_a_pinned_ring_is_made_beside_the_caller_and_its_slots_are_whole_blocks() -> None:
+def test_a_pinned_rings_slots_are_whole_checksum_blocks_of_their_own_memory() -> None:
     assert slot_bytes(1 << 20) == 64 << 20 and slot_bytes(256 << 20) == 256 << 20
     ring, close = pinned_ring(1 << 20, pin=False)
     try:
-        ring.wait_ready()
         assert [s.numel() for s in ring.slots] == [64 << 20] * SLOTS
         assert len({s.data_ptr() for s in ring.slots}) == SLOTS
     finally:

@@ -86,8 +86,6 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     mapped: list[MappedSpans] = []
     try:
         sends = _serve(proto.rank, requests, manifest, directory, threads, mapped)
-        if ring is not None:  # its memory made beside the ask and the maps
-            ring.wait_ready()
     except Exception as e:
         why = failure(e)
     if not proto.all_ok(why is None and not failed, "local-serve"):

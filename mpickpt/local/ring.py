@@ -32,31 +32,17 @@ def slot_bytes(block: int) -> int:
 def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
     """A ring for checksum blocks of ``block`` bytes in memory of its own, page-locked where
     ``pin`` (not a slot of the Checkpointer's pool, which the restore's buffer takes), and
-    what lets it go. Its memory is made and locked on a thread of its own, beside the
-    restore's ask and its partner's maps: :meth:`Ring.wait_ready` before the first slot."""
+    what lets it go."""
     size = slot_bytes(block)
     pool = HostPool(SLOTS * size, pin=pin)
-    ring = Ring(size)
-    bufs: list[torch.Tensor] = []
-
-    def make() -> None:
-        try:
-            bufs.append(pool.acquire(SLOTS * size))
-            pool.lock(bufs[0])
-            ring.fill(bufs[0])
-        except BaseException as e:  # the transfer's vote fails with it (remote.fetch)
-            ring.fill(None, e)
-
-    maker = threading.Thread(target=make, daemon=True, name="mpickpt-ring")
-    maker.start()
+    buf = pool.acquire(SLOTS * size)
+    pool.lock(buf)
 
     def close() -> None:
-        maker.join()
-        for buf in bufs:
-            pool.release(buf)
+        pool.release(buf)
         pool.close()
 
-    return ring, close
+    return Ring(buf, size), close
 
 
 class RingAbandoned(RuntimeError):
@@ -64,39 +50,21 @@ class RingAbandoned(RuntimeError):
 
 
 class Ring:
-    """:data:`SLOTS` slots of ``size`` bytes (in a page-locked uint8 CPU tensor of at least
-    ``SLOTS * size`` bytes, given now or later by :meth:`fill`). Ring group ``r`` uses slot
-    ``r % SLOTS``, once ring group ``r - SLOTS`` has released it."""
+    """:data:`SLOTS` slots of ``size`` bytes in ``buf`` (a page-locked uint8 CPU tensor of at
+    least ``SLOTS * size`` bytes). Ring group ``r`` uses slot ``r % SLOTS``, once ring group
+    ``r - SLOTS`` has released it."""
 
-    def __init__(self, size: int, buf: torch.Tensor | None = None) -> None:
+    def __init__(self, buf: torch.Tensor, size: int) -> None:
+        if buf.numel() < SLOTS * size:
+            raise ValueError(f"a ring of {SLOTS} slots of {size} bytes needs "
+                             f"{SLOTS * size} bytes, not {buf.numel()}")
         self.size = size
-        self.slots: list[torch.Tensor] = []
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
+        self.slots = [buf[i * size:(i + 1) * size] for i in range(SLOTS)]
         self._done: set[int] = set()
         self._cond = threading.Condition()
         self._abandoned = False
-        if buf is not None:
-            self.fill(buf)
-
-    def fill(self, buf: torch.Tensor | None, error: BaseException | None = None) -> None:
-        """The slots' memory, or why there is none."""
-        if buf is not None and buf.numel() < SLOTS * self.size:
-            error = ValueError(f"a ring of {SLOTS} slots of {self.size} bytes needs "
-                               f"{SLOTS * self.size} bytes, not {buf.numel()}")
-        if error is None and buf is not None:
-            self.slots = [buf[i * self.size:(i + 1) * self.size] for i in range(SLOTS)]
-        self._error = error
-        self._ready.set()
-
-    def wait_ready(self) -> None:
-        """Until the slots are there; what kept them from being made, raised."""
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
 
     def slot(self, r: int) -> torch.Tensor:
-        self.wait_ready()
         return self.slots[r % SLOTS]
 
     def wait_free(self, r: int) -> None:
