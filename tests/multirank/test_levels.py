@@ -93,6 +93,18 @@ def crash_then_resume(tmp: Path, n: int, wipe: list[int], **settings: Any
     return job(tmp, "resume", n, **settings)
 
 
+def node_1_back_from_partners(done: Any, reports: dict[int, dict]) -> list[dict]:
+    """The 4-rank resume after node 1's loss: every rank restored CRASH from the local level,
+    ranks 2 and 3 (node 1) from partner copies. Each rank's restore report."""
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(4)]
+    assert {r["step"] for r in restored} == {CRASH} and {r["level"] for r in restored} == {
+        "local"}, restored
+    assert [r["source"].startswith("partner copy") for r in restored] == [False, False, True,
+                                                                            True], restored
+    return restored
+
+
 def outcome(reports: dict[int, dict], n: int, step: int, finals: dict[int, str]) -> str:
     if len(reports) != n or any("final" not in r for r in reports.values()):
         return "failed"
@@ -215,12 +227,7 @@ def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
     done, reports = job(tmp_path, "resume", 4, **settings)
     guarantees.record(SUITE, case, outcome(reports, 4, CRASH, reference[4]),
                       done.output[-2000:])
-    assert done.returncode == 0, done.output
-    restored = [reports[r]["restore"] for r in range(4)]
-    assert {r["step"] for r in restored} == {CRASH} and {r["level"] for r in restored} == {
-        "local"}, restored
-    assert [r["source"].startswith("partner copy") for r in restored] == [False, False, True,
-                                                                            True], restored
+    node_1_back_from_partners(done, reports)
     assert all(reports[r]["final"] == reference[4][r] for r in range(4))
 
 
@@ -245,12 +252,7 @@ def test_a_lost_nodes_bytes_go_through_the_ring_into_room_set_aside(
     finals = reference[4, replicated]
     guarantees.record(SUITE, f"ring-{'replicated' if replicated else 'own'}",
                       outcome(reports, 4, CRASH, finals), done.output[-2000:])
-    assert done.returncode == 0, done.output
-    restored = [reports[r]["restore"] for r in range(4)]
-    assert {r["step"] for r in restored} == {CRASH} and {r["level"] for r in restored} == {
-        "local"}, restored
-    assert [r["source"].startswith("partner copy") for r in restored] == [False, False, True,
-                                                                            True], restored
+    restored = node_1_back_from_partners(done, reports)
     for r in range(4):  # the model staged in the room: all of it that came over MPI; of a
         # survivor's own, the tensors mapped where they lie (those of a block or more, aligned)
         least = restored[r]["model_bytes"] - (0 if r >= 2 or replicated else ROOM_BLOCK)
