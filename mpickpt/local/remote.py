@@ -115,7 +115,7 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     try:
         for group, land, r, arrived in zip(groups, lands, rings, pending, strict=False):
             arrived.wait()
-            started, error = _use(group, land, ring if r is not None else None, r, manifest,
+            started, error = _use(group, land, ring, r, manifest,
                                   served_from or (lambda _: directory), threads, proto.rank)
             checks += started
             if error is not None:

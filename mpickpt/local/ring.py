@@ -79,22 +79,26 @@ class Ring:
     def release_after(self, r: int, futures: list[Future[None]]) -> None:
         """Release ring group ``r``'s slot once ``futures`` (what reads it) are done, whatever
         their outcome (their errors are the caller's to gather)."""
+        if not futures:
+            self._release(r)
+            return
         left = [len(futures)]
         lock = threading.Lock()
 
-        def one_done(_: object = None) -> None:
+        def one_done(_: object) -> None:
             with lock:
                 left[0] -= 1
-                last = left[0] <= 0
+                last = not left[0]
             if last:
-                with self._cond:
-                    self._done.add(r)
-                    self._cond.notify_all()
+                self._release(r)
 
-        if not futures:
-            one_done()
         for f in futures:
             f.add_done_callback(one_done)
+
+    def _release(self, r: int) -> None:
+        with self._cond:
+            self._done.add(r)
+            self._cond.notify_all()
 
     def abandon(self) -> None:
         """Wake every :meth:`wait_free` with :class:`RingAbandoned` (the transfer failed)."""

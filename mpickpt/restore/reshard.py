@@ -315,11 +315,11 @@ class Staged:
                 path, size = os.path.join(directory, entry.file), entry.bytes
                 mapped = MappedSpans(src_rank, path, size, [(src.record, 0, src.record.nbytes)
                                                              for _, src in whole], block=block)
-                verify_into(mapped, {i: self.device_out[n] for i, (n, _) in enumerate(whole)
-                                     if n in self.device_out}, threads)  # (their room: GPU)
                 for (n, src), view in zip(whole, mapped.views, strict=True):
-                    self.out[n] = self.device_out[n] if n in self.device_out else \
-                        _over(view, src.record)
+                    self.out[n] = _over(view, src.record)
+                moved = [n for n, _ in whole if n in self.device_out]  # (their room: GPU)
+                verify_into(mapped, [(self.device_out[n], self.out[n]) for n in moved], threads)
+                self.out |= {n: self.device_out[n] for n in moved}
                 if on_block is not None:
                     on_block()
 
