@@ -15,7 +15,8 @@ side by side:
    ``first``; the node-local level's rows after a second one too, since it writes over the
    files of the step it retired from its third save on): mpickpt's node-local level
    (``local=/dev/shm/...``) with ``redundancy="partner"`` (the handle resolves once every shard
-   has a copy on another node) and without redundancy,
+   has a copy on another node; ``--redundancy xor``: its parity, the ranks one XOR team of up to
+   4) and without redundancy,
    mpickpt ROOT-only (commit under ``--root``), ``torch.save`` + fsync of one file per rank,
    ``dcp.save`` and ``dcp.async_save`` (a gloo/NCCL process group, each rank's keys prefixed with
    its rank since the ranks hold different tensors). Each mpickpt row reuses one Checkpointer.
@@ -90,13 +91,14 @@ from mpickpt.format.manifest import NAME as MANIFEST
 from mpickpt.format.names import shard_name
 from mpickpt.format.rootdir import fsync_path, step_name
 from mpickpt.local.nodedir import node_dirname
-from mpickpt.local.topology import Topology, partner_source
+from mpickpt.local.topology import Topology, partner_source, team_of, xor_chunk_bytes
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
 REF_LAYERS, REF_WIDTH = 29, 4096  # bench_gpu.py's defaults: the reference job, 5.84 GB
 Pair = bench_cpu.Pair
 METHODS = ("local", "local-none", "root", "torch.save", "dcp.save", "dcp.async_save")
+LOST_ROWS = ("partner", "xor")  # part 3's row of a lost node's recovery, by redundancy
 
 
 def say(msg: str) -> None:
@@ -257,7 +259,7 @@ class Saves:
         self.args, self.work, self.src, self.device = args, work, src, device
         self.state = {"model": src[0], "optim": src[1]}
         self.ck: dict[str, Any] = {}
-        self.scheme = "partner" if SIZE > 1 else None
+        self.scheme = args.redundancy if SIZE > 1 else None
         self.local_dirs: dict[str, str] = {}
         for m in wanted:
             if m in ("local", "local-none"):
@@ -552,9 +554,10 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
               f"from {level}")
         if level == "local":
             check(label, info.root_bytes == 0, f"{info.root_bytes} bytes read from ROOT")
-        if key == "partner":
-            check(label, RANK != 1 or (info.source or "").startswith("partner copy"),
-                  f"rank 1's shard came from {info.source!r}, not from its partner")
+        if key in LOST_ROWS:
+            want = "partner copy" if key == "partner" else "XOR rebuild"
+            check(label, RANK != 1 or (info.source or "").startswith(want),
+                  f"rank 1's shard came from {info.source!r}, not from a {want}")
         timeline = restore_parts.lines(t)
         verified(label, src, dst)
         sources = COMM.allgather(info.source)
@@ -576,8 +579,9 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
         return s.local_ck("local", s.scheme)
 
     say(f"part 3: restores ({out['lost']})")
-    first = "partner" if lost else "local"
-    restore_ck(first, "mpickpt local, rank 1 from its partner" if lost else
+    first = s.scheme if lost else "local"
+    restore_ck(first, ("mpickpt local, rank 1 from its partner" if s.scheme == "partner" else
+                       "mpickpt local, rank 1 rebuilt from its XOR team") if lost else
                "mpickpt local (own shards)", local_ck, "local", 11)
     if lost:
         restore_ck("local", "mpickpt local, own shards (node whole again)", local_ck, "local",
@@ -748,6 +752,10 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
     if s.scheme == "partner":
         teams = Topology(tuple(f"n{r}" for r in range(SIZE))).teams("partner", None)
         held = shards[partner_source(teams, RANK)]
+    elif s.scheme == "xor":  # this node's parity: one chunk of its team's largest shard
+        team = team_of(Topology(tuple(f"n{r}" for r in range(SIZE))).teams("xor", None), RANK)
+        held = xor_chunk_bytes(max(shards[m] for m in team), len(team))
+        factor = 1 / (len(team) - 1)
     mem = {"node": f"n{RANK}", "state_bytes": nbytes, "shard_file_bytes": shard,
            "held_copy_bytes": held, "shard_bytes": shard_alloc, "peak_bytes": sampler.peak,
            "samples": sampler.samples, "steady_bytes": steady,
@@ -809,15 +817,19 @@ def bounds_report(doc: dict[str, Any]) -> list[str]:
                        f"{p1['local']['protected_s'] / b['both_s']:.2f}x  (where both share "
                        "one host's memory, as simulated nodes do)")
     rows3 = p3["rows"]
-    if "partner" in rows3 and "mpi_s" in b:
-        r = rows3["partner"]
-        moved = r["total_network_bytes"]
+    key = next((k for k in LOST_ROWS if k in rows3), None)
+    if key is not None and "mpi_s" in b:
+        r = rows3[key]
+        # the lost shard's bytes (XOR: each survivor sends a share; the lost rank gets the
+        # reduced shard, and its parity after the restore)
+        moved = doc["bytes_per_rank"][1] if key == "xor" else r["total_network_bytes"]
         rate = moved / r["restore_s"] if r["restore_s"] else 0.0
-        out.append(f"recovery of a lost node from its partner: {moved:,} bytes over MPI in "
+        out.append(f"recovery of a lost node from its {key if key == 'partner' else 'XOR team'}"
+                   f": {moved:,} bytes {'over MPI' if key == 'partner' else 'rebuilt'} in "
                    f"{r['restore_s']:.3f} s = {rate / (size / b['mpi_s']):.0%} of the transfer "
                    "rate  (goal >= 80%)")
         if "root" in rows3:
-            out.append(f"partner recovery / ROOT recovery: "
+            out.append(f"{key} recovery / ROOT recovery: "
                        f"{r['restore_s'] / rows3['root']['restore_s']:.2f}x  (goal <= 0.5x)")
     return out
 
@@ -888,7 +900,7 @@ def report(doc: dict[str, Any]) -> str:
                      r.get("level", "-"), src[-1] if src else "-",
                      f"{r['total_network_bytes']:,}" if "total_network_bytes" in r else "-",
                      f"{r['root_bytes']:,}" if "root_bytes" in r else "-"))
-    vs = "/ partner" if p3["reference_row"] == "partner" else "/ local"
+    vs = f"/ {p3['reference_row']}"
     out += [table(("restore", "s", vs, "level", f"rank {doc['ranks'] - 1} from",
                    "MPI bytes", "ROOT bytes"), rows)]
     out.append(f"({vs}: each restore's time over \"{ref}\"'s; a new Checkpointer is built "
@@ -899,7 +911,9 @@ def report(doc: dict[str, Any]) -> str:
                             for i, ph in enumerate(r["phases"]))
             out.append(f"  {key} restore, seconds per phase: {per}")
     out += ["", f"4. local-level memory per node, bytes allocated under LOCAL/<node>; bound = "
-            f"(shard + {p4['factor']:g} x the partner copy it holds) x {p4['kept']} "
+            f"(shard + {p4['factor']:.3g} x " + ("the parity chunk" if p4['factor'] < 1 else
+                                                 "the partner copy")
+            + f" it holds) x {p4['kept']} "
             "(keep_local=1 + the one being written)"]
     rows = []
     for n in p4["nodes"]:
@@ -934,6 +948,9 @@ def main() -> None:
                     "under /tmp, removed after; else subdirectories of it, removed after)")
     ap.add_argument("--local", default="/dev/shm", help="where the node-local level goes (a "
                     "unique subdirectory, removed after; default /dev/shm)")
+    ap.add_argument("--redundancy", choices=("partner", "xor"), default="partner",
+                    help="the local level's redundancy (partner; xor: the ranks form one "
+                    "XOR team, 3 or more for a team that is not a mirror)")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"part 1 rows (default: all of {','.join(METHODS)})")
     ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads (8)")

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..format import rootdir
-from ..format.blocks import pwrite_all
 from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
 from ..save.landing import Landing
+from . import xorring
 from .pool import Mapped
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
@@ -75,29 +75,6 @@ class _Mapped:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
-
-
-def _pread(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n <= 0:
-            raise OSError(f"unexpected end of file at byte {offset}")
-        buf, offset = buf[n:], offset + n
-
-
-def _create(path: str, size: int | None = None) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                 rootdir.file_mode(path))
-    if size:
-        os.ftruncate(fd, size)
-    return fd
-
-
-def _seal(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Keep:
@@ -152,9 +129,6 @@ class Exchange:
         self.team_proto = proto.sub(teams.index(self.team), self.pos) if scheme == "xor" else None
         self._bufs: dict[str, np.ndarray] = {}
         # allocated (and touched) once, here: the first save does not pay for them
-        wide = len(self.team) if scheme == "xor" else 1
-        for name in ("out0", "out1"):
-            np.asarray(self.buffer(name, wide * self.window))[:] = 0
         for slot in range(DEPTH):
             np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
         # at the training thread's priority, like the transfer waiter (background.py says why)
@@ -280,47 +254,37 @@ class Exchange:
 
     def _xor(self, own: str, size: int, names: Callable[[int], str],
              on_window: Callable[[], None], take: Callable[[str], Mapped]) -> Moved:
-        """The parity of a team, window by window: each member's chunks of its shard go out,
-        the XOR of the team's chunk for this member comes straight into its parity file (a
-        recycled one from ``take``, mapped), two windows in flight."""
+        """The parity of a team over the ring (:mod:`mpickpt.local.xorring`): each member's
+        chunks of its shard go out of its file's map, the XOR of the team's chunks for this
+        member comes straight into its parity file (a recycled one from ``take``, mapped)."""
         assert self.team_proto is not None
         n = len(self.team)
         chunk = xor_chunk_bytes(self.team_proto.max(size, "the XOR parity"), n)
-        src = rootdir.open_regular(own)
         keep = _Keep()
         dst = take(names(self.rank))
         try:
-            try:
-                dst.reserve(chunk)
-            except OSError as e:  # no room for the parity: reduce all the same, then fail
-                keep.error = e
-            prev: Pending | None = None
-            for k, off in enumerate(range(0, chunk, self.window)):
-                w = min(self.window, chunk - off)
-                out = np.frombuffer(self.buffer(f"out{k % 2}", n * w),
-                                    dtype=np.uint8).reshape(n, w)
-                for j in range(n):
-                    if j == self.pos:
-                        out[j] = 0
-                    else:
-                        _read_padded(src, size, xor_chunk(n, self.pos, j) * chunk + off, out[j])
-                into = (dst.view(off, w) if keep.error is None
-                        else self.buffer(f"in{k % 2}", w))
-                cur = self.team_proto.xor_scatter(out, np.frombuffer(into, dtype=np.uint8),
-                                                  "the XOR parity")
-                if prev is not None:
-                    prev.wait()
-                    keep.do(on_window)
-                prev = cur
-            if prev is not None:
-                prev.wait()
-                keep.do(on_window)
-            keep.do(os.ftruncate, dst.fd, chunk)
-            keep.do(os.fsync, dst.fd)
-        finally:
-            os.close(src)
+            dst.reserve(chunk)
+        except OSError as e:  # no room for the parity: pass the blocks on all the same, then fail
+            keep.error = e
+        me = self.pos
+
+        def into(b: xorring.Block) -> np.ndarray:
+            return np.frombuffer(dst.view(b.off, b.n) if keep.error is None
+                                 else self.buffer("scratch", self.window)[:b.n], dtype=np.uint8)
+
+        with _Mapped(own, size) as src:
+            xorring.ring(self.team_proto, xorring.interleave(
+                [xorring.blocks([k], chunk, min(self.window, xorring.BLOCK)) for k in range(n)]),
+                lambda b: _padded(src, xor_chunk(n, me, b.k) * chunk + b.off, b.n),
+                into, self._passing(), "the XOR parity", lambda: keep.do(on_window))
+        keep.do(os.ftruncate, dst.fd, chunk)
+        keep.do(os.fsync, dst.fd)
         keep.check()
-        return Moved((n - 1) * chunk, chunk)
+        return Moved((n - 1) * chunk, (n - 1) * chunk)
+
+    def _passing(self) -> list[np.ndarray]:
+        return [np.frombuffer(self.buffer(f"in{i}", self.window), dtype=np.uint8)
+                for i in range(xorring.DEPTH)]
 
 
 def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[int], bool]:
@@ -340,16 +304,20 @@ def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[in
     return ready
 
 
+def _padded(src: _Mapped, start: int, n: int) -> np.ndarray:
+    """Bytes ``[start, start + n)`` of a file mapped read-only, where it lies; a copy with
+    zeros past the file's end."""
+    have = max(0, min(n, src.size - start))
+    if have == n:
+        return src.view(start, n)
+    out = np.zeros(n, dtype=np.uint8)
+    if have:
+        out[:have] = src.view(start, have)
+    return out
+
+
 def _span(size: int, off: int, window: int) -> int:
     return max(0, min(window, size - off))
-
-
-def _read_padded(fd: int, size: int, start: int, out: np.ndarray) -> None:
-    """File bytes ``[start, start + len(out))``, zeros past ``size``."""
-    have = max(0, min(len(out), size - start))
-    if have:
-        _pread(fd, memoryview(out[:have]), start)
-    out[have:] = 0
 
 
 # ------------------------------------------------------------------------------------ rebuilding
@@ -383,43 +351,48 @@ def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int,
 
 def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: str | None,
                 parity: str | None, out_shard: str | None, out_parity: str | None,
-                window: int, buffer: Callable[[str, int], memoryview]) -> int:
-    """Rebuild the shard and the parity of team position ``lost`` on that member, from the
-    others' shards (``own``) and parities; collective over ``team``. Bytes received."""
+                window: int, buffer: Callable[[str, int], memoryview],
+                on_window: Callable[[], None] = lambda: None, shard: bool = True,
+                parity_too: bool = True) -> int:
+    """Rebuild the shard and (``parity_too``) the parity of team position ``lost`` on that
+    member, from the others' shards (``own``) and parities, over the ring
+    (:mod:`mpickpt.local.xorring`): every block ends at the lost member, straight in its new
+    files' maps, the shard's blocks in file order and then the parity's (without ``shard``,
+    the parity alone). Collective over ``team``. Bytes received."""
     n, me = team.size, team.rank
-    src = rootdir.open_regular(own) if me != lost and own else -1
-    par = rootdir.open_regular(parity) if me != lost and parity else -1
-    out = _create(out_shard, sizes[lost]) if me == lost and out_shard else -1
-    outp = _create(out_parity, chunk) if me == lost and out_parity else -1
-    try:
-        for off in range(0, chunk, window):
-            w = min(window, chunk - off)
-            send = np.frombuffer(buffer("out", n * w), dtype=np.uint8).reshape(n, w)
-            if me == lost:
-                send[:] = 0
-            else:
-                for k in range(n):
-                    if k == me:
-                        _pread(par, memoryview(send[k]), off)
-                    else:
-                        _read_padded(src, sizes[me], xor_chunk(n, me, k) * chunk + off, send[k])
-            recv = (np.frombuffer(buffer("in", n * w), dtype=np.uint8).reshape(n, w)
-                    if me == lost else None)
-            team.xor_reduce(send, recv, lost, "the XOR rebuild")
-            if recv is not None:
-                for k in range(n):
-                    if k == lost:
-                        pwrite_all(outp, memoryview(recv[k]), off)
-                        continue
-                    start = xor_chunk(n, lost, k) * chunk + off
-                    have = max(0, min(w, sizes[lost] - start))
-                    if have:
-                        pwrite_all(out, memoryview(recv[k][:have]), start)
-        return sizes[lost] + chunk if me == lost else 0
-    finally:
-        for fd in (src, par):
-            if fd >= 0:
-                os.close(fd)
-        for fd in (out, outp):
-            if fd >= 0:
-                _seal(fd)
+    shard_order = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
+    order = xorring.blocks([*(shard_order if shard else []), *([lost] if parity_too else [])],
+                           chunk, min(window, xorring.BLOCK))
+    passing = [np.frombuffer(buffer(f"in{i}", window), dtype=np.uint8)
+               for i in range(xorring.DEPTH)]
+    with contextlib.ExitStack() as files:
+        if me == lost:  # its shard's map as long as its chunks, cut to size once filled
+            out = files.enter_context(_Mapped(out_shard, (n - 1) * chunk, create=True)) \
+                if out_shard and shard else None
+            par = files.enter_context(_Mapped(out_parity, chunk, create=True)) \
+                if out_parity and parity_too else None
+            src = par_src = None
+        else:
+            src = files.enter_context(_Mapped(own, sizes[me])) if own else None
+            par_src = files.enter_context(_Mapped(parity, chunk)) if parity and shard else None
+            out = par = None
+
+        def contribution(b: xorring.Block) -> np.ndarray:
+            if me == b.k:
+                assert par_src is not None
+                return _padded(par_src, b.off, b.n)
+            assert src is not None
+            return _padded(src, xor_chunk(n, me, b.k) * chunk + b.off, b.n)
+
+        def into(b: xorring.Block) -> np.ndarray:
+            if b.k == lost:
+                assert par is not None
+                return par.view(b.off, b.n)
+            assert out is not None
+            return out.view(xor_chunk(n, lost, b.k) * chunk + b.off, b.n)
+
+        xorring.ring(team, order, contribution, into, passing, "the XOR rebuild", on_window,
+                     ends=lambda _: lost)
+        if out is not None:
+            os.ftruncate(out.fd, sizes[lost])
+    return (sizes[lost] * shard + chunk * parity_too) if me == lost else 0

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +128,8 @@ class LocalRecovery:
         size and records (the load then verifies its checksums). With ``serve``, shards that
         partner copies can replace are not rebuilt first: :attr:`served` names, for each lost
         rank, the rank whose copy serves its bytes straight into the restore, and
-        :meth:`write_back` rebuilds the files afterwards."""
+        :meth:`write_back` rebuilds the files afterwards; a shard rebuilt from XOR parity is
+        rebuilt first, its parity by :meth:`write_back`."""
         d = self.path(step)
         clock = Clock()
         self.served, self._pending, self.manifest = {}, None, None
@@ -170,14 +172,18 @@ class LocalRecovery:
             return None
         if serve and not xor_lost:
             self.served = {r: dn for dn, r in moves}
-            self._pending = (step, inv[self.rank][0], manifest, text, level_text, moves,
-                             xor_lost, layout)
+            self._pending = ("copies", (step, inv[self.rank][0], manifest, text, level_text,
+                                        moves, xor_lost, layout))
             self.last.source = self._source(moves)
             return None
+        later = serve and bool(xor_lost)  # the lost parity after the restore, off its path
         why, received = self._rebuild(step, inv[self.rank][0], manifest, text, level_text,
-                                      moves, xor_lost, layout, verify, clock)
+                                      moves, xor_lost, layout, verify, clock,
+                                      "shard" if later else "both")
         if why is None:
             self.last.source, self.last.received = self._source(moves), received
+            if later:
+                self._pending = ("parity", (step, manifest, xor_lost, layout))
         return why
 
     def _source(self, moves: list[tuple[int, int]]) -> str:
@@ -189,13 +195,29 @@ class LocalRecovery:
     def write_back(self) -> None:
         """After a restore that loaded lost shards from partner copies (:attr:`served`): copy
         the files into the lost nodes and publish the step there, each copy verified, as
-        :meth:`prepare` does without ``serve``. Collective; it runs on the save thread once
-        ``restore()`` has returned. A failure is logged: the copies still protect the step."""
+        :meth:`prepare` does without ``serve``; after one that rebuilt shards from XOR parity:
+        rebuild the parity of each, which the node held with its shard. Collective; it runs on
+        the save thread once ``restore()`` has returned. A failure is logged: the copies still
+        protect the step (an XOR team with a lost parity survives no further loss until the
+        next save)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         t = time.perf_counter()
-        step, whole, manifest, text, level_text, moves, xor_lost, layout = pending
+        kind, args = pending
+        if kind == "parity":
+            step, manifest, xor_lost, layout = args
+            d = self.path(step)
+            err, _ = self._receive(d, d, manifest, [], xor_lost, layout, "parity")
+            if failed := self.proto.agree(err, "local-parity-back"):
+                self.log.error("step %d was restored, but rebuilding the XOR parity of %s "
+                               "failed (their team survives no other loss of that step): %s",
+                               step, ranks_text(sorted(xor_lost.values())), failed)
+            elif self.rank == 0:
+                self.log.info("step %d: the XOR parity of %s rebuilt in %.2f s", step,
+                              ranks_text(sorted(xor_lost.values())), time.perf_counter() - t)
+            return
+        step, whole, manifest, text, level_text, moves, xor_lost, layout = args
         why, _ = self._rebuild(step, whole, manifest, text, level_text, moves, xor_lost,
                                layout, True, Clock())
         if self.rank == 0:
@@ -259,17 +281,18 @@ class LocalRecovery:
     def _rebuild(self, step: int, whole: bool, manifest: Manifest, text: str,
                  level_text: str | None, moves: list[tuple[int, int]],
                  xor_lost: dict[int, int], layout: dict[str, Any], verify: bool,
-                 clock: Clock) -> tuple[str | None, int]:
+                 clock: Clock, parts: str = "both") -> tuple[str | None, int]:
         """Bring every lost shard back (``moves``: partner copies, ``xor_lost``: a rebuild per
-        team), into the node's committed directory where it holds the step (``whole``), else
-        into its partial directory, which its leader then publishes. Collective. (Why it
-        failed, or None; the bytes this rank received.)"""
+        team, its parity too unless ``parts`` is "shard"), into the node's committed directory
+        where it holds the step (``whole``), else into its partial directory, which its
+        leader then publishes. Collective. (Why it failed, or None; the bytes this rank
+        received.)"""
         d = self.path(step)
         out = d if whole else self.level.nodedir.partial(step, self.run_id)
         err = self._clear(out) if self.rank in receivers(moves, xor_lost) else None
         if failed := self.proto.agree(err, "local-rebuild-start", "local-rebuild-report"):
             return str(failed), 0
-        err, received = self._receive(d, out, manifest, moves, xor_lost, layout)
+        err, received = self._receive(d, out, manifest, moves, xor_lost, layout, parts)
         clock.lap("transfer")
         if self.rank in receivers(moves, xor_lost) and err is None:
             # fully verified only when asked: otherwise the load that follows verifies it
@@ -296,10 +319,13 @@ class LocalRecovery:
         return None
 
     def _receive(self, d: str, out: str, manifest: Manifest, moves: list[tuple[int, int]],
-                 xor_lost: dict[int, int], layout: dict[str, Any]) -> tuple[str | None, int]:
-        """The partner copies and the XOR rebuilds, over MPI: survivors read from their node's
-        directory ``d``, the lost shards are written into ``out``; (this rank's error, the
-        bytes it received)."""
+                 xor_lost: dict[int, int], layout: dict[str, Any], parts: str = "both"
+                 ) -> tuple[str | None, int]:
+        """The partner copies and the XOR rebuilds (``parts``: "both" a lost member's shard
+        and parity, "shard" or "parity" one of them), over MPI: survivors read from their
+        node's directory ``d``, the lost files are written into ``out`` (a parity alone under
+        another name first, renamed once whole); (this rank's error, the bytes it
+        received)."""
         ex = self.level.exchange
         window = ex.window if ex is not None else 32 << 20
         buffers = ex.buffer if ex is not None else _Buffers().get
@@ -312,23 +338,11 @@ class LocalRecovery:
         except OSError as e:
             err = f"rank {self.rank}: the copy failed: {e}"
         if xor_lost:
-            teams: list[list[int]] = layout["teams"]
-            team = team_of(teams, self.rank)
-            sub = self.proto.sub(teams.index(team), team.index(self.rank))
             try:
-                lost = xor_lost.get(teams.index(team))
-                if lost is not None:
-                    sizes = [manifest.ranks[m].bytes for m in team]
-                    me = self.rank
-                    received += xor_rebuild(
-                        sub, team.index(lost), xor_chunk_bytes(max(sizes), len(team)), sizes,
-                        os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
-                        os.path.join(out, shard_name(me)), os.path.join(out, parity_name(me)),
-                        window, buffers)
+                received += _xor_team(self.proto, d, out, manifest, xor_lost, layout, parts,
+                                      window, buffers)
             except OSError as e:
                 err = err or f"rank {self.rank}: the XOR rebuild failed: {e}"
-            finally:
-                sub.free()
         return err, received
 
     def _republish(self, step: int, whole: bool, out: str, text: str,
@@ -346,6 +360,37 @@ class LocalRecovery:
         if failed := self.proto.agree(err, "local-republish"):
             return f"rebuilding from redundancy failed: {failed}"
         return None
+
+
+def _xor_team(proto: Protocol, d: str, out: str, manifest: Manifest, xor_lost: dict[int, int],
+              layout: dict[str, Any], parts: str, window: int,
+              buffers: Callable[[str, int], memoryview]) -> int:
+    """This rank's team's XOR rebuild, if it lost a member (``xor_lost``: team index -> rank;
+    ``parts`` as :meth:`LocalRecovery._receive` takes it); collective over every rank (each
+    team's communicator is made). The bytes this rank received."""
+    teams: list[list[int]] = layout["teams"]
+    me = proto.rank
+    team = team_of(teams, me)
+    sub = proto.sub(teams.index(team), team.index(me))
+    try:
+        lost = xor_lost.get(teams.index(team))
+        if lost is None:
+            return 0
+        sizes = [manifest.ranks[m].bytes for m in team]
+        parity = os.path.join(out, parity_name(me))
+        into = parity + ".rebuilding" if parts == "parity" else parity
+        got = xor_rebuild(
+            sub, team.index(lost), xor_chunk_bytes(max(sizes), len(team)), sizes,
+            os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
+            os.path.join(out, shard_name(me)), into, window, buffers,
+            lambda: faults.hit("mid-rebuild", me, manifest.step),
+            shard=parts != "parity", parity_too=parts != "shard")
+        if into != parity and me == lost:
+            os.replace(into, parity)
+            rootdir.fsync_path(out)
+        return got
+    finally:
+        sub.free()
 
 
 def receivers(moves: list[tuple[int, int]], xor_lost: dict[int, int]) -> set[int]:

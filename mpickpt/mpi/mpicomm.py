@@ -104,12 +104,6 @@ class MpiComm:
     def iallreduce(self, send: Any, recv: Any, op: str) -> _Req:
         return _Req(self.comm.Iallreduce(send, recv, op=_OPS[op]))
 
-    def ireduce_scatter_xor(self, send: Any, recv: Any) -> _Req:
-        return _Req(self.comm.Ireduce_scatter_block(send, recv, op=MPI.BXOR))
-
-    def ireduce_xor(self, send: Any, recv: Any, root: int) -> _Req:
-        return _Req(self.comm.Ireduce(send, recv, op=MPI.BXOR, root=root))
-
     def isend(self, buf: Any, dest: int, tag: int) -> _Req:
         return _Req(self.comm.Isend(buf, dest, tag))
 

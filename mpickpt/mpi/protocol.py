@@ -189,18 +189,6 @@ class Protocol:
         """:meth:`start`, and wait for it."""
         self.start(sends, recvs, phase).wait()
 
-    def xor_scatter(self, send: np.ndarray, recv: np.ndarray, phase: str) -> Pending:
-        """Start a reduce-scatter (bitwise XOR) of equal blocks: rank k gets the XOR of every
-        rank's block k."""
-        return Pending(self, [self.comm.ireduce_scatter_xor(send, recv)],
-                       f"{phase} of {self.size} ranks")
-
-    def xor_reduce(self, send: np.ndarray, recv: np.ndarray | None, root: int,
-                   phase: str) -> None:
-        """The bitwise XOR of every rank's ``send``, into ``recv`` on ``root``."""
-        Pending(self, [self.comm.ireduce_xor(send, recv, root)],
-                f"{phase} of {self.size} ranks").wait()
-
     def complete(self, req: Request, roll: RollCall, phase: str) -> None:
         """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
         MPI error) account for the missing ranks and raise :class:`CollectiveTimeout`."""

@@ -155,20 +155,6 @@ class TorchComm:
         opts.reduceOp = _OPS[op]
         return _Req(self.pg.allreduce([torch.from_numpy(recv)], opts))
 
-    def ireduce_scatter_xor(self, send: Any, recv: Any) -> _Req:
-        out, inp = _tensor(recv), _tensor(send)
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = dist.ReduceOp.BXOR
-        return _Req(self.pg.reduce_scatter([out], [list(inp.chunk(self.size))], opts))
-
-    def ireduce_xor(self, send: Any, recv: Any, root: int) -> _Req:
-        t = _tensor(recv) if self.rank == root else _tensor(send).clone()
-        if self.rank == root:
-            t.copy_(_tensor(send))
-        opts = dist.ReduceOptions()
-        opts.reduceOp, opts.rootRank = dist.ReduceOp.BXOR, root
-        return _Req(self.pg.reduce([t], opts))
-
     def isend(self, buf: Any, dest: int, tag: int) -> _Req:
         return _Req(self.pg.send([_tensor(buf)], dest, tag))
 

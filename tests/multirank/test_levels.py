@@ -179,6 +179,8 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
             assert not [n for n in listing if ".partial-" in n], listing
             files = listing[f"step-{CRASH:08d}"]
             assert {"MANIFEST.json", "LEVEL.json", f"rank-{r:05d}.h5"} <= set(files), files
+            if redundancy == "xor":  # its parity too, rebuilt once the restore returned
+                assert f"xor-{r:05d}.bin" in files, files
     else:
         assert restored[0]["root_bytes"] > 0
         if len(wipe) < n // per_node:  # a surviving node still holds step 40: tried first
@@ -229,6 +231,75 @@ def test_recycled_files_and_a_recovery_that_dies_cost_nothing(
                       done.output[-2000:])
     node_1_back_from_partners(done, reports)
     assert all(reports[r]["final"] == reference[4][r] for r in range(4))
+
+
+XOR_3X2 = {"redundancy": "xor", "per_node": 2, "xor_set": 3, "window": WINDOW}  # teams 0-2-4, 1-3-5
+
+
+@pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
+@pytest.mark.parametrize("case", ["parity-back-serves-a-second-loss", "peers-killed-mid-rebuild",
+                                  "damaged-parity"])
+def test_a_node_rebuilt_from_xor_parity_over_the_ring(
+        tmp_path: Path, reference, guarantees, in_memory, case: str) -> None:
+    """Node 1 of three lost under XOR redundancy (local/xorring.py: its shards come around the
+    ring, its parity after the restore):
+    - its parity files, rebuilt once the restore returned, are the ones the save wrote, and
+      they serve the loss of node 0 next: its shards rebuilt from them, bit for bit;
+    - the two survivors of team 0-2-4 killed in the midst of the rebuild: that job ends, no
+      hang, and the next one rebuilds node 1 and runs on bit-identical;
+    - a flipped byte in node 0's parity where it makes rank 2's rebuilt bytes: the restore
+      verifies them, names rank 2's tensor, and ROOT takes over; the run ends bit-identical."""
+    crashed, _ = job(tmp_path, "crash", 6, crash_after=CRASH, **XOR_3X2)
+    assert crashed.returncode != 0, crashed.output
+
+    def step_dir(node: int) -> Path:
+        return local_of(tmp_path) / f"n{node}" / f"step-{CRASH:08d}"
+
+    saved = {p.name: p.read_bytes() for p in step_dir(1).glob("xor-*.bin")}
+    assert sorted(saved) == ["xor-00002.bin", "xor-00003.bin"], sorted(saved)
+    shutil.rmtree(local_of(tmp_path) / "n1")
+    expect, step = ["own", "own", "XOR rebuild", "XOR rebuild", "own", "own"], CRASH
+    if case == "peers-killed-mid-rebuild":
+        died, _ = job(tmp_path, "died", 6, fault="mid-rebuild:0:kill,mid-rebuild:4:kill",
+                      **XOR_3X2)
+        assert died.returncode != 0, died.output
+    if case == "damaged-parity":  # rank 0's parity holds rank 2's first chunk, XORed with 4's
+        m = json.loads((step_dir(0) / "MANIFEST.json").read_text())
+        chunk = -(-max(m["ranks"][r]["bytes"] for r in (0, 2, 4)) // 2)
+        rec = max((t for t in m["ranks"][2]["tensors"] if t["offset"] < chunk),
+                  key=lambda t: min(t["nbytes"], chunk - t["offset"]))
+        parity = step_dir(0) / "xor-00000.bin"
+        data = bytearray(parity.read_bytes())
+        data[rec["offset"] + min(rec["nbytes"], chunk - rec["offset"]) // 2] ^= 0xFF
+        parity.write_bytes(bytes(data))
+        step = DRAINED
+    steps = CRASH if case == "parity-back-serves-a-second-loss" else LAST
+    done, reports = job(tmp_path, "resume", 6, steps=steps, **XOR_3X2)
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(6)]
+    if case == "damaged-parity":
+        guarantees.record(SUITE, "xor-damaged-parity", outcome(reports, 6, step, reference[6]),
+                          done.output[-2000:])
+        assert rec["name"] in done.stderr and "rank-00002.h5" in done.stderr, done.output
+        assert re.search(r"checksum mismatch in block \d+", done.stderr), done.output
+        assert {r["level"] for r in restored} == {"root"}, restored
+    else:
+        assert [r["source"] for r in restored] == expect, restored
+        assert {r["step"] for r in restored} == {CRASH} and all(r["exact"] for r in restored)
+    if case == "parity-back-serves-a-second-loss":
+        for name, data in saved.items():
+            assert (step_dir(1) / name).read_bytes() == data, name
+        assert not [p.name for p in step_dir(1).iterdir() if "rebuilding" in p.name]
+        shutil.rmtree(local_of(tmp_path) / "n0")  # its teams' parities: node 1's and 2's
+        done, reports = job(tmp_path, "again", 6, **XOR_3X2)
+        assert done.returncode == 0, done.output
+        restored = [reports[r]["restore"] for r in range(6)]
+        assert [r["source"] for r in restored] == ["XOR rebuild"] * 2 + ["own"] * 4, restored
+    else:
+        guarantees.record(SUITE, f"xor-{case}", outcome(reports, 6, step, reference[6]),
+                          done.output[-2000:])
+    assert {r["level"] for r in restored} == {"root" if case == "damaged-parity" else "local"}
+    assert all(reports[r]["final"] == reference[6][r] for r in range(6))
 
 
 ROOM_BLOCK = 4096  # the checksum block of the room cases: the ring's slots hold 8 KiB

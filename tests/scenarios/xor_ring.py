@@ -1,0 +1,74 @@
+"""XOR parity around the ring (``mpickpt.local.xorring``), against numpy: the ranks of the job
+form one team; each holds a shard of its own length (some not a multiple of 8, so that blocks
+start at odd addresses). The ring computes every member's parity, in blocks of 1000 bytes (a
+chunk takes several), and then, for every position in turn, rebuilds that member's chunks and
+parity from the others. Every byte must be the XOR numpy gives.
+
+Run by tests/multirank/test_transfers.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpickpt.local import xorring
+from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
+from mpickpt.mpi.protocol import Protocol
+
+BLOCK = 1000
+proto = Protocol(timeout=60)
+n, me = proto.size, proto.rank
+sizes = [5003 + 1811 * r for r in range(n)]
+shards = [np.random.default_rng(r).integers(0, 256, s, dtype=np.uint8) for r, s in enumerate(sizes)]
+chunk = xor_chunk_bytes(max(sizes), n)
+
+
+def piece(r: int, start: int, length: int) -> np.ndarray:
+    """Bytes of rank r's shard, zeros past its end."""
+    out = np.zeros(length, np.uint8)
+    have = max(0, min(length, sizes[r] - start))
+    out[:have] = shards[r][start:start + have]
+    return out
+
+
+def contribution_of(r: int, parity: list[np.ndarray]) -> object:
+    def contribution(b: xorring.Block) -> np.ndarray:
+        if r == b.k:  # rebuilding: a member's parity takes the place of its chunk
+            return parity[r][b.off:b.off + b.n]
+        return piece(r, xor_chunk(n, r, b.k) * chunk + b.off, b.n)
+    return contribution
+
+
+def passing() -> list[np.ndarray]:
+    return [np.zeros(BLOCK, np.uint8) for _ in range(xorring.DEPTH)]
+
+
+want = [np.bitwise_xor.reduce([piece(j, xor_chunk(n, j, k) * chunk, chunk)
+                               for j in range(n) if j != k]) for k in range(n)]
+mine = np.zeros(chunk, np.uint8)
+order = xorring.interleave([xorring.blocks([k], chunk, BLOCK) for k in range(n)])
+assert len(order) == n * -(-chunk // BLOCK)
+xorring.ring(proto, order, contribution_of(me, []), lambda b: mine[b.off:b.off + b.n],
+             passing(), "test parity")
+assert (mine == want[me]).all(), f"rank {me}: parity differs"
+
+for lost in range(n):  # every member lost in turn: its chunks and parity come back
+    shard = np.zeros((n - 1) * chunk, np.uint8)
+    par = np.zeros(chunk, np.uint8)
+
+    def into(b: xorring.Block, lost: int = lost, shard: np.ndarray = shard,
+             par: np.ndarray = par) -> np.ndarray:
+        if b.k == lost:
+            return par[b.off:b.off + b.n]
+        start = xor_chunk(n, lost, b.k) * chunk + b.off
+        return shard[start:start + b.n]
+
+    rest = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
+    xorring.ring(proto, xorring.blocks([*rest, lost], chunk, BLOCK),
+                 contribution_of(me, want), into, passing(), "test rebuild",
+                 ends=lambda _, lost=lost: lost)
+    if me == lost:
+        assert (shard[:sizes[me]] == shards[me]).all(), f"rank {me}: shard not rebuilt"
+        assert not shard[sizes[me]:].any()
+        assert (par == want[me]).all(), f"rank {me}: parity not rebuilt"
+print(f"rank {me}: ring ok", flush=True)
