@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from .pool import Mapped
 from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
 
 WINDOW = 32 << 20
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
+POPULATE_PIECE = 64 << 20
 DEPTH = 4  # partner windows in flight
 READY_WAIT_S = 0.05  # a window not landed yet: the deadline is looked at this often meanwhile
 
@@ -40,6 +43,7 @@ class _Mapped:
         self.path, self.size, self.create = path, size, create
         self._map: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
+        self._populating: threading.Thread | None = None
 
     def __enter__(self) -> _Mapped:
         if self.create:
@@ -64,7 +68,28 @@ class _Mapped:
         assert self._arr is not None
         return self._arr[off:off + n]
 
+    def populate(self) -> None:
+        """Map the file's pages in ahead of their use, on a thread of its own, from the start
+        (``MADV_POPULATE_WRITE``/``_READ``, Linux 5.14): MPI's copies into them and the XOR's
+        reads then take no page fault at each page. Where the kernel cannot, nothing happens;
+        the map is closed only after it (``__exit__``)."""
+        if self._map is None:
+            return
+        m, advice = self._map, MADV_POPULATE_WRITE if self.create else MADV_POPULATE_READ
+
+        def run() -> None:
+            for a in range(0, self.size, POPULATE_PIECE):
+                try:
+                    m.madvise(advice, a, min(POPULATE_PIECE, self.size - a))
+                except (OSError, ValueError):  # an older kernel, or the map gone
+                    return
+
+        self._populating = threading.Thread(target=run, daemon=True, name="mpickpt-populate")
+        self._populating.start()
+
     def __exit__(self, *exc: object) -> None:
+        if self._populating is not None:
+            self._populating.join()
         self._arr = None
         if self._map is not None:
             # MPI may still hold a view of it: then the map goes with its last reference
@@ -129,7 +154,7 @@ class Exchange:
         self.team_proto = proto.sub(teams.index(self.team), self.pos) if scheme == "xor" else None
         self._bufs: dict[str, np.ndarray] = {}
         # allocated (and touched) once, here: the first save does not pay for them
-        for slot in range(DEPTH):
+        for slot in range(2 * xorring.DEPTH if scheme == "xor" else DEPTH):
             np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
         # at the training thread's priority, like the transfer waiter (background.py says why)
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream")
@@ -273,6 +298,7 @@ class Exchange:
                                  else self.buffer("scratch", self.window)[:b.n], dtype=np.uint8)
 
         with _Mapped(own, size) as src:
+            src.populate()
             xorring.ring(self.team_proto, xorring.interleave(
                 [xorring.blocks([k], chunk, min(self.window, xorring.BLOCK)) for k in range(n)]),
                 lambda b: _padded(src, xor_chunk(n, me, b.k) * chunk + b.off, b.n),
@@ -284,7 +310,7 @@ class Exchange:
 
     def _passing(self) -> list[np.ndarray]:
         return [np.frombuffer(self.buffer(f"in{i}", self.window), dtype=np.uint8)
-                for i in range(xorring.DEPTH)]
+                for i in range(2 * xorring.DEPTH)]
 
 
 def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[int], bool]:
@@ -364,7 +390,7 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
     order = xorring.blocks([*(shard_order if shard else []), *([lost] if parity_too else [])],
                            chunk, min(window, xorring.BLOCK))
     passing = [np.frombuffer(buffer(f"in{i}", window), dtype=np.uint8)
-               for i in range(xorring.DEPTH)]
+               for i in range(2 * xorring.DEPTH)]
     with contextlib.ExitStack() as files:
         if me == lost:  # its shard's map as long as its chunks, cut to size once filled
             out = files.enter_context(_Mapped(out_shard, (n - 1) * chunk, create=True)) \
@@ -376,6 +402,10 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
             src = files.enter_context(_Mapped(own, sizes[me])) if own else None
             par_src = files.enter_context(_Mapped(parity, chunk)) if parity and shard else None
             out = par = None
+
+        for f in (out, par, src, par_src):
+            if f is not None:
+                f.populate()
 
         def contribution(b: xorring.Block) -> np.ndarray:
             if me == b.k:

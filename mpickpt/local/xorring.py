@@ -25,7 +25,7 @@ import numpy as np
 
 from ..mpi.protocol import Pending, Protocol
 
-DEPTH = 4  # blocks received ahead, and buffers of a window for the blocks passed on
+DEPTH = 4  # blocks received ahead (twice as many buffers of a block for those passed on)
 BLOCK = 8 << 20  # bytes per block at most: a chain of n members fills in n - 1 of them
 
 
@@ -67,10 +67,11 @@ def ring(team: Protocol, order: list[Block], contribution: Callable[[Block], np.
     """Move every block of ``order`` (the same list on every member) around the team: this
     member's ``contribution(b)`` goes in, the block that ends here lands in ``into(b)``.
     ``ends(b)``: the position a block ends at (``b.k`` unless given: a rebuild's lost member).
-    ``buffers``: at least :data:`DEPTH` uint8 arrays of the largest block, for the blocks this
-    member passes on. Collective over ``team``; within its deadline. A member whose own bytes
-    fail goes on all the same, with zeros or a scratch buffer from its callbacks, so that no
-    other member waits for a block it would not send."""
+    ``buffers``: uint8 arrays of the largest block for the blocks this member passes on, at
+    least :data:`DEPTH` (twice as many keep receives posted ahead while blocks go out).
+    Collective over ``team``; within its deadline. A member whose own bytes fail goes on all
+    the same, with zeros or a scratch buffer from its callbacks, so that no other member waits
+    for a block it would not send."""
     n, me = team.size, team.rank
     nxt, prev = (me + 1) % n, (me - 1) % n
     end = ends or (lambda b: b.k)
@@ -97,6 +98,8 @@ def ring(team: Protocol, order: list[Block], contribution: Callable[[Block], np.
             b = order[t]
             buf = None
             if role(b) == "pass":
+                while not free and sending and sending[0][0].done():
+                    send_done()  # buffers of blocks gone out, taken back without waiting
                 if not free:
                     if t != needed or not sending:
                         return

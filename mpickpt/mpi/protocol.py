@@ -342,6 +342,10 @@ class Pending:
         self._proto, self._what = proto, what
         self._future = _waiter().submit(job or (lambda: proto.comm.waitall(reqs)))
 
+    def done(self) -> bool:
+        """Whether its wait would return at once (no blocking)."""
+        return self._future.done()
+
     def result(self) -> str | None:
         """On the transfer thread, after this one's wait: its error text, or None."""
         return self._future.result()
