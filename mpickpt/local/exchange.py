@@ -391,38 +391,38 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
                            chunk, min(window, xorring.BLOCK))
     passing = [np.frombuffer(buffer(f"in{i}", window), dtype=np.uint8)
                for i in range(2 * xorring.DEPTH)]
+    keep = _Keep()  # a file that cannot be had: zeros or a scratch buffer, the error after
     with contextlib.ExitStack() as files:
-        if me == lost:  # its shard's map as long as its chunks, cut to size once filled
-            out = files.enter_context(_Mapped(out_shard, (n - 1) * chunk, create=True)) \
-                if out_shard and shard else None
-            par = files.enter_context(_Mapped(out_parity, chunk, create=True)) \
-                if out_parity and parity_too else None
-            src = par_src = None
-        else:
-            src = files.enter_context(_Mapped(own, sizes[me])) if own else None
-            par_src = files.enter_context(_Mapped(parity, chunk)) if parity and shard else None
-            out = par = None
 
-        for f in (out, par, src, par_src):
-            if f is not None:
-                f.populate()
+        def opened(path: str | None, size: int, create: bool = False) -> _Mapped | None:
+            if path is None or keep.error is not None:
+                return None
+            try:
+                f = files.enter_context(_Mapped(path, size, create=create))
+            except OSError as e:
+                keep.error = e
+                return None
+            f.populate()
+            return f
+
+        mine = me == lost  # its shard's map as long as its chunks, cut to size once filled
+        out = opened(out_shard, (n - 1) * chunk, True) if mine and shard else None
+        par = opened(out_parity, chunk, True) if mine and parity_too else None
+        src = opened(own, sizes[me]) if not mine else None
+        par_src = opened(parity, chunk) if not mine and shard else None
 
         def contribution(b: xorring.Block) -> np.ndarray:
-            if me == b.k:
-                assert par_src is not None
-                return _padded(par_src, b.off, b.n)
-            assert src is not None
-            return _padded(src, xor_chunk(n, me, b.k) * chunk + b.off, b.n)
+            f, at = (par_src, b.off) if me == b.k else (src, xor_chunk(n, me, b.k) * chunk + b.off)
+            return _padded(f, at, b.n) if f is not None else np.zeros(b.n, dtype=np.uint8)
 
         def into(b: xorring.Block) -> np.ndarray:
-            if b.k == lost:
-                assert par is not None
-                return par.view(b.off, b.n)
-            assert out is not None
-            return out.view(xor_chunk(n, lost, b.k) * chunk + b.off, b.n)
+            f, at = (par, b.off) if b.k == lost else (out, xor_chunk(n, lost, b.k) * chunk + b.off)
+            return f.view(at, b.n) if f is not None else \
+                np.frombuffer(buffer("scratch", window), dtype=np.uint8)[:b.n]
 
         xorring.ring(team, order, contribution, into, passing, "the XOR rebuild", on_window,
                      ends=lambda _: lost)
         if out is not None:
-            os.ftruncate(out.fd, sizes[lost])
+            keep.do(os.ftruncate, out.fd, sizes[lost])
+    keep.check()
     return (sizes[lost] * shard + chunk * parity_too) if me == lost else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -238,7 +239,7 @@ XOR_3X2 = {"redundancy": "xor", "per_node": 2, "xor_set": 3, "window": WINDOW}  
 
 @pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
 @pytest.mark.parametrize("case", ["parity-back-serves-a-second-loss", "peers-killed-mid-rebuild",
-                                  "damaged-parity"])
+                                  "damaged-parity", "no-room-on-the-new-node"])
 def test_a_node_rebuilt_from_xor_parity_over_the_ring(
         tmp_path: Path, reference, guarantees, in_memory, case: str) -> None:
     """Node 1 of three lost under XOR redundancy (local/xorring.py: its shards come around the
@@ -248,7 +249,11 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
     - the two survivors of team 0-2-4 killed in the midst of the rebuild: that job ends, no
       hang, and the next one rebuilds node 1 and runs on bit-identical;
     - a flipped byte in node 0's parity where it makes rank 2's rebuilt bytes: the restore
-      verifies them, names rank 2's tensor, and ROOT takes over; the run ends bit-identical."""
+      verifies them, names rank 2's tensor, and ROOT takes over; the run ends bit-identical;
+    - the new node 1 with no room for its shards (a 16 KiB tmpfs): the restore says why and
+      ROOT takes over; the run goes on, its saves failing there, and ends bit-identical. (Its
+      ranks take part in the ring all the same, into a scratch buffer, so that the survivors'
+      blocks go; this state's blocks are small enough to go eagerly even without.)"""
     crashed, _ = job(tmp_path, "crash", 6, crash_after=CRASH, **XOR_3X2)
     assert crashed.returncode != 0, crashed.output
 
@@ -273,6 +278,25 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
         data[rec["offset"] + min(rec["nbytes"], chunk - rec["offset"]) // 2] ^= 0xFF
         parity.write_bytes(bytes(data))
         step = DRAINED
+    if case == "no-room-on-the-new-node":
+        node1 = local_of(tmp_path) / "n1"
+        node1.mkdir()
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(node1)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+        try:  # (its saves fail there too, each one aborted on every rank, and the run goes on)
+            done, reports = job(tmp_path, "resume", 6, **XOR_3X2)
+        finally:
+            subprocess.run(["umount", "-l", str(node1)], check=True)
+        guarantees.record(SUITE, "xor-no-room-on-the-new-node",
+                          outcome(reports, 6, DRAINED, reference[6]), done.output[-2000:])
+        assert done.returncode == 0, done.output
+        assert "No space left on device" in done.stderr, done.output
+        restored = [reports[r]["restore"] for r in range(6)]
+        assert {(r["step"], r["level"]) for r in restored} == {(DRAINED, "root")}, restored
+        assert all(reports[r]["final"] == reference[6][r] for r in range(6))
+        return
     steps = CRASH if case == "parity-back-serves-a-second-loss" else LAST
     done, reports = job(tmp_path, "resume", 6, steps=steps, **XOR_3X2)
     assert done.returncode == 0, done.output

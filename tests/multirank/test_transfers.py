@@ -37,6 +37,19 @@ def test_xor_parity_and_rebuilds_around_the_ring_are_the_xor_of_the_team(n):
         assert f"rank {rank}: ring ok" in job.stdout, job.output
 
 
+def test_an_xor_rebuild_whose_lost_member_cannot_make_its_files_leaves_no_survivor_waiting(
+        tmp_path):
+    """The lost member takes the blocks into a scratch buffer and then raises; the survivors
+    return at once rather than at the deadline (scenario xor_rebuild_fail.py)."""
+    job = run_mpi(3, [str(SCENARIOS / "xor_rebuild_fail.py"), str(tmp_path)], timeout=120)
+    assert job.returncode == 0, job.output
+    assert re.search(r"rank 1: OSError No such file or directory after [0-9.]+ s", job.stdout), \
+        job.output
+    for rank in (0, 2):
+        m = re.search(rf"rank {rank}: returned after ([0-9.]+) s", job.stdout)
+        assert m and float(m.group(1)) < 10, job.output
+
+
 @pytest.mark.parametrize("mode", ["hang", "stuck"])
 def test_a_gated_partner_stream_ends_at_its_deadline(tmp_path, mode):
     """A peer that hangs, or bytes that never land: the stream ends with a CollectiveTimeout
