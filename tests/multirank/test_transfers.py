@@ -31,7 +31,7 @@ def test_a_partner_stream_sends_each_window_once_it_has_landed(tmp_path):
 def test_xor_parity_and_rebuilds_around_the_ring_are_the_xor_of_the_team(n):
     """local/xorring.py on teams of 2 (a mirror), 3 and 4: every member's parity, then every
     member rebuilt in turn, in blocks that start at odd addresses, byte for byte numpy's."""
-    job = run_mpi(n, [str(SCENARIOS / "xor_ring.py")], timeout=120)
+    job = run_mpi(n, [str(SCENARIOS / "transfers_xor_ring.py")], timeout=120)
     assert job.returncode == 0, job.output
     for rank in range(n):
         assert f"rank {rank}: ring ok" in job.stdout, job.output
@@ -40,8 +40,8 @@ def test_xor_parity_and_rebuilds_around_the_ring_are_the_xor_of_the_team(n):
 def test_an_xor_rebuild_whose_lost_member_cannot_make_its_files_leaves_no_survivor_waiting(
         tmp_path):
     """The lost member takes the blocks into a scratch buffer and then raises; the survivors
-    return at once rather than at the deadline (scenario xor_rebuild_fail.py)."""
-    job = run_mpi(3, [str(SCENARIOS / "xor_rebuild_fail.py"), str(tmp_path)], timeout=120)
+    return at once rather than at the deadline (scenario transfers_xor_rebuild_fail.py)."""
+    job = run_mpi(3, [str(SCENARIOS / "transfers_xor_rebuild_fail.py"), str(tmp_path)], timeout=120)
     assert job.returncode == 0, job.output
     assert re.search(r"rank 1: OSError No such file or directory after [0-9.]+ s", job.stdout), \
         job.output

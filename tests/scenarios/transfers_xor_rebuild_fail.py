@@ -5,7 +5,7 @@ does not exist: it must still take every block (into a scratch buffer), so that 
 sends complete and they return at once, and then raise the error. The protocol's deadline is
 20 s: a survivor left waiting for its blocks to go would raise ``CollectiveTimeout`` there.
 
-``xor_rebuild_fail.py DIR``. Run by tests/multirank/test_transfers.py.
+``transfers_xor_rebuild_fail.py DIR``. Run by tests/multirank/test_transfers.py.
 """
 
 from __future__ import annotations
