@@ -749,11 +749,11 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
     kept = 1 + 1  # keep_local=1, and the one being written
     shards = COMM.allgather(shard)
     held = 0  # the partner copy this node stores (the shards of the ranks may differ)
+    topology = Topology(tuple(f"n{r}" for r in range(SIZE)))
     if s.scheme == "partner":
-        teams = Topology(tuple(f"n{r}" for r in range(SIZE))).teams("partner", None)
-        held = shards[partner_source(teams, RANK)]
+        held = shards[partner_source(topology.teams("partner", None), RANK)]
     elif s.scheme == "xor":  # this node's parity: one chunk of its team's largest shard
-        team = team_of(Topology(tuple(f"n{r}" for r in range(SIZE))).teams("xor", None), RANK)
+        team = team_of(topology.teams("xor", None), RANK)
         held = xor_chunk_bytes(max(shards[m] for m in team), len(team))
         factor = 1 / (len(team) - 1)
     mem = {"node": f"n{RANK}", "state_bytes": nbytes, "shard_file_bytes": shard,
@@ -820,8 +820,8 @@ def bounds_report(doc: dict[str, Any]) -> list[str]:
     key = next((k for k in LOST_ROWS if k in rows3), None)
     if key is not None and "mpi_s" in b:
         r = rows3[key]
-        # the lost shard's bytes (XOR: each survivor sends a share; the lost rank gets the
-        # reduced shard, and its parity after the restore)
+        # the lost shard's bytes (XOR: they come around the team's ring, the lost rank's
+        # parity after the restore)
         moved = doc["bytes_per_rank"][1] if key == "xor" else r["total_network_bytes"]
         rate = moved / r["restore_s"] if r["restore_s"] else 0.0
         out.append(f"recovery of a lost node from its {key if key == 'partner' else 'XOR team'}"

@@ -154,7 +154,7 @@ class Exchange:
         self.team_proto = proto.sub(teams.index(self.team), self.pos) if scheme == "xor" else None
         self._bufs: dict[str, np.ndarray] = {}
         # allocated (and touched) once, here: the first save does not pay for them
-        for slot in range(2 * xorring.DEPTH if scheme == "xor" else DEPTH):
+        for slot in range(xorring.BUFFERS if scheme == "xor" else DEPTH):
             np.asarray(self.buffer(f"in{slot}", self.window))[:] = 0
         # at the training thread's priority, like the transfer waiter (background.py says why)
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-stream")
@@ -300,17 +300,14 @@ class Exchange:
         with _Mapped(own, size) as src:
             src.populate()
             xorring.ring(self.team_proto, xorring.interleave(
-                [xorring.blocks([k], chunk, min(self.window, xorring.BLOCK)) for k in range(n)]),
+                [xorring.blocks([k], chunk, self.window) for k in range(n)]),
                 lambda b: _padded(src, xor_chunk(n, me, b.k) * chunk + b.off, b.n),
-                into, self._passing(), "the XOR parity", lambda: keep.do(on_window))
+                into, xorring.passing(self.buffer, self.window), "the XOR parity",
+                lambda: keep.do(on_window))
         keep.do(os.ftruncate, dst.fd, chunk)
         keep.do(os.fsync, dst.fd)
         keep.check()
         return Moved((n - 1) * chunk, (n - 1) * chunk)
-
-    def _passing(self) -> list[np.ndarray]:
-        return [np.frombuffer(self.buffer(f"in{i}", self.window), dtype=np.uint8)
-                for i in range(2 * xorring.DEPTH)]
 
 
 def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[int], bool]:
@@ -388,9 +385,7 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
     n, me = team.size, team.rank
     shard_order = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
     order = xorring.blocks([*(shard_order if shard else []), *([lost] if parity_too else [])],
-                           chunk, min(window, xorring.BLOCK))
-    passing = [np.frombuffer(buffer(f"in{i}", window), dtype=np.uint8)
-               for i in range(2 * xorring.DEPTH)]
+                           chunk, window)
     keep = _Keep()  # a file that cannot be had: zeros or a scratch buffer, the error after
     with contextlib.ExitStack() as files:
 
@@ -420,8 +415,8 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
             return f.view(at, b.n) if f is not None else \
                 np.frombuffer(buffer("scratch", window), dtype=np.uint8)[:b.n]
 
-        xorring.ring(team, order, contribution, into, passing, "the XOR rebuild", on_window,
-                     ends=lambda _: lost)
+        xorring.ring(team, order, contribution, into, xorring.passing(buffer, window),
+                     "the XOR rebuild", on_window, ends=lambda _: lost)
         if out is not None:
             keep.do(os.ftruncate, out.fd, sizes[lost])
     keep.check()

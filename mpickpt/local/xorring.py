@@ -25,7 +25,8 @@ import numpy as np
 
 from ..mpi.protocol import Pending, Protocol
 
-DEPTH = 4  # blocks received ahead (twice as many buffers of a block for those passed on)
+DEPTH = 4  # blocks received ahead
+BUFFERS = 2 * DEPTH  # buffers for the blocks passed on: receives stay posted while some go out
 # bytes per block at most: a chain of n members fills in n - 1 of them (a lost node's 2 GB
 # rebuilt on one H200 by three ranks: 1.5 s with 32 MiB blocks, 1.75-1.93 s with 8 MiB)
 BLOCK = 32 << 20
@@ -41,9 +42,17 @@ class Block:
 
 
 def blocks(positions: list[int], chunk: int, window: int) -> list[Block]:
-    """The blocks of ``positions`` (in that order), at most ``window`` bytes each."""
+    """The blocks of ``positions`` (in that order), at most ``window`` bytes each (and at
+    most :data:`BLOCK`)."""
+    window = min(window, BLOCK)
     return [Block(k, off, min(window, chunk - off)) for k in positions
             for off in range(0, chunk, window)]
+
+
+def passing(buffer: Callable[[str, int], memoryview], window: int) -> list[np.ndarray]:
+    """:data:`BUFFERS` reused buffers of ``window`` bytes (``buffer(name, nbytes)`` gives
+    them), for the blocks a member passes on."""
+    return [np.frombuffer(buffer(f"in{i}", window), dtype=np.uint8) for i in range(BUFFERS)]
 
 
 def interleave(per_position: list[list[Block]]) -> list[Block]:
@@ -70,7 +79,7 @@ def ring(team: Protocol, order: list[Block], contribution: Callable[[Block], np.
     member's ``contribution(b)`` goes in, the block that ends here lands in ``into(b)``.
     ``ends(b)``: the position a block ends at (``b.k`` unless given: a rebuild's lost member).
     ``buffers``: uint8 arrays of the largest block for the blocks this member passes on, at
-    least :data:`DEPTH` (twice as many keep receives posted ahead while blocks go out).
+    least :data:`DEPTH` (:func:`passing` gives :data:`BUFFERS`).
     Collective over ``team``; within its deadline. A member whose own bytes fail goes on all
     the same, with zeros or a scratch buffer from its callbacks, so that no other member waits
     for a block it would not send."""
