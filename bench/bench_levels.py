@@ -778,7 +778,8 @@ table = bench_cpu.columns
 
 
 PHASES = (("copy_s", "into host memory"), ("data_s", "shard written"),
-          ("stream_s", "partner stream"), ("protect_s", "protect"), ("protected_s", "protected"))
+          ("stream_s", "partner stream or XOR parity"), ("protect_s", "protect"),
+          ("protected_s", "protected"))
 
 
 def phases_report(p1: dict[str, Any]) -> list[str]:

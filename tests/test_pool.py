@@ -12,7 +12,7 @@ import h5py
 import pytest
 import torch
 
-from mpickpt.format import reader, shard
+from mpickpt.format import h5image, reader, shard
 from mpickpt.format.h5image import MetadataImage
 from mpickpt.local import nodedir, pool
 
@@ -80,6 +80,27 @@ def test_a_recycled_file_written_over_reads_back_as_a_fresh_one(tmp_path):
         if damage == "short" or step == 1:
             os.truncate(pooled, size // 3)
     assert inodes[0] == inodes[1] == inodes[2], "the retired file was not written over"
+    maps.close()
+
+
+def test_a_recycled_files_padding_is_zeros_as_in_a_fresh_file(tmp_path):
+    """A shard written over a recycled file full of other bytes is byte for byte the file the
+    same save writes into a fresh one: its alignment padding too is zeros (the XOR parity,
+    made from the tensors and the metadata alone, is rebuilt from the files)."""
+    maps, pool_dir, state = pool.Maps(), str(tmp_path / nodedir.POOL), tensors(3)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    w, size = write_into(maps, pool_dir, str(fresh), state)
+    want = (fresh / "rank-00000.h5").read_bytes()
+    gaps = h5image.padding(size, [(r.offset, r.nbytes) for r in w.records])
+    assert sum(n for _, n in gaps) > BLOCK, "no padding: the test would show nothing"
+    nodedir.retire(str(fresh), pool_dir, "test")
+    with open(os.path.join(pool_dir, "rank-00000.h5"), "r+b") as f:
+        f.write(b"\xa5" * (2 * size))
+    again = tmp_path / "again"
+    again.mkdir()
+    write_into(maps, pool_dir, str(again), state)
+    assert (again / "rank-00000.h5").read_bytes() == want
     maps.close()
 
 

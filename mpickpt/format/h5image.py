@@ -121,6 +121,20 @@ def _merged(spans: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
     return out
 
 
+def padding(size: int, written: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the bytes below ``size`` that no ``(offset, length)`` of
+    ``written`` covers, in order."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for lo, hi in _merged([(o, o + n) for o, n in written if n], size):
+        if lo > at:
+            out.append((at, lo - at))
+        at = max(at, hi)
+    if at < size:
+        out.append((at, size - at))
+    return out
+
+
 def place(fd: int, runs: Iterable[tuple[int, bytes | memoryview]], size: int) -> None:
     """Write each ``(offset, bytes)`` run of a shard's metadata (:meth:`MetadataImage.extents`)
     into the file ``fd``, around its tensors' bytes, and end the file at ``size``."""

@@ -22,7 +22,7 @@ import torch
 
 from . import checksum, dtypes, rootdir
 from .blocks import DIRECT_ALIGN, _direct_len, _open_direct, pwrite_all
-from .h5image import MetadataImage, place
+from .h5image import MetadataImage, padding, place
 from .h5layout import Layout, let_others_run
 from .h5template import Template
 from .iothreads import pool, run_tasks, start_tasks
@@ -44,6 +44,7 @@ INLINE_BYTES = 4 << 20
 # into a destination, a block is hashed and copied this many bytes at a time, so that the copy
 # reads what the hash just read from the CPU's cache rather than from memory again
 PIECE = 512 << 10
+ZERO_PIECE = 1 << 20  # a destination's padding is zeroed this many bytes a write at most
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -105,6 +106,7 @@ class ShardWriter:
         self.path = path
         self._block = block
         self._dst: torch.Tensor | None = None
+        self._into: Destination | None = None
         self.metadata: list[tuple[int, bytes]] = []  # into: the bytes the seal wrote, less data
         self._template = template if not codecs else None
         self._attrs = attrs
@@ -132,6 +134,7 @@ class ShardWriter:
                 self._layout.add(tensors, attrs)
                 self.records = self._layout.records
             if into is not None:
+                self._into = into
                 self._fd = os.dup(into.fd)
                 self._dst = into.reserve(self.data_end)
             elif sum(r.nbytes for r in self.records) > INLINE_BYTES:
@@ -139,6 +142,12 @@ class ShardWriter:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def size_hint(self) -> int | None:
+        """The file's size once sealed, where the layout fixes it before a byte is written (a
+        template's); else None."""
+        return self._template.size if self._template is not None else None
 
     @property
     def data_end(self) -> int:
@@ -177,6 +186,7 @@ class ShardWriter:
         w = cls.__new__(cls)
         w.path, w._block, w.records = path, 0, records
         w._dst, w._raw, w._layout, w._image, w._template = None, None, None, None, None
+        w._into = None
         w._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
         try:
             w._dfd = _open_direct(path, os.O_WRONLY)
@@ -318,17 +328,33 @@ class ShardWriter:
                 t, a = self._template, self._attrs
                 self.metadata = t.render(int(a["step"]), str(a["tree"]),
                                          [r.checksums for r in self.records])
+                self._zero_padding(t.size)
                 place(self._fd, self.metadata, t.size)
             else:
                 assert self._layout is not None, "a region is sealed by its file's owner"
                 self._layout.seal()
                 if self._image is not None:  # HDF5's bytes into the destination
                     self.metadata = list(self._image.extents(self.data_ranges()))
+                    self._zero_padding(self._image.size)
                     place(self._fd, self.metadata, self._image.size)
             os.fsync(self._fd)
             return os.fstat(self._fd).st_size
         finally:
             self.close()
+
+    def _zero_padding(self, size: int) -> None:
+        """A destination's bytes below ``size`` that neither a tensor nor HDF5 writes (alignment
+        padding: a recycled file's old bytes) made zeros, so that the file holds the bytes a
+        fresh one would (the node-local level's XOR parity is made from the tensors and the
+        metadata alone, and rebuilt from the files). Padding is less than the alignment per
+        tensor: a few MB for gigabytes of large tensors."""
+        if self._into is None:
+            return
+        gaps = padding(size, [*self.data_ranges(), *((o, len(b)) for o, b in self.metadata)])
+        zeros = memoryview(bytes(min(ZERO_PIECE, max((n for _, n in gaps), default=0))))
+        for off, n in gaps:
+            for at in range(off, off + n, ZERO_PIECE):
+                pwrite_all(self._fd, zeros[:min(ZERO_PIECE, off + n - at)], at)
 
     def close(self) -> None:
         """Release the file without sealing it (after an error). Its descriptors are closed even

@@ -8,10 +8,7 @@ a shard into chunks) are :mod:`mpickpt.local.topology`'s.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,105 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..format import rootdir
 from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
 from ..save.landing import Landing
-from . import xorring
+from . import parity, xorring
+from .filemap import FileMap, Keep
 from .pool import Mapped
-from .topology import partner_holder, partner_source, team_of, xor_chunk, xor_chunk_bytes
+from .topology import partner_holder, partner_source, team_of, xor_chunk_bytes
 
 WINDOW = 32 << 20
-MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
-POPULATE_PIECE = 64 << 20
 DEPTH = 4  # partner windows in flight
 READY_WAIT_S = 0.05  # a window not landed yet: the deadline is looked at this often meanwhile
-
-
-class _Mapped:
-    """A file as a shared memory map (``create``: made, its blocks allocated first, so that a
-    full disk is an error here rather than a SIGBUS later; fsynced when it closes)."""
-
-    def __init__(self, path: str, size: int, create: bool = False) -> None:
-        self.path, self.size, self.create = path, size, create
-        self._map: mmap.mmap | None = None
-        self._arr: np.ndarray | None = None
-        self._populating: threading.Thread | None = None
-
-    def __enter__(self) -> _Mapped:
-        if self.create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         rootdir.file_mode(self.path))
-        else:
-            fd = rootdir.open_regular(self.path)
-        self.fd = fd
-        try:
-            if self.size:
-                if self.create:
-                    os.posix_fallocate(fd, 0, self.size)
-                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | (
-                    mmap.PROT_WRITE if self.create else 0))
-                self._arr = np.frombuffer(self._map, dtype=np.uint8)
-        except OSError as e:
-            os.close(fd)
-            raise OSError(e.errno, e.strerror, self.path) from e
-        return self
-
-    def view(self, off: int, n: int) -> np.ndarray:
-        assert self._arr is not None
-        return self._arr[off:off + n]
-
-    def populate(self) -> None:
-        """Map the file's pages in ahead of their use, on a thread of its own, from the start
-        (``MADV_POPULATE_WRITE``/``_READ``, Linux 5.14): MPI's copies into them and the XOR's
-        reads then take no page fault at each page. Where the kernel cannot, nothing happens;
-        the map is closed only after it (``__exit__``)."""
-        if self._map is None:
-            return
-        m, advice = self._map, MADV_POPULATE_WRITE if self.create else MADV_POPULATE_READ
-
-        def run() -> None:
-            for a in range(0, self.size, POPULATE_PIECE):
-                try:
-                    m.madvise(advice, a, min(POPULATE_PIECE, self.size - a))
-                except (OSError, ValueError):  # an older kernel, or the map gone
-                    return
-
-        self._populating = threading.Thread(target=run, daemon=True, name="mpickpt-populate")
-        self._populating.start()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._populating is not None:
-            self._populating.join()
-        self._arr = None
-        if self._map is not None:
-            # MPI may still hold a view of it: then the map goes with its last reference
-            with contextlib.suppress(BufferError):
-                self._map.close()
-        try:
-            if self.create:
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-
-
-class _Keep:
-    """The first error of the local side of an exchange; the transfers go on regardless, so
-    that a peer never waits for a window this rank would not send."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def do(self, fn: Callable[..., object], *args: object) -> None:
-        if self.error is None:
-            try:
-                fn(*args)
-            except Exception as e:
-                self.error = e
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 @dataclass
@@ -139,6 +48,7 @@ class Streamed:
     sent: int
     received: int
     seconds: float = 0.0  # from the start of the stream to its end, the partner's wait included
+    chunk: int = 0  # XOR: the parity's bytes, when its tensors' part went from the snapshot
 
 
 class Exchange:
@@ -174,14 +84,79 @@ class Exchange:
 
     # ---------------------------------------------------------------------------------- saving
 
-    def protect(self, own: str, size: int, names: Callable[[int], str],
-                take: Callable[[str], Mapped], on_window: Callable[[], None] = lambda: None
-                ) -> Moved:
-        """XOR: store this rank's parity of its shard ``own`` (``size`` bytes) in the file
-        ``take(names(rank))`` gives (recycled, mapped). Collective over the team. (Partner
-        copies stream while the shard is written: :meth:`stream` and :meth:`seal`.)"""
-        assert self.scheme == "xor"
-        return self._xor(own, size, names, on_window, take)
+    def parity_stream(self, runs: list[parity.Run] | None, size: int,
+                      take: Callable[[int], Mapped], on_window: Callable[[], None],
+                      landing: Landing | None = None) -> Future[Streamed]:
+        """XOR, pass 1 (:mod:`mpickpt.local.parity`): start this rank's part of its team's
+        parity of the tensor bytes (``runs``, straight from the snapshot, by offset; ``size``:
+        the shard file's, which its layout fixes), into ``take(rank)`` (its parity file,
+        recycled and mapped), on the exchange's own thread while the shard is written; with a
+        ``landing``, each run once it has landed in host memory. ``runs`` None (a layout
+        without a template, or none): the whole team makes its parity from the shard files
+        after the write, in :meth:`parity_seal`, which completes the parity either way."""
+        return self._streamer.submit(self._parity_stream, runs, size, take, on_window, landing)
+
+    def _parity_stream(self, runs: list[parity.Run] | None, size: int,
+                       take: Callable[[int], Mapped], on_window: Callable[[], None],
+                       landing: Landing | None) -> Streamed:
+        t0 = time.perf_counter()
+        assert self.team_proto is not None
+        largest, files = self.team_proto.maxes([size, int(runs is None)], "the XOR parity")
+        chunk = xor_chunk_bytes(largest, len(self.team))
+        keep, dest = Keep(), None
+        try:
+            dest = take(self.rank)
+            dest.reserve(chunk)
+        except Exception as e:  # no room for the parity: pass the blocks on all the same
+            keep.error = e
+        if files:
+            return Streamed(dest, keep.error, 0, 0, time.perf_counter() - t0)
+        parts = parity.snapshot_parts(runs or [], landing.gate if landing else None, keep)
+        parity.from_snapshot(self.team_proto, chunk, parts, self._into(dest, keep), self.buffer,
+                             self.window, lambda: keep.do(on_window))
+        moved = (len(self.team) - 1) * chunk
+        return Streamed(dest, keep.error, moved, moved, time.perf_counter() - t0, chunk)
+
+    def parity_seal(self, streamed: Streamed, own: str, size: int,
+                    metadata: list[tuple[int, bytes]], on_window: Callable[[], None]) -> Moved:
+        """XOR, after :meth:`parity_stream` and once every rank has written its shard (``own``,
+        ``size`` bytes; ``metadata``: its HDF5 metadata runs): pass 2, the team's metadata XORed
+        into the parity; or, where the tensors' bytes did not go from the snapshot (or a
+        shard's size is not the one its layout gave), the whole parity from the shard files.
+        The parity file is then cut to its size and fsynced. Collective over the team."""
+        assert self.team_proto is not None
+        n, keep, dest, chunk = len(self.team), Keep(), streamed.dest, streamed.chunk
+        keep.error = streamed.error
+        moved = Moved(streamed.sent, streamed.received)
+        if chunk:
+            got = self.team_proto.allgather((size, metadata), "the XOR parity")
+            if xor_chunk_bytes(max(s for s, _ in got), n) != chunk:
+                chunk = 0
+            elif keep.error is None and dest is not None:
+                keep.do(parity.add_metadata, np.frombuffer(dest.view(0, chunk), dtype=np.uint8),
+                        chunk, self.pos, [runs for _, runs in got])
+                moved.sent += sum(len(b) for _, b in metadata)
+        if not chunk:
+            chunk = xor_chunk_bytes(self.team_proto.max(size, "the XOR parity"), n)
+            if keep.error is None and dest is not None:
+                keep.do(dest.reserve, chunk)
+            parity.from_files(self.team_proto, own, size, chunk, self._into(dest, keep),
+                              self.buffer, self.window, lambda: keep.do(on_window))
+            moved = Moved((n - 1) * chunk, (n - 1) * chunk)
+        if dest is not None:
+            keep.do(os.ftruncate, dest.fd, chunk)
+            keep.do(os.fsync, dest.fd)
+        keep.check()
+        return moved
+
+    def _into(self, dest: Mapped | None, keep: Keep) -> parity.Into:
+        """Where a parity block lands: its place in ``dest``, or a scratch buffer once this
+        side has failed (the blocks still go round, so that no member waits)."""
+        def into(b: xorring.Block) -> np.ndarray:
+            if keep.error is None and dest is not None:
+                return np.frombuffer(dest.view(b.off, b.n), dtype=np.uint8)
+            return np.frombuffer(self.buffer("scratch", self.window), dtype=np.uint8)[:b.n]
+        return into
 
     # ------------------------------------------------------------- partner copies, streamed
 
@@ -212,7 +187,7 @@ class Exchange:
         their = np.zeros((their_n, 2), dtype=np.int64)
         self.proto.transfer([(spans, holder)] if len(ranges) else [],
                             [(their, source)] if their_n else [], phase)
-        keep, dest = _Keep(), None
+        keep, dest = Keep(), None
         try:
             dest = take(source)
             dest.reserve(their_end)
@@ -267,7 +242,7 @@ class Exchange:
         got = np.empty(their_len, dtype=np.uint8)
         self.proto.transfer([(spans, holder), (np.frombuffer(blob, dtype=np.uint8), holder)],
                             [(their, source), (got, source)], phase)
-        dest, keep = streamed.dest, _Keep()
+        dest, keep = streamed.dest, Keep()
         keep.error = streamed.error
         if dest is not None and their_size:
             ends = np.cumsum(their[:, 1])
@@ -277,40 +252,8 @@ class Exchange:
         keep.check()
         return Moved(streamed.sent + len(blob), streamed.received + their_len)
 
-    def _xor(self, own: str, size: int, names: Callable[[int], str],
-             on_window: Callable[[], None], take: Callable[[str], Mapped]) -> Moved:
-        """The parity of a team over the ring (:mod:`mpickpt.local.xorring`): each member's
-        chunks of its shard go out of its file's map, the XOR of the team's chunks for this
-        member comes straight into its parity file (a recycled one from ``take``, mapped)."""
-        assert self.team_proto is not None
-        n = len(self.team)
-        chunk = xor_chunk_bytes(self.team_proto.max(size, "the XOR parity"), n)
-        keep = _Keep()
-        dst = take(names(self.rank))
-        try:
-            dst.reserve(chunk)
-        except OSError as e:  # no room for the parity: pass the blocks on all the same, then fail
-            keep.error = e
-        me = self.pos
 
-        def into(b: xorring.Block) -> np.ndarray:
-            return np.frombuffer(dst.view(b.off, b.n) if keep.error is None
-                                 else self.buffer("scratch", self.window)[:b.n], dtype=np.uint8)
-
-        with _Mapped(own, size) as src:
-            src.populate()
-            xorring.ring(self.team_proto, xorring.interleave(
-                [xorring.blocks([k], chunk, self.window) for k in range(n)]),
-                lambda b: _padded(src, xor_chunk(n, me, b.k) * chunk + b.off, b.n),
-                into, xorring.passing(self.buffer, self.window), "the XOR parity",
-                lambda: keep.do(on_window))
-        keep.do(os.ftruncate, dst.fd, chunk)
-        keep.do(os.fsync, dst.fd)
-        keep.check()
-        return Moved((n - 1) * chunk, (n - 1) * chunk)
-
-
-def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[int], bool]:
+def _ready(out: list[memoryview], landing: Landing, keep: Keep) -> Callable[[int], bool]:
     """Whether window ``k`` of ``out`` has landed in host memory, waiting
     :data:`READY_WAIT_S` at most; a landing that failed is kept as this side's error, and the
     windows go all the same (their bytes are not used: the save fails), so that the partner
@@ -325,18 +268,6 @@ def _ready(out: list[memoryview], landing: Landing, keep: _Keep) -> Callable[[in
             keep.error = e
             return True
     return ready
-
-
-def _padded(src: _Mapped, start: int, n: int) -> np.ndarray:
-    """Bytes ``[start, start + n)`` of a file mapped read-only, where it lies; a copy with
-    zeros past the file's end."""
-    have = max(0, min(n, src.size - start))
-    if have == n:
-        return src.view(start, n)
-    out = np.zeros(n, dtype=np.uint8)
-    if have:
-        out[:have] = src.view(start, have)
-    return out
 
 
 def _span(size: int, off: int, window: int) -> int:
@@ -363,61 +294,10 @@ def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int,
               window: int, on_window: Callable[[], None]) -> None:
     """One file, every window posted at once (from and into memory maps)."""
     sending = proto.rank == donor
-    with _Mapped(path, size, create=not sending) as f:
+    with FileMap(path, size, create=not sending) as f:
         views = [(f.view(off, _span(size, off, window)), receiver if sending else donor)
                  for off in range(0, size, window)]
         pending = proto.start(views if sending else [], [] if sending else views,
                               "the rebuild from a partner copy")
         on_window()
         pending.wait()
-
-
-def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: str | None,
-                parity: str | None, out_shard: str | None, out_parity: str | None,
-                window: int, buffer: Callable[[str, int], memoryview],
-                on_window: Callable[[], None] = lambda: None, shard: bool = True,
-                parity_too: bool = True) -> int:
-    """Rebuild the shard and (``parity_too``) the parity of team position ``lost`` on that
-    member, from the others' shards (``own``) and parities, over the ring
-    (:mod:`mpickpt.local.xorring`): every block ends at the lost member, straight in its new
-    files' maps, the shard's blocks in file order and then the parity's (without ``shard``,
-    the parity alone). Collective over ``team``. Bytes received."""
-    n, me = team.size, team.rank
-    shard_order = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
-    order = xorring.blocks([*(shard_order if shard else []), *([lost] if parity_too else [])],
-                           chunk, window)
-    keep = _Keep()  # a file that cannot be had: zeros or a scratch buffer, the error after
-    with contextlib.ExitStack() as files:
-
-        def opened(path: str | None, size: int, create: bool = False) -> _Mapped | None:
-            if path is None or keep.error is not None:
-                return None
-            try:
-                f = files.enter_context(_Mapped(path, size, create=create))
-            except OSError as e:
-                keep.error = e
-                return None
-            f.populate()
-            return f
-
-        mine = me == lost  # its shard's map as long as its chunks, cut to size once filled
-        out = opened(out_shard, (n - 1) * chunk, True) if mine and shard else None
-        par = opened(out_parity, chunk, True) if mine and parity_too else None
-        src = opened(own, sizes[me]) if not mine else None
-        par_src = opened(parity, chunk) if not mine and shard else None
-
-        def contribution(b: xorring.Block) -> np.ndarray:
-            f, at = (par_src, b.off) if me == b.k else (src, xor_chunk(n, me, b.k) * chunk + b.off)
-            return _padded(f, at, b.n) if f is not None else np.zeros(b.n, dtype=np.uint8)
-
-        def into(b: xorring.Block) -> np.ndarray:
-            f, at = (par, b.off) if b.k == lost else (out, xor_chunk(n, lost, b.k) * chunk + b.off)
-            return f.view(at, b.n) if f is not None else \
-                np.frombuffer(buffer("scratch", window), dtype=np.uint8)[:b.n]
-
-        xorring.ring(team, order, contribution, into, xorring.passing(buffer, window),
-                     "the XOR rebuild", on_window, ends=lambda _: lost)
-        if out is not None:
-            keep.do(os.ftruncate, out.fd, sizes[lost])
-    keep.check()
-    return (sizes[lost] * shard + chunk * parity_too) if me == lost else 0

@@ -18,6 +18,8 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .. import faults, log
 from ..errors import RankFailure
 from ..format.entry import RankEntry
@@ -29,6 +31,7 @@ from ..save.landing import Landing
 from ..save.request import SaveRequest, SaveResult
 from ..save.shards import RankShards, error_text
 from ..save.store import Published, discard
+from . import parity
 from .exchange import Streamed
 from .level import LocalLevel
 
@@ -61,12 +64,13 @@ class NodeStore:
         return Manifest.read(self.final(step))
 
     def write(self, req: SaveRequest, partial: str) -> tuple[RankEntry | None, str | None]:
-        """The shard, into its recycled file kept mapped (or a new one); with partner
-        redundancy its tensor bytes stream to the holder meanwhile (:meth:`Exchange.stream`),
-        straight from the snapshot as they land in host memory, and the copy of the rank held
-        here comes in likewise."""
+        """The shard, into its recycled file kept mapped (or a new one); with redundancy its
+        tensor bytes go out meanwhile, straight from the snapshot as they land in host memory:
+        to the holder (partner, :meth:`Exchange.stream`; the copy of the rank held here comes
+        in likewise), or around the team's ring into the parities (XOR,
+        :meth:`Exchange.parity_stream`)."""
         lv, entry, error = self.lv, None, req.error
-        streaming = lv.exchange is not None and lv.scheme == "partner"
+        streaming = lv.exchange is not None
         stream: Future[Streamed] | None = None
         sealed: list[ShardWriter] = []
 
@@ -74,9 +78,17 @@ class NodeStore:
                     ) -> None:
             nonlocal stream
             sealed.append(writer)
-            if streaming:  # in the order the bytes land in host memory
-                tensors = sorted((r for r in writer.records if r.codec is None and r.nbytes),
-                                 key=lambda r: host[r.name].data_ptr())
+            if not streaming:
+                return
+            tensors = [r for r in writer.records if r.codec is None and r.nbytes]
+            if lv.scheme == "xor":
+                whole = writer.size_hint is not None and len(tensors) == len(writer.records)
+                stream = self._stream(req, partial, writer.size_hint or 0, [parity.Run(
+                    r.offset, np.frombuffer(byte_view(host[r.name]), dtype=np.uint8),
+                    host[r.name].data_ptr()) for r in sorted(tensors, key=lambda r: r.offset)]
+                    if whole else None, landing)
+            else:  # in the order the bytes land in host memory
+                tensors.sort(key=lambda r: host[r.name].data_ptr())
                 stream = self._stream(req, partial, writer.data_end, [
                     (r.offset, byte_view(host[r.name])) for r in tensors], landing)
 
@@ -90,29 +102,34 @@ class NodeStore:
             error = error_text(e)
         if streaming:
             with self.proto.fatal_timeouts(self.log):
-                if stream is None:  # nothing laid out: stream nothing, the partner must not wait
-                    stream = self._stream(req, partial, 0, [])
+                if stream is None:  # nothing laid out: stream nothing, the team must not wait
+                    stream = self._stream(req, partial, 0, None if lv.scheme == "xor" else [])
                 t = time.perf_counter()
                 done = stream.result()
-                req.stats.update(stream_s=done.seconds, stream_wait_s=time.perf_counter() - t)
+                req.stats.update(stream_s=done.seconds, stream_wait_s=time.perf_counter() - t,
+                                 parity_from_snapshot=float(done.chunk > 0))
                 self._streams[req.step] = (done, sealed[0].metadata if sealed and entry else [])
         return entry, error
 
-    def _stream(self, req: SaveRequest, partial: str, data_end: int,
-                ranges: list[tuple[int, memoryview]], landing: Landing | None = None
-                ) -> Future[Streamed]:
+    def _stream(self, req: SaveRequest, partial: str, end: int,
+                ranges: list[tuple[int, memoryview]] | list[parity.Run] | None,
+                landing: Landing | None = None) -> Future[Streamed]:
+        """Partner: ``ranges`` (offset, bytes) up to ``end``; XOR: ``ranges`` the tensors'
+        runs (or None) of a file of ``end`` bytes."""
         lv = self.lv
         assert lv.exchange is not None
-        return lv.exchange.stream(
-            ranges, data_end,
-            lambda source: lv.take(partial, lv.names(source)),
-            lambda: faults.hit("mid-exchange", self.rank, req.step), landing)
+        take = lambda rank: lv.take(partial, lv.names(rank))  # noqa: E731
+        hit = lambda: faults.hit("mid-exchange", self.rank, req.step)  # noqa: E731
+        if lv.scheme == "xor":
+            return lv.exchange.parity_stream(ranges, end, take, hit, landing)  # type: ignore[arg-type]
+        return lv.exchange.stream(ranges, end, take, hit, landing)  # type: ignore[arg-type]
 
     def protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
                 error: str | None) -> str | None:
         """Partner: the copies' HDF5 metadata, once every shard is sealed, and the copies made
-        durable. XOR: the parity, once every rank has its shard (a rank that could not write
-        must not leave its team waiting)."""
+        durable. XOR: once every rank has its shard, the team's HDF5 metadata into the parity
+        (or, where it could not go from the snapshot, the whole parity from the files), made
+        durable."""
         lv = self.lv
         if lv.exchange is None:
             return error
@@ -124,13 +141,13 @@ class NodeStore:
                 if error is not None:
                     return error
             else:
+                streamed, metadata = self._streams.pop(req.step)
                 if not self.proto.all_ok(error is None, "local-write"):
                     return error or "the save aborted: another rank could not write its shard"
                 assert entry is not None
-                moved = lv.exchange.protect(
-                    f"{partial}/{entry.file}", entry.bytes, lv.names,
-                    lambda name: lv.take(partial, name),
-                    on_window=lambda: faults.hit("mid-exchange", self.rank, req.step))
+                moved = lv.exchange.parity_seal(
+                    streamed, f"{partial}/{entry.file}", entry.bytes, metadata,
+                    lambda: faults.hit("mid-exchange", self.rank, req.step))
             faults.hit("after-exchange-before-vote", self.rank, req.step)
         except Exception as e:
             return error or f"the {lv.scheme} exchange failed: {error_text(e)}"

@@ -47,9 +47,10 @@ from ..format.rollback import NAME as ROLLBACK
 from ..format.rollback import Rollback
 from ..mpi.protocol import Protocol, ranks_text
 from ..save.store import discard
-from .exchange import copy_over, xor_rebuild
+from .exchange import copy_over
 from .level import LocalLevel
 from .nodedir import LEVEL, PARITY_RE, parity_name
+from .parity import xor_rebuild
 from .topology import partner_holder, team_of, xor_chunk_bytes
 
 

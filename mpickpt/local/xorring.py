@@ -32,6 +32,10 @@ BUFFERS = 2 * DEPTH  # buffers for the blocks passed on: receives stay posted wh
 BLOCK = 32 << 20
 
 
+# a member's bytes of one block: ``(offset in the block, bytes)`` runs, zeros between them
+Parts = list[tuple[int, np.ndarray]]
+
+
 @dataclass(frozen=True)
 class Block:
     """Bytes ``[off, off + n)`` of parity position ``k``'s chunk."""
@@ -71,75 +75,119 @@ def xor_into(acc: np.ndarray, src: np.ndarray) -> None:
         np.bitwise_xor(acc, src, out=acc)
 
 
-def ring(team: Protocol, order: list[Block], contribution: Callable[[Block], np.ndarray],
+def whole(parts: Parts, n: int) -> np.ndarray | None:
+    """The block itself, where ``parts`` are one run of all its ``n`` bytes."""
+    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1].nbytes == n:
+        return parts[0][1]
+    return None
+
+
+def ring(team: Protocol, order: list[Block], contribution: Callable[[Block], Parts],
          into: Callable[[Block], np.ndarray], buffers: list[np.ndarray], phase: str,
          on_block: Callable[[], None] = lambda: None, ends: Callable[[Block], int] | None = None
          ) -> None:
     """Move every block of ``order`` (the same list on every member) around the team: this
-    member's ``contribution(b)`` goes in, the block that ends here lands in ``into(b)``.
+    member's ``contribution(b)`` (its runs of the block's bytes) goes in, the block that ends
+    here lands in ``into(b)``.
     ``ends(b)``: the position a block ends at (``b.k`` unless given: a rebuild's lost member).
     ``buffers``: uint8 arrays of the largest block for the blocks this member passes on, at
     least :data:`DEPTH` (:func:`passing` gives :data:`BUFFERS`).
     Collective over ``team``; within its deadline. A member whose own bytes fail goes on all
     the same, with zeros or a scratch buffer from its callbacks, so that no other member waits
     for a block it would not send."""
-    n, me = team.size, team.rank
-    nxt, prev = (me + 1) % n, (me - 1) % n
-    end = ends or (lambda b: b.k)
-
-    def role(b: Block) -> str:  # "start", "pass" or "end" of b's chain at this member
-        last = end(b)
-        return "end" if me == last else "start" if me == (last + 1) % n else "pass"
-
-    free = deque(buffers)
-    sending: deque[tuple[Pending, np.ndarray | None]] = deque()
-    posted: dict[int, tuple[Pending, np.ndarray, np.ndarray | None]] = {}
-    coming = deque(t for t, b in enumerate(order) if role(b) != "start")
-
-    def send_done() -> None:
-        pending, buf = sending.popleft()
-        pending.wait()
-        if buf is not None:
-            free.append(buf)
-
-    def post(needed: int | None) -> None:
-        """Receives posted ahead, up to :data:`DEPTH`; block ``needed``'s at least."""
-        while coming and (len(posted) < DEPTH or coming[0] == needed):
-            t = coming[0]
-            b = order[t]
-            buf = None
-            if role(b) == "pass":
-                while not free and sending and sending[0][0].done():
-                    send_done()  # buffers of blocks gone out, taken back without waiting
-                if not free:
-                    if t != needed or not sending:
-                        return
-                    send_done()  # its buffer: one that went out before
-                    continue
-                buf = free.popleft()
-                target = buf[:b.n]
-            else:
-                target = into(b)
-            posted[t] = (team.start([], [(target, prev)], phase), target, buf)
-            coming.popleft()
-
+    flow = _Flow(team, order, into, buffers, phase, ends or (lambda b: b.k))
     for t, b in enumerate(order):
-        kind = role(b)
+        kind = flow.role(b)
         if kind == "start":
-            out, buf = contribution(b), None
+            parts = contribution(b)
+            out, buf = whole(parts, b.n), None
+            if out is None:
+                out, buf = flow.composed(parts, b.n)
         else:
-            post(t)
-            pending, out, buf = posted.pop(t)
+            flow.post(t)
+            pending, out, buf = flow.posted.pop(t)
             pending.wait()
             if kind == "end":
                 on_block()
-                post(None)
+                flow.post(None)
                 continue
-            xor_into(out, contribution(b))
-        sending.append((team.start([(out, nxt)], [], phase), buf))
-        while len(sending) > DEPTH:
-            send_done()
+            for at, a in contribution(b):
+                xor_into(out[at:at + a.nbytes], a)
+        flow.send(out, buf)
         on_block()
-        post(None)
-    while sending:
-        send_done()
+        flow.post(None)
+    while flow.sending:
+        flow.send_done()
+
+
+class _Flow:
+    """One member's blocks in flight around the ring: the receives posted ahead, the sends
+    under way, the pass buffers free."""
+
+    def __init__(self, team: Protocol, order: list[Block], into: Callable[[Block], np.ndarray],
+                 buffers: list[np.ndarray], phase: str, end: Callable[[Block], int]) -> None:
+        n, me = team.size, team.rank
+        self.team, self.order, self.into, self.phase, self.end = team, order, into, phase, end
+        self.me, self.nxt, self.prev, self.n = me, (me + 1) % n, (me - 1) % n, n
+        self.size = len(buffers[0])
+        self.free = deque(buffers)
+        self.sending: deque[tuple[Pending, np.ndarray | None]] = deque()
+        self.posted: dict[int, tuple[Pending, np.ndarray, np.ndarray | None]] = {}
+        self.coming = deque(t for t, b in enumerate(order) if self.role(b) != "start")
+
+    def role(self, b: Block) -> str:
+        """"start", "pass" or "end" of ``b``'s chain at this member."""
+        last = self.end(b)
+        return "end" if self.me == last else "start" if self.me == (last + 1) % self.n \
+            else "pass"
+
+    def send(self, out: np.ndarray, buf: np.ndarray | None) -> None:
+        """``out`` to the next member; ``buf`` (its buffer) free again once it has gone."""
+        self.sending.append((self.team.start([(out, self.nxt)], [], self.phase), buf))
+        while len(self.sending) > DEPTH:
+            self.send_done()
+
+    def send_done(self) -> None:
+        pending, buf = self.sending.popleft()
+        pending.wait()
+        if buf is not None:
+            self.free.append(buf)
+
+    def reclaim(self) -> None:
+        """Buffers of blocks gone out, taken back without waiting."""
+        while not self.free and self.sending and self.sending[0][0].done():
+            self.send_done()
+
+    def post(self, needed: int | None) -> None:
+        """Receives posted ahead, up to :data:`DEPTH`; block ``needed``'s at least."""
+        coming = self.coming
+        while coming and (len(self.posted) < DEPTH or coming[0] == needed):
+            t = coming[0]
+            b = self.order[t]
+            buf = None
+            if self.role(b) == "pass":
+                self.reclaim()
+                if not self.free:
+                    if t != needed or not self.sending:
+                        return
+                    self.send_done()  # its buffer: one that went out before
+                    continue
+                buf = self.free.popleft()
+                target = buf[:b.n]
+            else:
+                target = self.into(b)
+            self.posted[t] = (self.team.start([], [(target, self.prev)], self.phase), target,
+                              buf)
+            coming.popleft()
+
+    def composed(self, parts: Parts, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """A block that starts here, of several runs: put together in a buffer of its own.
+        Never a wait for one: the next member may be waiting for a block this one passes on;
+        a buffer made instead joins the others once its block has gone."""
+        self.reclaim()
+        buf = self.free.popleft() if self.free else np.empty(max(self.size, n), np.uint8)
+        out = buf[:n]
+        out[:] = 0
+        for at, a in parts:
+            out[at:at + a.nbytes] = a
+        return out, buf

@@ -256,6 +256,10 @@ class Protocol:
     def max(self, value: int, phase: str) -> int:
         return self._allreduce(value, "max", phase)
 
+    def maxes(self, values: list[int], phase: str) -> list[int]:
+        """Each value's maximum over every rank, in one collective."""
+        return self._allreduce_all(values, "max", phase)
+
     def sum(self, value: int, phase: str) -> int:
         return self._allreduce(value, "sum", phase)
 

@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 import pytest
 from harness import NO_DAC, SCENARIOS, run_mpi
+
+from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
 
 JOB = SCENARIOS / "levels.py"
 SUITE = "levels"
@@ -323,6 +326,73 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
         guarantees.record(SUITE, f"xor-{case}", outcome(reports, 6, step, reference[6]),
                           done.output[-2000:])
     assert {r["level"] for r in restored} == {"root" if case == "damaged-parity" else "local"}
+    assert all(reports[r]["final"] == reference[6][r] for r in range(6))
+
+
+def team_parities(step_dirs: dict[int, Path], teams: list[list[int]]) -> dict[int, bytes]:
+    """Every rank's parity computed here from the team's shard files (rank -> bytes)."""
+    files = {r: (step_dirs[r] / f"rank-{r:05d}.h5").read_bytes() for t in teams for r in t}
+    out = {}
+    for team in teams:
+        n = len(team)
+        chunk = xor_chunk_bytes(max(len(files[r]) for r in team), n)
+        for k, rank in enumerate(team):
+            acc = np.zeros(chunk, np.uint8)
+            for j, other in enumerate(team):
+                if j != k:
+                    start = xor_chunk(n, j, k) * chunk
+                    piece = np.frombuffer(files[other][start:start + chunk], np.uint8)
+                    acc[:len(piece)] ^= piece
+            out[rank] = acc.tobytes()
+    return out
+
+
+@pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
+@pytest.mark.parametrize("case", ["damaged-recycled-files", "killed-mid-parity",
+                                  "raised-mid-parity"])
+def test_xor_parity_made_from_the_snapshot_is_the_parity_of_the_files(
+        tmp_path: Path, reference, guarantees, in_memory, case: str) -> None:
+    """XOR saves make the parity of the tensors' bytes from the snapshot while the shards are
+    written, and add the HDF5 metadata after (local/parity.py): every parity file is the XOR
+    numpy makes of the team's shard files, byte for byte, and node 1's loss is rebuilt from
+    them bit for bit:
+    - over recycled files that were garbage before the save of step 40 wrote over them
+      (their alignment padding made zeros);
+    - with rank 2 killed, or raising, in the midst of step 40's parity: that save is not
+      protected, and step 30's parities (made the same way) bring node 1 back."""
+    settings: dict[str, Any] = {**XOR_3X2, "crash_after": CRASH, "timeout": 10}
+    if case == "damaged-recycled-files":  # w1 (48 KiB) padded to 64 KiB in every shard
+        settings.update(damage_pool=DRAINED, damage_cut=False, alignment=32 << 10)
+    else:
+        action = "kill" if case == "killed-mid-parity" else "raise"
+        settings["fault"] = f"mid-exchange:2:{action}:{CRASH}"
+    crashed, reports = job(tmp_path, "crash", 6, **settings)
+    assert crashed.returncode != 0, crashed.output
+    step = CRASH if case == "damaged-recycled-files" else DRAINED
+    if case == "killed-mid-parity":
+        assert not (local_of(tmp_path) / "n0" / f"step-{CRASH:08d}").exists()
+    else:
+        saves = [reports[r]["saves"] for r in range(6)]
+        for s in saves:  # every save's parity went from the snapshot
+            assert all(v["parity_from_snapshot"] == 1.0 for k, v in s.items() if int(k) <= step), s
+        if case == "raised-mid-parity":
+            assert "FaultInjected" in str(saves[2][str(CRASH)]["error"]), saves[2]
+            assert not any(s[str(CRASH)]["committed"] for s in saves), saves
+    dirs = {r: local_of(tmp_path) / f"n{r // 2}" / f"step-{step:08d}" for r in range(6)}
+    want = team_parities(dirs, [[0, 2, 4], [1, 3, 5]])
+    for r in range(6):
+        assert (dirs[r] / f"xor-{r:05d}.bin").read_bytes() == want[r], f"rank {r}'s parity"
+    shutil.rmtree(local_of(tmp_path) / "n1")
+    done, reports = job(tmp_path, "resume", 6, **{**XOR_3X2, **{
+        k: v for k, v in settings.items() if k == "alignment"}})
+    guarantees.record(SUITE, f"xor-from-snapshot-{case}", outcome(reports, 6, step,
+                      reference[6]), done.output[-2000:])
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(6)]
+    assert [r["source"] for r in restored] == ["own", "own", "XOR rebuild", "XOR rebuild",
+                                               "own", "own"], restored
+    assert {(r["step"], r["level"]) for r in restored} == {(step, "local")}, restored
+    assert all(r["exact"] for r in restored)
     assert all(reports[r]["final"] == reference[6][r] for r in range(6))
 
 

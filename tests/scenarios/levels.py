@@ -13,13 +13,16 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
   step), the saves' results, and the final state's digest;
 * ``fault``: an ``MPICKPT_FAULT`` spec armed once the Checkpointer exists (before the restore);
 * ``damage_pool``: after the save of this step, each node's lowest rank writes garbage over every
-  file in its node's ``.pool`` (the retired files the next save writes over) and cuts them short;
+  file in its node's ``.pool`` (the retired files the next save writes over) and cuts them short
+  (not with ``damage_cut`` false);
 * ``window``: the bytes the redundancy exchange moves at a time (default 32 MiB: one window
   for this small state; a few KiB make many, in flight two at a time);
 * ``replicated``: the model is the same on every rank (as under DDP) and saved with
   ``replicated=("model",)``: each rank writes a share of it, and a restore from the local level
   needs the shares of other nodes' ranks;
 * ``device``: where the model's tensors live (default ``cpu``; ``cuda``: on the GPU);
+* ``alignment``: tensors of that many bytes and more start on that boundary (a smaller one
+  than the default leaves padding after the tensors of this small state);
 * ``room``: checksum blocks and tensor alignment of that many bytes, and a restore whose
   bytes move over MPI goes the way it goes for a state on a GPU with room
   (``restore/device_room.py``, ``local/ring.py``), in host memory: the room set aside is CPU
@@ -142,7 +145,8 @@ def main() -> None:
                             xor_set=plan.get("xor_set")),
         replicated=("model",) if REPLICATED else (),
         files=mpickpt.Files(checksum_block=plan["room"], alignment=plan["room"])
-        if plan.get("room") else "per-rank")
+        if plan.get("room") else mpickpt.Files(alignment=plan["alignment"])
+        if plan.get("alignment") else "per-rank")
     faults.configure(plan.get("fault", ""))
     state = initial(rank)
     start = ck.restore(state) or 0
@@ -171,7 +175,8 @@ def main() -> None:
             try:
                 result = ck.save(step, state).wait()
                 report["saves"][step] = {"committed": result.committed, "level": result.level,
-                                         "error": result.error}
+                                         "error": result.error, "parity_from_snapshot":
+                                         result.stats.get("parity_from_snapshot")}
             except Exception as e:
                 report["saves"][step] = {"raised": f"{type(e).__name__}: {e}"}
             if plan.get("damage_pool") == step:
@@ -181,7 +186,7 @@ def main() -> None:
                 comm.Barrier()
                 if rank % plan.get("per_node", 1) == 0:
                     _damage_pool(os.path.join(plan["local"], os.environ["MPICKPT_NODE"],
-                                              ".pool"))
+                                              ".pool"), plan.get("damage_cut", True))
                 comm.Barrier()
             if plan.get("crash_after") == step:
                 _write(plan, rank, report)
@@ -209,7 +214,8 @@ def _host_room(block: int) -> None:
     ring.SLOT = 2 * block
 
 
-def _damage_pool(pool: str) -> None:
+def _damage_pool(pool: str, cut: bool) -> None:
+    """Garbage over every retired file of the node, and (``cut``) the file cut to a third."""
     names = sorted(os.listdir(pool))
     assert names, f"nothing in {pool} to damage"
     for name in names:
@@ -217,7 +223,8 @@ def _damage_pool(pool: str) -> None:
         size = os.path.getsize(path)
         with open(path, "r+b") as f:
             f.write(os.urandom(size))
-        os.truncate(path, size // 3)
+        if cut:
+            os.truncate(path, size // 3)
 
 
 def _write(plan: dict[str, Any], rank: int, report: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""An XOR rebuild whose lost member cannot make its files (``exchange.xor_rebuild``): three
+"""An XOR rebuild whose lost member cannot make its files (``parity.xor_rebuild``): three
 ranks, one team, shards of 6 MB moved in blocks of 1 MiB (too large for MPI to send them before
 their receive is posted). Rank 1, the lost member, is given a shard path in a directory that
 does not exist: it must still take every block (into a scratch buffer), so that the survivors'
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from mpickpt.local import exchange
+from mpickpt.local.parity import xor_rebuild
 from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
 from mpickpt.mpi.protocol import Protocol
 
@@ -51,7 +51,7 @@ def buffer(name: str, nbytes: int) -> memoryview:
 
 t = time.monotonic()
 try:
-    exchange.xor_rebuild(proto, lost, chunk, sizes, own, parity,
+    xor_rebuild(proto, lost, chunk, sizes, own, parity,
                          os.path.join(d, "missing", "shard"), os.path.join(d, "missing", "par"),
                          1 << 20, buffer)
     outcome = "returned"

@@ -1,8 +1,10 @@
 """XOR parity around the ring (``mpickpt.local.xorring``), against numpy: the ranks of the job
 form one team; each holds a shard of its own length (some not a multiple of 8, so that blocks
-start at odd addresses). The ring computes every member's parity, in blocks of 1000 bytes (a
-chunk takes several), and then, for every position in turn, rebuilds that member's chunks and
-parity from the others. Every byte must be the XOR numpy gives.
+start at odd addresses), with stretches of zeros; some blocks' contributions come as runs with
+the zeros left out, the way a snapshot's tensors give them. The ring computes every member's
+parity, in blocks of 1000 bytes (a chunk takes several), and then, for every position in turn,
+rebuilds that member's chunks and parity from the others. Every byte must be the XOR numpy
+gives.
 
 Run by tests/multirank/test_transfers.py.
 """
@@ -20,6 +22,9 @@ proto = Protocol(timeout=60)
 n, me = proto.size, proto.rank
 sizes = [5003 + 1811 * r for r in range(n)]
 shards = [np.random.default_rng(r).integers(0, 256, s, dtype=np.uint8) for r, s in enumerate(sizes)]
+for s in shards:  # stretches of zeros, which a member's runs leave out
+    s[300:900] = 0
+    s[2100:2500] = 0
 chunk = xor_chunk_bytes(max(sizes), n)
 
 
@@ -32,10 +37,13 @@ def piece(r: int, start: int, length: int) -> np.ndarray:
 
 
 def contribution_of(r: int, parity: list[np.ndarray]) -> object:
-    def contribution(b: xorring.Block) -> np.ndarray:
+    def contribution(b: xorring.Block) -> xorring.Parts:
         if r == b.k:  # rebuilding: a member's parity takes the place of its chunk
-            return parity[r][b.off:b.off + b.n]
-        return piece(r, xor_chunk(n, r, b.k) * chunk + b.off, b.n)
+            return [(0, parity[r][b.off:b.off + b.n])]
+        whole = piece(r, xor_chunk(n, r, b.k) * chunk + b.off, b.n)
+        if b.off % 2000:  # runs with zeros left out between them, as a snapshot gives them
+            return [(at, whole[at:at + 97]) for at in range(0, b.n, 97) if whole[at:at + 97].any()]
+        return [(0, whole)]
     return contribution
 
 

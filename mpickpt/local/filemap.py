@@ -1,0 +1,113 @@
+"""Files of the node-local level as memory maps, for the redundancy's transfers out of and into
+them; and the first error of one side of a transfer, kept while the transfer goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ..format import rootdir
+from .xorring import Parts
+
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
+POPULATE_PIECE = 64 << 20
+
+
+class FileMap:
+    """A file as a shared memory map (``create``: made, its blocks allocated first, so that a
+    full disk is an error here rather than a SIGBUS later; fsynced when it closes)."""
+
+    def __init__(self, path: str, size: int, create: bool = False) -> None:
+        self.path, self.size, self.create = path, size, create
+        self._map: mmap.mmap | None = None
+        self._arr: np.ndarray | None = None
+        self._populating: threading.Thread | None = None
+
+    def __enter__(self) -> FileMap:
+        if self.create:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                         rootdir.file_mode(self.path))
+        else:
+            fd = rootdir.open_regular(self.path)
+        self.fd = fd
+        try:
+            if self.size:
+                if self.create:
+                    os.posix_fallocate(fd, 0, self.size)
+                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | (
+                    mmap.PROT_WRITE if self.create else 0))
+                self._arr = np.frombuffer(self._map, dtype=np.uint8)
+        except OSError as e:
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, self.path) from e
+        return self
+
+    def view(self, off: int, n: int) -> np.ndarray:
+        assert self._arr is not None
+        return self._arr[off:off + n]
+
+    def populate(self) -> None:
+        """Map the file's pages in ahead of their use, on a thread of its own, from the start
+        (``MADV_POPULATE_WRITE``/``_READ``, Linux 5.14): MPI's copies into them and the XOR's
+        reads then take no page fault at each page. Where the kernel cannot, nothing happens;
+        the map is closed only after it (``__exit__``)."""
+        if self._map is None:
+            return
+        m, advice = self._map, MADV_POPULATE_WRITE if self.create else MADV_POPULATE_READ
+
+        def run() -> None:
+            for a in range(0, self.size, POPULATE_PIECE):
+                try:
+                    m.madvise(advice, a, min(POPULATE_PIECE, self.size - a))
+                except (OSError, ValueError):  # an older kernel, or the map gone
+                    return
+
+        self._populating = threading.Thread(target=run, daemon=True, name="mpickpt-populate")
+        self._populating.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._populating is not None:
+            self._populating.join()
+        self._arr = None
+        if self._map is not None:
+            # MPI may still hold a view of it: then the map goes with its last reference
+            with contextlib.suppress(BufferError):
+                self._map.close()
+        try:
+            if self.create:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+class Keep:
+    """The first error of the local side of an exchange; the transfers go on regardless, so
+    that a peer never waits for a window this rank would not send."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def do(self, fn: Callable[..., object], *args: object) -> None:
+        if self.error is None:
+            try:
+                fn(*args)
+            except Exception as e:
+                self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def file_parts(src: FileMap | None, start: int, n: int) -> Parts:
+    """Bytes ``[start, start + n)`` of a file mapped read-only, where they lie, as the runs of
+    a ring's block (:mod:`mpickpt.local.xorring`); none past the file's end (zeros), nor for
+    no file."""
+    have = 0 if src is None else max(0, min(n, src.size - start))
+    return [(0, src.view(start, have))] if have and src is not None else []
