@@ -72,6 +72,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's mpickpt
@@ -441,10 +442,12 @@ def verified(what: str, src: Pair, dst: Pair) -> None:
     check(what, err is None, f"restored state differs from the saved one: {err}")
 
 
-def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: int
-           ) -> dict[str, Any]:
+def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: int,
+           xor_share: float = 0.0) -> dict[str, Any]:
     """Part 0: the raw bounds, for ``nbytes`` (a shard) and ``state_bytes`` (this rank's state):
-    seconds, slowest rank, median of ``reps`` after a warm-up."""
+    seconds, slowest rank, median of ``reps`` after a warm-up. ``xor_share``: with XOR
+    redundancy, the share of a shard's bytes each member XORs into the blocks it passes on
+    ((n - 2) / (n - 1) in a team of n), for the bound of the transfer and that XOR at once."""
     chunk = 64 << 20
     out: dict[str, Any] = {"shard_bytes": COMM.allreduce(nbytes, op=MPI.MAX)}
     nbytes = out["shard_bytes"]
@@ -490,6 +493,23 @@ def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: 
                 writer.join()
 
             out["both_s"] = median(both)
+            if xor_share > 0:  # the ring's own work beside the transfer: XOR on the same memory
+                acc = np.zeros(chunk, np.uint8)
+                src = np.frombuffer(buf, np.uint8)
+                todo = int(nbytes * xor_share)
+
+                def xor() -> None:
+                    for off in range(0, todo, chunk):
+                        n = min(chunk, todo - off)
+                        np.bitwise_xor(acc[:n], src[off:off + n], out=acc[:n])
+
+                def transfer_and_xor() -> None:
+                    worker = threading.Thread(target=xor)
+                    worker.start()
+                    transfer()
+                    worker.join()
+
+                out["xor_s"] = median(transfer_and_xor)
     finally:
         os.close(fd)
         os.unlink(path)
@@ -503,7 +523,8 @@ def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: 
 
         out["d2h_s"] = median(d2h)
         del src, dst
-    out["slowest_s"] = max(v for k, v in out.items() if k.endswith("_s") and k != "both_s")
+    out["slowest_s"] = max(v for k, v in out.items()
+                           if k.endswith("_s") and k not in ("both_s", "xor_s"))
     say(f"part 0: bounds {out}")
     return out
 
@@ -763,7 +784,9 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
     doc["part4"] = {"nodes": COMM.gather(mem), "kept": kept, "factor": factor}
 
     # 0. the raw bounds of the same bytes
-    doc["bounds"] = bounds(shard, nbytes, shm, device, args.reps)
+    team_size = len(team_of(topology.teams("xor", None), RANK)) if s.scheme == "xor" else 0
+    doc["bounds"] = bounds(shard, nbytes, shm, device, args.reps,
+                           (team_size - 2) / (team_size - 1) if team_size > 2 else 0.0)
 
     # 3. recovery after losing a node
     doc["part3"] = part3(s, src, dst, s.step + 1, device,
@@ -804,7 +827,8 @@ def bounds_report(doc: dict[str, Any]) -> list[str]:
     names = {"mpi_s": "one MPI transfer of a shard between two nodes (Sendrecv, reused buffers)",
              "shm_write_s": "a write of a shard into existing pages of LOCAL",
              "d2h_s": "the device-to-host copy of a rank's state (page-locked)",
-             "both_s": "the transfer and the write at once (a thread each)"}
+             "both_s": "the transfer and the write at once (a thread each)",
+             "xor_s": "the transfer and the XOR a member of the ring does, at once"}
     rows = [(names[k], f"{b[k]:.3f}", f"{size / b[k] / 1e9:.2f}")
             for k in names if k in b]
     out = [f"0. raw bounds, {size:,} bytes per shard, slowest rank, median of "
@@ -817,6 +841,9 @@ def bounds_report(doc: dict[str, Any]) -> list[str]:
             out.append(f"time to protected / the transfer and the write at once: "
                        f"{p1['local']['protected_s'] / b['both_s']:.2f}x  (where both share "
                        "one host's memory, as simulated nodes do)")
+        if "xor_s" in b:
+            out.append(f"time to protected / the transfer and the ring's XOR at once: "
+                       f"{p1['local']['protected_s'] / b['xor_s']:.2f}x")
     rows3 = p3["rows"]
     key = next((k for k in LOST_ROWS if k in rows3), None)
     if key is not None and "mpi_s" in b:
@@ -828,7 +855,9 @@ def bounds_report(doc: dict[str, Any]) -> list[str]:
         out.append(f"recovery of a lost node from its {key if key == 'partner' else 'XOR team'}"
                    f": {moved:,} bytes {'over MPI' if key == 'partner' else 'rebuilt'} in "
                    f"{r['restore_s']:.3f} s = {rate / (size / b['mpi_s']):.0%} of the transfer "
-                   "rate  (goal >= 80%)")
+                   "rate  (goal >= 80%)"
+                   + (f"; {rate / (size / b['xor_s']):.0%} of the rate of the transfer and the "
+                      "ring's XOR at once" if key == "xor" and "xor_s" in b else ""))
         if "root" in rows3:
             out.append(f"{key} recovery / ROOT recovery: "
                        f"{r['restore_s'] / rows3['root']['restore_s']:.2f}x  (goal <= 0.5x)")
