@@ -1,10 +1,12 @@
-"""mpickpt/local/topology.py: nodes, redundancy sets and teams, partner rings, XOR chunks."""
+"""mpickpt/local/topology.py: nodes, redundancy sets and teams, partner rings, XOR chunks; and
+the XOR of a block (local/xorring.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from mpickpt.local import xorring
 from mpickpt.local.topology import (
     Topology,
     TopologyError,
@@ -93,3 +95,16 @@ def test_xor_parity_rebuilds_any_one_member(n: int) -> None:
             start = xor_chunk(n, lost, k) * chunk
             rebuilt[start:start + chunk] = got
         assert np.array_equal(rebuilt[:sizes[lost]], shards[lost])
+
+
+@pytest.mark.parametrize("n", [5, 8 << 10, (2 << 20) - 1, 2 << 20, (32 << 20) + 3])
+@pytest.mark.parametrize("skew", [0, 3])
+def test_xor_into_is_numpys_xor_in_pieces_or_whole(n: int, skew: int) -> None:
+    """xorring.xor_into: small blocks on this thread, large ones in pieces on its threads,
+    at addresses that are not whole words too; byte for byte numpy's XOR."""
+    rng = np.random.default_rng(n + skew)
+    acc = rng.integers(0, 256, n + skew, dtype=np.uint8)[skew:]
+    src = rng.integers(0, 256, n + 1, dtype=np.uint8)[1:]
+    want = acc ^ src
+    xorring.xor_into(acc, src)
+    assert (acc == want).all()
