@@ -1,0 +1,80 @@
+"""The XOR ring alone (``mpickpt.local.xorring``): a team's parity and a lost member's rebuild, on
+shards in anonymous memory (no files, no snapshot, no shard being written beside it), against one
+transfer of the shard between neighbours through the same Protocol.
+
+    mpiexec -n 3 python bench/probe_xorring.py --mb 2000 [--reps 5] [--no-xor]
+
+Every rank holds a shard of ``--mb`` MB; the ranks form one team. Rank 0 prints the medians of
+its own times: the bound, the parity, and the rebuild of member 1,
+each with its ratio to the bound. ``--no-xor``: the blocks go around without being XORed (what
+the ring costs without its CPU work; the rebuilt shard is then not checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from mpickpt.local import xorring
+from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
+from mpickpt.mpi.protocol import Protocol
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=float, default=200.0, help="MB per shard (200)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (5)")
+    ap.add_argument("--no-xor", action="store_true", help="pass the blocks on without XOR")
+    args = ap.parse_args()
+    proto = Protocol(timeout=120)
+    n, me = proto.size, proto.rank
+    size = int(args.mb * 1e6)
+    shard = np.full(size, me + 1, np.uint8)
+    chunk = xor_chunk_bytes(size, n)
+    parity = np.zeros(chunk, np.uint8)
+    bufs = [np.zeros(xorring.BLOCK, np.uint8) for _ in range(xorring.BUFFERS)]
+    peer = np.zeros(size, np.uint8)
+
+    def mine(b: xorring.Block) -> xorring.Parts:
+        if args.no_xor:
+            return []
+        if me == b.k:
+            return [(0, parity[b.off:b.off + b.n])]
+        start = xor_chunk(n, me, b.k) * chunk + b.off
+        out = shard[start:start + b.n]
+        return [(0, out)] if out.nbytes else []
+
+    lost, times = 1, []
+    out = np.zeros((n - 1) * chunk, np.uint8)  # the lost member's rebuilt shard
+    rest = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
+    for _ in range(args.reps):
+        proto.barrier("bound")
+        t0 = time.perf_counter()
+        proto.transfer([(shard, (me + 1) % n)], [(peer, (me - 1) % n)], "bound")
+        t1 = time.perf_counter()
+        proto.barrier("parity")
+        t2 = time.perf_counter()
+        order = xorring.interleave([xorring.blocks([k], chunk, xorring.BLOCK) for k in range(n)])
+        xorring.ring(proto, order, mine, lambda b: parity[b.off:b.off + b.n], bufs, "parity")
+        t3 = time.perf_counter()
+        out[:] = 0
+        proto.barrier("rebuild")
+        t4 = time.perf_counter()
+        xorring.ring(proto, xorring.blocks(rest, chunk, xorring.BLOCK), mine,
+                     lambda b: out[xor_chunk(n, lost, b.k) * chunk + b.off:][:b.n], bufs,
+                     "rebuild", ends=lambda _: lost)
+        t5 = time.perf_counter()
+        if me == lost and not args.no_xor:
+            assert (out[:size] == me + 1).all(), "the rebuilt shard differs"
+        times.append((t1 - t0, t3 - t2, t5 - t4))
+    if me == 0:
+        bound, par, reb = (statistics.median(x) for x in zip(*times, strict=True))
+        print(f"{n} ranks, {size / 1e6:.0f} MB shards: bound {bound:.3f} s  parity {par:.3f} s "
+              f"({par / bound:.2f}x)  rebuild {reb:.3f} s ({reb / bound:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
