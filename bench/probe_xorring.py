@@ -2,23 +2,27 @@
 shards in anonymous memory (no files, no snapshot, no shard being written beside it), against one
 transfer of the shard between neighbours through the same Protocol.
 
-    mpiexec -n 3 python bench/probe_xorring.py --mb 2000 [--reps 5] [--no-xor]
+    mpiexec -n 3 python bench/probe_xorring.py --mb 2000 [--reps 5] [--no-xor] [--files DIR]
 
 Every rank holds a shard of ``--mb`` MB; the ranks form one team. Rank 0 prints the medians of
 its own times: the bound, the parity, and the rebuild of member 1,
 each with its ratio to the bound. ``--no-xor``: the blocks go around without being XORed (what
-the ring costs without its CPU work; the rebuilt shard is then not checked).
+the ring costs without its CPU work; the rebuilt shard is then not checked). ``--files DIR``
+(a tmpfs, as ``/dev/shm``): the same through the level's own functions on real files, as a save
+and a restore do (``parity.from_files`` out of each shard file's map into a parity file;
+``parity.xor_rebuild`` of member 1's shard into a new file), the files made before the timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import numpy as np
 
-from mpickpt.local import xorring
+from mpickpt.local import parity, xorring
 from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
 from mpickpt.mpi.protocol import Protocol
 
@@ -28,7 +32,11 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=200.0, help="MB per shard (200)")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (5)")
     ap.add_argument("--no-xor", action="store_true", help="pass the blocks on without XOR")
+    ap.add_argument("--files", help="through files in this directory (a tmpfs)")
     args = ap.parse_args()
+    if args.files:
+        files(args)
+        return
     proto = Protocol(timeout=120)
     n, me = proto.size, proto.rank
     size = int(args.mb * 1e6)
@@ -74,6 +82,63 @@ def main() -> None:
         bound, par, reb = (statistics.median(x) for x in zip(*times, strict=True))
         print(f"{n} ranks, {size / 1e6:.0f} MB shards: bound {bound:.3f} s  parity {par:.3f} s "
               f"({par / bound:.2f}x)  rebuild {reb:.3f} s ({reb / bound:.2f}x)", flush=True)
+
+
+def files(args: argparse.Namespace) -> None:
+    """``--files``: the parity and a rebuild through the level's functions, on files."""
+    proto = Protocol(timeout=120)
+    n, me = proto.size, proto.rank
+    size = int(args.mb * 1e6)
+    own = os.path.join(args.files, f"probe-xor-{me}.bin")
+    par = os.path.join(args.files, f"probe-xor-parity-{me}.bin")
+    np.full(size, me + 1, np.uint8).tofile(own)
+    chunk = xor_chunk_bytes(size, n)
+    bufs: dict[str, np.ndarray] = {}
+
+    def buffer(name: str, nbytes: int) -> memoryview:
+        if name not in bufs or bufs[name].nbytes < nbytes:
+            bufs[name] = np.zeros(nbytes, np.uint8)
+        return memoryview(bufs[name])[:nbytes]
+
+    with open(par, "wb") as f:
+        f.truncate(chunk)
+    dst = np.memmap(par, np.uint8, "r+", shape=(chunk,))  # kept mapped, as the level's are
+    dst[:] = 0
+    lost, times = 1, []
+    try:
+        for _ in range(args.reps):
+            peer = np.zeros(size, np.uint8)
+            src = np.fromfile(own, np.uint8)
+            proto.barrier("bound")
+            t0 = time.perf_counter()
+            proto.transfer([(src, (me + 1) % n)], [(peer, (me - 1) % n)], "bound")
+            t1 = time.perf_counter()
+            proto.barrier("parity")
+            t2 = time.perf_counter()
+            parity.from_files(proto, own, size, chunk, lambda b: dst[b.off:b.off + b.n], buffer,
+                              xorring.BLOCK, lambda: None)
+            dst.flush()
+            t3 = time.perf_counter()
+            out = os.path.join(args.files, f"probe-xor-rebuilt-{me}.bin")
+            proto.barrier("rebuild")
+            t4 = time.perf_counter()
+            parity.xor_rebuild(proto, lost, chunk, [size] * n, own if me != lost else None,
+                               par if me != lost else None, out if me == lost else None, None,
+                               xorring.BLOCK, buffer, parity_too=False)
+            t5 = time.perf_counter()
+            if me == lost:
+                got = np.fromfile(out, np.uint8)
+                assert got.nbytes == size and (got == me + 1).all(), "the rebuilt shard differs"
+                os.unlink(out)
+            times.append((t1 - t0, t3 - t2, t5 - t4))
+    finally:
+        for path in (own, par):
+            os.unlink(path)
+    if me == 0:
+        bound, p, r = (statistics.median(x) for x in zip(*times, strict=True))
+        print(f"{n} ranks, {size / 1e6:.0f} MB shards, files in {args.files}: bound {bound:.3f} s"
+              f"  parity {p:.3f} s ({p / bound:.2f}x)  rebuild {r:.3f} s ({r / bound:.2f}x)",
+              flush=True)
 
 
 if __name__ == "__main__":
