@@ -486,13 +486,16 @@ def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: 
         write()  # the pages exist from here on
         out["shm_write_s"] = median(write)
         if SIZE > 1:  # what a node does to protect a shard, on the same memory and cores
-            def both() -> None:
-                writer = threading.Thread(target=write)
-                writer.start()
-                transfer()
-                writer.join()
+            def beside(work: Callable[[], None]) -> Callable[[], None]:
+                """The transfer with ``work`` on a thread of its own meanwhile."""
+                def run() -> None:
+                    worker = threading.Thread(target=work)
+                    worker.start()
+                    transfer()
+                    worker.join()
+                return run
 
-            out["both_s"] = median(both)
+            out["both_s"] = median(beside(write))
             if xor_share > 0:  # the ring's own work beside the transfer: XOR on the same memory
                 acc = np.zeros(chunk, np.uint8)
                 src = np.frombuffer(buf, np.uint8)
@@ -503,13 +506,7 @@ def bounds(nbytes: int, state_bytes: int, shm: str, device: torch.device, reps: 
                         n = min(chunk, todo - off)
                         np.bitwise_xor(acc[:n], src[off:off + n], out=acc[:n])
 
-                def transfer_and_xor() -> None:
-                    worker = threading.Thread(target=xor)
-                    worker.start()
-                    transfer()
-                    worker.join()
-
-                out["xor_s"] = median(transfer_and_xor)
+                out["xor_s"] = median(beside(xor))
     finally:
         os.close(fd)
         os.unlink(path)

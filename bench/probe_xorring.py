@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def main() -> None:
     size = int(args.mb * 1e6)
     shard = np.full(size, me + 1, np.uint8)
     chunk = xor_chunk_bytes(size, n)
-    parity = np.zeros(chunk, np.uint8)
+    mine_parity = np.zeros(chunk, np.uint8)
     bufs = [np.zeros(xorring.BLOCK, np.uint8) for _ in range(xorring.BUFFERS)]
     peer = np.zeros(size, np.uint8)
 
@@ -50,7 +51,7 @@ def main() -> None:
         if args.no_xor:
             return []
         if me == b.k:
-            return [(0, parity[b.off:b.off + b.n])]
+            return [(0, mine_parity[b.off:b.off + b.n])]
         start = xor_chunk(n, me, b.k) * chunk + b.off
         out = shard[start:start + b.n]
         return [(0, out)] if out.nbytes else []
@@ -58,30 +59,32 @@ def main() -> None:
     lost, times = 1, []
     out = np.zeros((n - 1) * chunk, np.uint8)  # the lost member's rebuilt shard
     rest = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
+    order = xorring.interleave([xorring.blocks([k], chunk, xorring.BLOCK) for k in range(n)])
     for _ in range(args.reps):
-        proto.barrier("bound")
-        t0 = time.perf_counter()
-        proto.transfer([(shard, (me + 1) % n)], [(peer, (me - 1) % n)], "bound")
-        t1 = time.perf_counter()
-        proto.barrier("parity")
-        t2 = time.perf_counter()
-        order = xorring.interleave([xorring.blocks([k], chunk, xorring.BLOCK) for k in range(n)])
-        xorring.ring(proto, order, mine, lambda b: parity[b.off:b.off + b.n], bufs, "parity")
-        t3 = time.perf_counter()
+        tb = timed(proto, "bound", lambda: proto.transfer(
+            [(shard, (me + 1) % n)], [(peer, (me - 1) % n)], "bound"))
+        tp = timed(proto, "parity", lambda: xorring.ring(
+            proto, order, mine, lambda b: mine_parity[b.off:b.off + b.n], bufs, "parity"))
         out[:] = 0
-        proto.barrier("rebuild")
-        t4 = time.perf_counter()
-        xorring.ring(proto, xorring.blocks(rest, chunk, xorring.BLOCK), mine,
-                     lambda b: out[xor_chunk(n, lost, b.k) * chunk + b.off:][:b.n], bufs,
-                     "rebuild", ends=lambda _: lost)
-        t5 = time.perf_counter()
+        tr = timed(proto, "rebuild", lambda: xorring.ring(
+            proto, xorring.blocks(rest, chunk, xorring.BLOCK), mine,
+            lambda b: out[xor_chunk(n, lost, b.k) * chunk + b.off:][:b.n], bufs, "rebuild",
+            ends=lambda _: lost))
         if me == lost and not args.no_xor:
             assert (out[:size] == me + 1).all(), "the rebuilt shard differs"
-        times.append((t1 - t0, t3 - t2, t5 - t4))
+        times.append((tb, tp, tr))
     if me == 0:
         bound, par, reb = (statistics.median(x) for x in zip(*times, strict=True))
         print(f"{n} ranks, {size / 1e6:.0f} MB shards: bound {bound:.3f} s  parity {par:.3f} s "
               f"({par / bound:.2f}x)  rebuild {reb:.3f} s ({reb / bound:.2f}x)", flush=True)
+
+
+def timed(proto: Protocol, phase: str, fn: Callable[[], object]) -> float:
+    """Seconds ``fn`` takes on this rank, every rank starting it after a barrier."""
+    proto.barrier(phase)
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def files(args: argparse.Namespace) -> None:
@@ -106,31 +109,24 @@ def files(args: argparse.Namespace) -> None:
     dst[:] = 0
     lost, times = 1, []
     try:
+        peer, src = np.zeros(size, np.uint8), np.fromfile(own, np.uint8)
+        out = os.path.join(args.files, f"probe-xor-rebuilt-{me}.bin")
         for _ in range(args.reps):
-            peer = np.zeros(size, np.uint8)
-            src = np.fromfile(own, np.uint8)
-            proto.barrier("bound")
-            t0 = time.perf_counter()
-            proto.transfer([(src, (me + 1) % n)], [(peer, (me - 1) % n)], "bound")
-            t1 = time.perf_counter()
-            proto.barrier("parity")
-            t2 = time.perf_counter()
-            parity.from_files(proto, own, size, chunk, lambda b: dst[b.off:b.off + b.n], buffer,
-                              xorring.BLOCK, lambda: None)
+            tb = timed(proto, "bound", lambda: proto.transfer(
+                [(src, (me + 1) % n)], [(peer, (me - 1) % n)], "bound"))
+            tp = timed(proto, "parity", lambda: parity.from_files(
+                proto, own, size, chunk, lambda b: dst[b.off:b.off + b.n], buffer,
+                xorring.BLOCK, lambda: None))
             dst.flush()
-            t3 = time.perf_counter()
-            out = os.path.join(args.files, f"probe-xor-rebuilt-{me}.bin")
-            proto.barrier("rebuild")
-            t4 = time.perf_counter()
-            parity.xor_rebuild(proto, lost, chunk, [size] * n, own if me != lost else None,
-                               par if me != lost else None, out if me == lost else None, None,
-                               xorring.BLOCK, buffer, parity_too=False)
-            t5 = time.perf_counter()
+            tr = timed(proto, "rebuild", lambda: parity.xor_rebuild(
+                proto, lost, chunk, [size] * n, own if me != lost else None,
+                par if me != lost else None, out if me == lost else None, None, xorring.BLOCK,
+                buffer, parity_too=False))
             if me == lost:
                 got = np.fromfile(out, np.uint8)
                 assert got.nbytes == size and (got == me + 1).all(), "the rebuilt shard differs"
                 os.unlink(out)
-            times.append((t1 - t0, t3 - t2, t5 - t4))
+            times.append((tb, tp, tr))
     finally:
         for path in (own, par):
             os.unlink(path)
