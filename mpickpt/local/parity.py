@@ -110,12 +110,15 @@ def from_files(team: Protocol, own: str, size: int, chunk: int, into: Into, buff
 def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: str | None,
                 parity: str | None, out_shard: str | None, out_parity: str | None,
                 window: int, buffer: Buffer, on_window: Callable[[], None] = lambda: None,
-                shard: bool = True, parity_too: bool = True) -> int:
+                shard: bool = True, parity_too: bool = True,
+                land: Callable[[int, int], np.ndarray] | None = None) -> int:
     """Rebuild the shard and (``parity_too``) the parity of team position ``lost`` on that
     member, from the others' shards (``own``) and parities, over the ring
     (:mod:`mpickpt.local.xorring`): every block ends at the lost member, straight in its new
     files' maps, the shard's blocks in file order and then the parity's (without ``shard``,
-    the parity alone). Collective over ``team``. Bytes received."""
+    the parity alone); with ``land``, the shard's bytes ``[at, at + n)`` of its file are
+    received into ``land(at, n)`` instead (:class:`mpickpt.local.xorlanding.XorLanding`: straight
+    into a restore; no file). Collective over ``team``. Bytes received."""
     n, me = team.size, team.rank
     shard_order = sorted((k for k in range(n) if k != lost), key=lambda k: xor_chunk(n, lost, k))
     order = xorring.blocks([*(shard_order if shard else []), *([lost] if parity_too else [])],
@@ -135,7 +138,7 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
             return f
 
         mine = me == lost  # its shard's map as long as its chunks, cut to size once filled
-        out = opened(out_shard, (n - 1) * chunk, True) if mine and shard else None
+        out = opened(out_shard, (n - 1) * chunk, True) if mine and shard and not land else None
         par = opened(out_parity, chunk, True) if mine and parity_too else None
         src = opened(own, sizes[me]) if not mine else None
         par_src = opened(parity, chunk) if not mine and shard else None
@@ -147,6 +150,8 @@ def xor_rebuild(team: Protocol, lost: int, chunk: int, sizes: list[int], own: st
 
         def into(b: xorring.Block) -> np.ndarray:
             f, at = (par, b.off) if b.k == lost else (out, xor_chunk(n, lost, b.k) * chunk + b.off)
+            if land is not None and b.k != lost:
+                return land(at, b.n)
             return f.view(at, b.n) if f is not None else \
                 np.frombuffer(buffer("scratch", window), dtype=np.uint8)[:b.n]
 

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .. import faults, log
 from ..errors import ManifestError, ShardError
 from ..format import rootdir
@@ -42,23 +44,27 @@ from ..format.blocks import verify_file
 from ..format.manifest import NAME as MANIFEST
 from ..format.manifest import Manifest, read_bytes
 from ..format.names import RANK_FILE_RE, shard_name
+from ..format.reader import Span
 from ..format.records import check_file, check_records
 from ..format.rollback import NAME as ROLLBACK
 from ..format.rollback import Rollback
 from ..mpi.protocol import Protocol, ranks_text
 from ..save.store import discard
-from .exchange import copy_over
+from . import xorring
+from .exchange import WINDOW, copy_over
 from .level import LocalLevel
-from .nodedir import LEVEL, PARITY_RE, parity_name
-from .parity import xor_rebuild
-from .topology import partner_holder, team_of, xor_chunk_bytes
+from .lostplan import plan, receivers
+from .nodedir import LEVEL, PARITY_RE
+from .xorteam import landable, xor_land, xor_team
 
 
 @dataclass
 class Recovered:
     """Where this rank's shard of the step came from, and what moved over the network."""
 
-    source: str = "own"  # "own", "partner copy from rank R", "XOR rebuild"
+    # "own", "partner copy from rank R", "XOR rebuild" (into its files, then loaded), "XOR
+    # rebuild into the restore" (xorlanding.py)
+    source: str = "own"
     received: int = 0
     rebuilt: list[int] = field(default_factory=list)  # every rank whose shard was rebuilt
     # seconds of each phase on this rank: inventory, verify, transfer, verify-rebuilt,
@@ -78,6 +84,7 @@ class LocalRecovery:
         self.manifest: Manifest | None = None  # of the step last prepared, parsed once
         self.served: dict[int, int] = {}  # lost rank -> the rank that serves its shard's bytes
         self._pending: tuple[Any, ...] | None = None  # a write-back after a served restore
+        self._xor: tuple[Any, ...] | None = None  # the XOR rebuilds a served restore lands
 
     def path(self, step: int) -> str:
         return self.level.nodedir.final(step)
@@ -123,17 +130,20 @@ class LocalRecovery:
         parity = [int(m.group(1)) for n in names if (m := PARITY_RE.match(n))]
         return MANIFEST in names, sorted(shards), sorted(parity)
 
-    def prepare(self, step: int, verify: bool = True, serve: bool = False) -> str | None:
+    def prepare(self, step: int, verify: bool = True, serve: bool = False,
+                needs: Callable[[Manifest], set[int]] | None = None) -> str | None:
         """Make ``step`` whole on every node; None, or why it cannot be (the same on every
         rank). Collective. Without ``verify`` a shard counts as whole when it is there with its
-        size and records (the load then verifies its checksums). With ``serve``, shards that
-        partner copies can replace are not rebuilt first: :attr:`served` names, for each lost
-        rank, the rank whose copy serves its bytes straight into the restore, and
-        :meth:`write_back` rebuilds the files afterwards; a shard rebuilt from XOR parity is
-        rebuilt first, its parity by :meth:`write_back`."""
+        size and records (the load then verifies its checksums). With ``serve``, lost shards
+        are not rebuilt first: :attr:`served` names, for each lost rank, the rank whose
+        partner copy serves its bytes straight into the restore, or the lost rank itself,
+        whose XOR team rebuilds its shard straight into its restore (:meth:`land`), where
+        ``needs(manifest)`` (the ranks whose shards a rank's restore reads) says on every rank
+        that no other rank reads it (else it is rebuilt first, its parity by
+        :meth:`write_back`); :meth:`write_back` rebuilds the files afterwards."""
         d = self.path(step)
         clock = Clock()
-        self.served, self._pending, self.manifest = {}, None, None
+        self.served, self._pending, self.manifest, self._xor = {}, None, None, None
         inv = self.proto.allgather(self._inventory(d), "local-inventory")
         holders = [r for r, (has, _, _) in enumerate(inv) if has]
         if not holders:
@@ -161,7 +171,7 @@ class LocalRecovery:
         problems = self.proto.allgather(mine, "local-verify")
         clock.lap("verify")
         lost = [r for r, p in enumerate(problems) if p]
-        moves, xor_lost, why = self._plan(step, lost, problems, inv, layout)
+        moves, xor_lost, why = plan(self.level.topology.nodes, lost, problems, inv, layout)
         if why is not None:
             return why
         if lost and self.rank == 0:
@@ -171,10 +181,11 @@ class LocalRecovery:
         self.last = Recovered(rebuilt=lost, phases=clock.phases)
         if not lost:
             return None
-        if serve and not xor_lost:
-            self.served = {r: dn for dn, r in moves}
+        if serve and (not xor_lost or landable(self.proto, manifest, xor_lost, needs)):
+            self.served = {r: dn for dn, r in moves} | {r: r for r in xor_lost.values()}
             self._pending = ("copies", (step, inv[self.rank][0], manifest, text, level_text,
                                         moves, xor_lost, layout))
+            self._xor = (step, manifest, xor_lost, layout) if xor_lost else None
             self.last.source = self._source(moves)
             return None
         later = serve and bool(xor_lost)  # the lost parity after the restore, off its path
@@ -187,11 +198,29 @@ class LocalRecovery:
                 self._pending = ("parity", (step, manifest, xor_lost, layout))
         return why
 
+    def land(self, spans: list[Span], slots: list[torch.Tensor] | None
+             ) -> tuple[str | None, int]:
+        """The XOR teams that lost a member rebuild it straight into its restore
+        (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``slots``).
+        Collective, after :meth:`prepare` served XOR rebuilds. (This rank's error, or None;
+        the bytes it received.)"""
+        assert self._xor is not None
+        step, manifest, xor_lost, layout = self._xor
+        window, buffers = self._transfer()
+        return xor_land(self.proto, self.path(step), manifest, xor_lost, layout, spans, slots,
+                        min(window, xorring.BLOCK), buffers)
+
+    def _transfer(self) -> tuple[int, Callable[[str, int], memoryview]]:
+        """(The bytes a rebuild moves at a time, its reused buffers): the level's exchange's."""
+        ex = self.level.exchange
+        return (ex.window, ex.buffer) if ex is not None else (WINDOW, _Buffers().get)
+
     def _source(self, moves: list[tuple[int, int]]) -> str:
         """Where this rank's shard of the step comes from (``moves``: (donor, receiver))."""
         donor = {r: dn for dn, r in moves}.get(self.rank)
         return ("own" if self.rank not in self.last.rebuilt else
-                f"partner copy from rank {donor}" if donor is not None else "XOR rebuild")
+                f"partner copy from rank {donor}" if donor is not None else
+                "XOR rebuild into the restore" if self._xor is not None else "XOR rebuild")
 
     def write_back(self) -> None:
         """After a restore that loaded lost shards from partner copies (:attr:`served`): copy
@@ -249,36 +278,6 @@ class LocalRecovery:
             return str(e)
         return None
 
-    def _plan(self, step: int, lost: list[int], problems: list[str | None],
-              inv: list[tuple[bool, list[int], list[int]]], layout: dict[str, Any]
-              ) -> tuple[list[tuple[int, int]], dict[int, int], str | None]:
-        """((donor, receiver) copies, {team index: lost rank} XOR rebuilds, or why not)."""
-        nodes = self.level.topology.nodes
-        teams: list[list[int]] = layout.get("teams") or []
-        moves: list[tuple[int, int]] = []
-        xor_lost: dict[int, int] = {}
-        for r in lost:
-            donors = [d for d in range(self.size)
-                      if nodes[d] != nodes[r] and r in inv[d][1] and d not in lost]
-            if layout.get("scheme") == "partner" and teams:  # the holder first: spread the load
-                donors.sort(key=lambda d: d != partner_holder(teams, r))
-            if donors:
-                moves.append((donors[0], r))
-                continue
-            if layout.get("scheme") == "xor" and teams:
-                team = team_of(teams, r)
-                others = [m for m in team if m != r]
-                if not any(m in lost for m in others) and all(m in inv[m][2] for m in others):
-                    xor_lost[teams.index(team)] = r
-                    continue
-            scheme = layout.get("scheme")
-            return [], {}, (
-                f"{ranks_text(lost)} cannot get their shards from the local level: rank {r}'s "
-                f"{problems[r]}, and " + (
-                    "no other node holds a copy or a whole XOR team" if scheme else
-                    "it was saved without redundancy"))
-        return moves, xor_lost, None
-
     def _rebuild(self, step: int, whole: bool, manifest: Manifest, text: str,
                  level_text: str | None, moves: list[tuple[int, int]],
                  xor_lost: dict[int, int], layout: dict[str, Any], verify: bool,
@@ -327,9 +326,7 @@ class LocalRecovery:
         node's directory ``d``, the lost files are written into ``out`` (a parity alone under
         another name first, renamed once whole); (this rank's error, the bytes it
         received)."""
-        ex = self.level.exchange
-        window = ex.window if ex is not None else 32 << 20
-        buffers = ex.buffer if ex is not None else _Buffers().get
+        window, buffers = self._transfer()
         err, received = None, 0
         try:
             received += copy_over(self.proto, [
@@ -340,7 +337,7 @@ class LocalRecovery:
             err = f"rank {self.rank}: the copy failed: {e}"
         if xor_lost:
             try:
-                received += _xor_team(self.proto, d, out, manifest, xor_lost, layout, parts,
+                received += xor_team(self.proto, d, out, manifest, xor_lost, layout, parts,
                                       window, buffers)
             except OSError as e:
                 err = err or f"rank {self.rank}: the XOR rebuild failed: {e}"
@@ -361,42 +358,6 @@ class LocalRecovery:
         if failed := self.proto.agree(err, "local-republish"):
             return f"rebuilding from redundancy failed: {failed}"
         return None
-
-
-def _xor_team(proto: Protocol, d: str, out: str, manifest: Manifest, xor_lost: dict[int, int],
-              layout: dict[str, Any], parts: str, window: int,
-              buffers: Callable[[str, int], memoryview]) -> int:
-    """This rank's team's XOR rebuild, if it lost a member (``xor_lost``: team index -> rank;
-    ``parts`` as :meth:`LocalRecovery._receive` takes it); collective over every rank (each
-    team's communicator is made). The bytes this rank received."""
-    teams: list[list[int]] = layout["teams"]
-    me = proto.rank
-    team = team_of(teams, me)
-    sub = proto.sub(teams.index(team), team.index(me))
-    try:
-        lost = xor_lost.get(teams.index(team))
-        if lost is None:
-            return 0
-        sizes = [manifest.ranks[m].bytes for m in team]
-        parity = os.path.join(out, parity_name(me))
-        into = parity + ".rebuilding" if parts == "parity" else parity
-        got = xor_rebuild(
-            sub, team.index(lost), xor_chunk_bytes(max(sizes), len(team)), sizes,
-            os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
-            os.path.join(out, shard_name(me)), into, window, buffers,
-            lambda: faults.hit("mid-rebuild", me, manifest.step),
-            shard=parts != "parity", parity_too=parts != "shard")
-        if into != parity and me == lost:
-            os.replace(into, parity)
-            rootdir.fsync_path(out)
-        return got
-    finally:
-        sub.free()
-
-
-def receivers(moves: list[tuple[int, int]], xor_lost: dict[int, int]) -> set[int]:
-    """The ranks that receive a rebuilt shard."""
-    return {r for _, r in moves} | set(xor_lost.values())
 
 
 class Clock:

@@ -45,6 +45,8 @@ from ..save.pinned_pool import HostPool
 from . import provenance, reshard
 from .device_room import DeviceRoom
 
+# a lost rank's spans, rebuilt by its XOR team through page-locked slots or not: (error, bytes)
+Land = Callable[[list[Span], list[torch.Tensor] | None], tuple[str | None, int]]
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
 # verdicts, combined with MAX over ranks
@@ -65,7 +67,8 @@ class RestoreInfo:
     seconds: float = 0.0  # the whole restore, the fallbacks included
     level: str | None = None  # "local" (the node-local level) or "root"
     source: str | None = None  # this rank's shard: "own", "partner copy from rank R",
-    #                            "XOR rebuild" (level "local"), or "ROOT"
+    #                            "XOR rebuild", "XOR rebuild into the restore" (level
+    #                            "local"), or "ROOT"
     network_bytes: int = 0  # received over MPI to rebuild this rank's shard
     total_network_bytes: int = 0  # by every rank
     fetched_bytes: int = 0  # (level "local") bytes of other nodes' shards received to load
@@ -154,15 +157,20 @@ class Restorer:
         def load() -> tuple[str | None, dict[str, Any]]:
             t = time.perf_counter()
             got = self._try(state, step, local.path(step), nodes, local.served,
-                            local.manifest, lambda r: local.path_of(r, step))
+                            local.manifest, lambda r: local.path_of(r, step), local.land)
             local.last.phases["load"] = time.perf_counter() - t
             local.last.phases.update({f"load.{k}": v for k, v in self.phases.items()})
             if local.served:
                 local.last.received = self.served_bytes
             return got
 
-        # a lost node's shards come straight into the restore from their partner copies
-        verdict, loaded = local.prepare(step, verify=False, serve=True), {}
+        def needs(manifest: Manifest) -> set[int]:  # the ranks whose shards this one reads
+            return {rank for rank, _ in reshard.plan(manifest, self.rank, self.world_size, state,
+                                                     self.replicated, local.path(step)).spans}
+
+        # a lost node's shards come straight into the restore from their partner copies, or
+        # from their XOR teams
+        verdict, loaded = local.prepare(step, verify=False, serve=True, needs=needs), {}
         if verdict is None:
             verdict, loaded = load()
             if verdict is not None:
@@ -174,13 +182,6 @@ class Restorer:
                     verdict, loaded = load()
         return (None if verdict is None else f"from the local level: {verdict}"), loaded
 
-    def _read_manifest(self, path: str) -> tuple[str | None, str | None]:
-        """(text, None) or (None, reason), on rank 0."""
-        try:
-            return read_bytes(path).decode("utf-8", errors="replace"), None
-        except ManifestError as e:
-            return None, str(e)
-
     def _open(self, path: str, step: int, known: Manifest | None = None
               ) -> tuple[Manifest | None, str | None]:
         """Collective: the manifest of step ``step`` at ``path`` as rank 0 reads it (or
@@ -190,7 +191,7 @@ class Restorer:
             manifest = known
         else:
             text, reason = self.proto.bcast(
-                self._read_manifest(path) if self.rank == 0 else None, "manifest")
+                _read_manifest(path) if self.rank == 0 else None, "manifest")
             if text is None:
                 return None, reason
             try:
@@ -220,14 +221,16 @@ class Restorer:
 
     def _try(self, state: dict[str, Any], step: int, path: str,
              nodes: Sequence[str] | None = None, served: dict[int, int] | None = None,
-             known: Manifest | None = None, served_from: Callable[[int], str] | None = None
-             ) -> tuple[str | None, dict[str, Any]]:
+             known: Manifest | None = None, served_from: Callable[[int], str] | None = None,
+             land: Land | None = None) -> tuple[str | None, dict[str, Any]]:
         """(None, metadata) once loaded into ``state``; (reason, {}) if it cannot be. With
         ``nodes`` (the node-local level: each rank's node; ``path`` is this node's copy of the
         step, ``known`` its manifest as parsed), the bytes of shards of other nodes' ranks come
         from those ranks, and those of a lost rank's shard from the rank that ``served`` names
         (:mod:`mpickpt.local.remote`; ``served_from(rank)``: the directory that rank serves
-        from, which names a damaged copy)."""
+        from, which names a damaged copy), or, where ``served`` names the lost rank itself,
+        rebuilt by its XOR team straight into its restore (``land``,
+        :meth:`~mpickpt.local.recovery.LocalRecovery.land`)."""
         served = served or {}
         manifest, reason = self._open(path, step, known)
         if manifest is None:
@@ -269,16 +272,16 @@ class Restorer:
             self.bytes_read = self.mapped_bytes + sum(
                 s.nbytes for r in here for s in staged.by_rank.get(r, []))
         except Exception as e:
-            verdict, err = self._verdict(e, where, manifest, path)
+            verdict, err = _verdict(self.rank, e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed
             moved, why = self._fetch(remote, manifest, path, verdict != _OK, served,
-                                     served_from, room)
+                                     served_from, room, land)
             clock.lap("fetch")
             if reading is not None:
                 try:
                     reading.result()
                 except Exception as e:
-                    verdict, err = self._verdict(e, where, manifest, path)
+                    verdict, err = _verdict(self.rank, e, where, manifest, path)
             if not moved:
                 verdict, err = max(verdict, _CORRUPT), err or why
         if verdict == _OK and staged is not None:
@@ -299,13 +302,23 @@ class Restorer:
 
     def _fetch(self, remote: dict[int, list[Span]], manifest: Manifest, path: str,
                failed: bool, served: dict[int, int], served_from: Callable[[int], str] | None,
-               room: DeviceRoom | None) -> tuple[bool, str | None]:
-        """The node-local level's transfer (:func:`mpickpt.local.remote.fetch`), and the bytes
-        this rank received: of its own lost shard, and the rest (other ranks' shards,
-        replicated shares)."""
-        got = remote_fetch(self.proto, remote, manifest, path, self.io_threads, failed=failed,
-                           servers=served, served_from=served_from,
-                           ring=room.ring if room is not None else None)
+               room: DeviceRoom | None, land: Land | None = None) -> tuple[bool, str | None]:
+        """The node-local level's transfer (:func:`mpickpt.local.remote.fetch`), then the XOR
+        rebuilds that land in their lost ranks' restores (``land``: the ranks ``served``
+        names as their own servers), and the bytes this rank received: of its own lost shard,
+        and the rest (other ranks' shards, replicated shares)."""
+        xor = {r for r, s in served.items() if s == r}
+        ring = room.ring if room is not None else None
+        got = remote_fetch(self.proto, {r: s for r, s in remote.items() if r not in xor},
+                           manifest, path, self.io_threads, failed=failed,
+                           servers={r: s for r, s in served.items() if r not in xor},
+                           served_from=served_from, ring=ring)
+        if xor:
+            assert land is not None
+            why, _ = land([] if failed else remote.get(self.rank, []),
+                          ring.slots if ring is not None else None)
+            if why is not None:
+                got = (False, got[1] or why)
         self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
         self.fetched_bytes = sum(s.nbytes for r, spans in remote.items() if r != self.rank
                                  for s in spans)
@@ -345,16 +358,6 @@ class Restorer:
             room.take_ring(block, self.pool.pin)  # the received bytes' way into the room
         return staged, here, remote, room
 
-    def _verdict(self, e: Exception, where: str, manifest: Manifest, path: str
-                 ) -> tuple[int, str]:
-        """What a failure to plan or read means: the state does not match, or the checkpoint
-        is damaged (named, and whose the shard really is)."""
-        if isinstance(e, StateMismatchError):
-            return _MISMATCH, f"rank {self.rank}: {where}: {e}"
-        if isinstance(e, ShardError):
-            return _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
-        return _CORRUPT, f"rank {self.rank}: {where}: {type(e).__name__}: {e}"
-
     def _agree_and_apply(self, path: str, manifest: Manifest, tree: dict[str, Any],
                          state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
                          err: str | None) -> tuple[str | None, dict[str, Any]]:
@@ -377,6 +380,25 @@ class Restorer:
                 f"loading {path} into the state failed after verification; the state is only "
                 f"partly restored, restart the job: {failed}")
         return None, manifest.metadata
+
+
+def _verdict(rank: int, e: Exception, where: str, manifest: Manifest, path: str
+             ) -> tuple[int, str]:
+    """What a failure to plan or read means: the state does not match, or the checkpoint is
+    damaged (named, and whose the shard really is)."""
+    if isinstance(e, StateMismatchError):
+        return _MISMATCH, f"rank {rank}: {where}: {e}"
+    if isinstance(e, ShardError):
+        return _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
+    return _CORRUPT, f"rank {rank}: {where}: {type(e).__name__}: {e}"
+
+
+def _read_manifest(path: str) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason)."""
+    try:
+        return read_bytes(path).decode("utf-8", errors="replace"), None
+    except ManifestError as e:
+        return None, str(e)
 
 
 def _per_rank_state_differs(manifest: Manifest) -> bool:

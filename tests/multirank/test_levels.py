@@ -165,6 +165,8 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         how = "partner copy from rank" if redundancy == "partner" else "XOR rebuild"
         for r in range(n):
             assert restored[r]["source"].startswith(how if r in lost else "own"), restored[r]
+            if r in lost and redundancy == "xor":  # (replicated: others read its shard)
+                assert restored[r]["source"].endswith("into the restore") != replicated
             # a node directory in memory: a survivor's own tensors are used where they lie
             # (verified in place, no copy; a replicated model is put together from the ranks'
             # shares, and its one other tensor is 8 bytes); on disk, every byte is read
@@ -253,9 +255,11 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
       hang, and the next one rebuilds node 1 and runs on bit-identical;
     - a flipped byte in node 0's parity where it makes rank 2's rebuilt bytes: the restore
       verifies them, names rank 2's tensor, and ROOT takes over; the run ends bit-identical;
-    - the new node 1 with no room for its shards (a 16 KiB tmpfs): the restore says why and
-      ROOT takes over; the run goes on, its saves failing there, and ends bit-identical. (Its
-      ranks take part in the ring all the same, into a scratch buffer, so that the survivors'
+    - the new node 1 with no room for its shards (a 16 KiB tmpfs): the shards need none to
+      be restored (they land straight in the restore, local/xorlanding.py), so the step comes
+      from the local level; writing them back to the node afterwards says why it cannot, and
+      the run goes on, its saves failing there, and ends bit-identical. (Its ranks take part
+      in the write-back's ring all the same, into a scratch buffer, so that the survivors'
       blocks go; this state's blocks are small enough to go eagerly even without.)"""
     crashed, _ = job(tmp_path, "crash", 6, crash_after=CRASH, **XOR_3X2)
     assert crashed.returncode != 0, crashed.output
@@ -266,7 +270,8 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
     saved = {p.name: p.read_bytes() for p in step_dir(1).glob("xor-*.bin")}
     assert sorted(saved) == ["xor-00002.bin", "xor-00003.bin"], sorted(saved)
     shutil.rmtree(local_of(tmp_path) / "n1")
-    expect, step = ["own", "own", "XOR rebuild", "XOR rebuild", "own", "own"], CRASH
+    into = "XOR rebuild into the restore"  # local/xorlanding.py
+    expect, step = ["own", "own", into, into, "own", "own"], CRASH
     if case == "peers-killed-mid-rebuild":
         died, _ = job(tmp_path, "died", 6, fault="mid-rebuild:0:kill,mid-rebuild:4:kill",
                       **XOR_3X2)
@@ -293,11 +298,13 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
         finally:
             subprocess.run(["umount", "-l", str(node1)], check=True)
         guarantees.record(SUITE, "xor-no-room-on-the-new-node",
-                          outcome(reports, 6, DRAINED, reference[6]), done.output[-2000:])
+                          outcome(reports, 6, CRASH, reference[6]), done.output[-2000:])
         assert done.returncode == 0, done.output
-        assert "No space left on device" in done.stderr, done.output
+        assert re.search(r"writing the lost shards back to their nodes failed.*No space left "
+                         "on device", done.stderr), done.output
         restored = [reports[r]["restore"] for r in range(6)]
-        assert {(r["step"], r["level"]) for r in restored} == {(DRAINED, "root")}, restored
+        assert {(r["step"], r["level"]) for r in restored} == {(CRASH, "local")}, restored
+        assert [r["source"] for r in restored] == expect, restored
         assert all(reports[r]["final"] == reference[6][r] for r in range(6))
         return
     steps = CRASH if case == "parity-back-serves-a-second-loss" else LAST
@@ -321,7 +328,7 @@ def test_a_node_rebuilt_from_xor_parity_over_the_ring(
         done, reports = job(tmp_path, "again", 6, **XOR_3X2)
         assert done.returncode == 0, done.output
         restored = [reports[r]["restore"] for r in range(6)]
-        assert [r["source"] for r in restored] == ["XOR rebuild"] * 2 + ["own"] * 4, restored
+        assert [r["source"] for r in restored] == [into] * 2 + ["own"] * 4, restored
     else:
         guarantees.record(SUITE, f"xor-{case}", outcome(reports, 6, step, reference[6]),
                           done.output[-2000:])
@@ -389,8 +396,8 @@ def test_xor_parity_made_from_the_snapshot_is_the_parity_of_the_files(
                       reference[6]), done.output[-2000:])
     assert done.returncode == 0, done.output
     restored = [reports[r]["restore"] for r in range(6)]
-    assert [r["source"] for r in restored] == ["own", "own", "XOR rebuild", "XOR rebuild",
-                                               "own", "own"], restored
+    into = "XOR rebuild into the restore"
+    assert [r["source"] for r in restored] == ["own", "own", into, into, "own", "own"], restored
     assert {(r["step"], r["level"]) for r in restored} == {(step, "local")}, restored
     assert all(r["exact"] for r in restored)
     assert all(reports[r]["final"] == reference[6][r] for r in range(6))
