@@ -40,8 +40,8 @@ class Moved:
 
 @dataclass
 class Streamed:
-    """A partner stream's outcome: the copy's file (None if it could not be made), the first
-    error of the receiving side, the tensor bytes sent and received."""
+    """A stream's outcome: the partner copy's or the parity's file (None if it could not be
+    made), the first error of this side, the tensor bytes sent and received."""
 
     dest: Mapped | None
     error: BaseException | None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from ..save.store import Published, discard
 from . import parity
 from .exchange import Streamed
 from .level import LocalLevel
+from .pool import Mapped
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +72,6 @@ class NodeStore:
         in likewise), or around the team's ring into the parities (XOR,
         :meth:`Exchange.parity_stream`)."""
         lv, entry, error = self.lv, None, req.error
-        streaming = lv.exchange is not None
         stream: Future[Streamed] | None = None
         sealed: list[ShardWriter] = []
 
@@ -78,19 +79,21 @@ class NodeStore:
                     ) -> None:
             nonlocal stream
             sealed.append(writer)
-            if not streaming:
+            if lv.exchange is None:
                 return
+            take, hit = self._hooks(req, partial)
             tensors = [r for r in writer.records if r.codec is None and r.nbytes]
-            if lv.scheme == "xor":
-                whole = writer.size_hint is not None and len(tensors) == len(writer.records)
-                stream = self._stream(req, partial, writer.size_hint or 0, [parity.Run(
-                    r.offset, np.frombuffer(byte_view(host[r.name]), dtype=np.uint8),
-                    host[r.name].data_ptr()) for r in sorted(tensors, key=lambda r: r.offset)]
-                    if whole else None, landing)
+            if lv.scheme == "xor":  # by offset; without a template (compressed tensors): none
+                runs = None if writer.size_hint is None else [
+                    parity.Run(r.offset, np.frombuffer(byte_view(host[r.name]), dtype=np.uint8),
+                               host[r.name].data_ptr())
+                    for r in sorted(tensors, key=lambda r: r.offset)]
+                stream = lv.exchange.parity_stream(runs, writer.size_hint or 0, take, hit,
+                                                   landing)
             else:  # in the order the bytes land in host memory
                 tensors.sort(key=lambda r: host[r.name].data_ptr())
-                stream = self._stream(req, partial, writer.data_end, [
-                    (r.offset, byte_view(host[r.name])) for r in tensors], landing)
+                stream = lv.exchange.stream([(r.offset, byte_view(host[r.name])) for r in tensors],
+                                            writer.data_end, take, hit, landing)
 
         try:
             if req.snapshot is not None and req.tree is not None:
@@ -100,29 +103,27 @@ class NodeStore:
                                           started=started)
         except Exception as e:
             error = error_text(e)
-        if streaming:
+        if lv.exchange is not None:
             with self.proto.fatal_timeouts(self.log):
                 if stream is None:  # nothing laid out: stream nothing, the team must not wait
-                    stream = self._stream(req, partial, 0, None if lv.scheme == "xor" else [])
+                    take, hit = self._hooks(req, partial)
+                    stream = (lv.exchange.parity_stream(None, 0, take, hit)
+                              if lv.scheme == "xor" else lv.exchange.stream([], 0, take, hit))
                 t = time.perf_counter()
                 done = stream.result()
-                req.stats.update(stream_s=done.seconds, stream_wait_s=time.perf_counter() - t,
-                                 parity_from_snapshot=float(done.chunk > 0))
+                req.stats.update(stream_s=done.seconds, stream_wait_s=time.perf_counter() - t)
+                if lv.scheme == "xor":
+                    req.stats["parity_from_snapshot"] = float(done.chunk > 0)
                 self._streams[req.step] = (done, sealed[0].metadata if sealed and entry else [])
         return entry, error
 
-    def _stream(self, req: SaveRequest, partial: str, end: int,
-                ranges: list[tuple[int, memoryview]] | list[parity.Run] | None,
-                landing: Landing | None = None) -> Future[Streamed]:
-        """Partner: ``ranges`` (offset, bytes) up to ``end``; XOR: ``ranges`` the tensors'
-        runs (or None) of a file of ``end`` bytes."""
+    def _hooks(self, req: SaveRequest, partial: str
+               ) -> tuple[Callable[[int], Mapped], Callable[[], None]]:
+        """A stream's file for what this rank stores of ``rank`` (a partner copy, or its own
+        parity), and its fault point."""
         lv = self.lv
-        assert lv.exchange is not None
-        take = lambda rank: lv.take(partial, lv.names(rank))  # noqa: E731
-        hit = lambda: faults.hit("mid-exchange", self.rank, req.step)  # noqa: E731
-        if lv.scheme == "xor":
-            return lv.exchange.parity_stream(ranges, end, take, hit, landing)  # type: ignore[arg-type]
-        return lv.exchange.stream(ranges, end, take, hit, landing)  # type: ignore[arg-type]
+        return (lambda rank: lv.take(partial, lv.names(rank)),
+                lambda: faults.hit("mid-exchange", self.rank, req.step))
 
     def protect(self, req: SaveRequest, partial: str, entry: RankEntry | None,
                 error: str | None) -> str | None:
