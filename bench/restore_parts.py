@@ -18,7 +18,13 @@ PARTS = [("mpickpt.mpi.protocol", q) for q in (
     ("mpickpt.restore.reshard", "plan"), ("mpickpt.restore.reshard", "Staged.read"),
     ("mpickpt.restore.reshard", "Staged.finish"), ("mpickpt.format.reader", "MappedSpans.verify"),
     ("mpickpt.save.pinned_pool", "HostPool.lock"), ("mpickpt.save.pinned_pool", "HostPool.acquire"),
-    ("mpickpt.restore.restorer", "Restorer._agree_and_apply")]
+    ("mpickpt.restore.restorer", "Restorer._agree_and_apply"),
+    ("mpickpt.restore.device_room", "DeviceRoom.buffer"),
+    ("mpickpt.restore.device_room", "DeviceRoom.take_ring"),
+    ("mpickpt.local.xorteam", "xor_land"), ("mpickpt.local.xorteam", "xor_rebuild"),
+    ("mpickpt.local.xorlanding", "XorLanding.finish"),
+    ("mpickpt.local.filemap", "FileMap.__enter__"), ("mpickpt.local.filemap", "FileMap.__exit__"),
+    ("mpickpt.local.filemap", "FileMap.populate")]
 EVENTS: list[tuple[str, float, float]] = []
 
 
