@@ -69,7 +69,7 @@ def test_every_span_lands_whole_through_a_few_buffers(seed: int) -> None:
              Span(recs[1], BLOCK, 3 * BLOCK, torch.zeros(2 * BLOCK, dtype=torch.uint8)),
              Span(recs[2], 0, 5, torch.zeros(5, dtype=torch.uint8))]
     bufs = [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(5)]
-    landing = XorLanding(3, "/x/rank-00003.h5", len(data), spans, BLOCK, bufs)
+    landing = XorLanding(3, "/x/rank-00003.h5", len(data), spans, BLOCK, lambda: bufs)
     done = threading.Event()
 
     def ring() -> None:
@@ -98,7 +98,7 @@ def test_a_damaged_byte_is_named_by_its_tensor_and_block(where: str) -> None:
     bad[rec.offset + at] ^= 0x40
     dest = torch.zeros(rec.nbytes, dtype=torch.uint8)
     landing = XorLanding(2, "/n1/rank-00002.h5", len(data), [Span(rec, 0, rec.nbytes, dest)],
-                      BLOCK, [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(6)])
+                      BLOCK, lambda: [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(6)])
     feed(landing, bad, cuts(len(bad), 7))
     err = landing.finish()
     assert isinstance(err, ShardError), err
@@ -112,7 +112,7 @@ def test_bytes_that_never_came_are_said() -> None:
     rec = recs[0]
     landing = XorLanding(0, "/n0/rank-00000.h5", len(data),
                       [Span(rec, 0, rec.nbytes, torch.zeros(rec.nbytes, dtype=torch.uint8))],
-                      BLOCK, [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(6)])
+                      BLOCK, lambda: [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(6)])
     feed(landing, data[:rec.offset + 2 * BLOCK], [rec.offset + 2 * BLOCK])
     err = landing.finish()
     assert isinstance(err, ShardError) and f"only {2 * BLOCK} of the {4 * BLOCK}" in str(err)

@@ -9,6 +9,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -76,14 +77,32 @@ class FileMap:
             self._populating.join()
         self._arr = None
         if self._map is not None:
-            # MPI may still hold a view of it: then the map goes with its last reference
-            with contextlib.suppress(BufferError):
-                self._map.close()
+            if self.create:
+                _unmap(self._map)
+            else:  # read: nothing waits for it (a shard's 2 GB: 0.06-0.1 s on an H200 host)
+                _unmapper().submit(_unmap, self._map)
+            self._map = None
         try:
             if self.create:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
+
+
+def _unmap(m: mmap.mmap) -> None:
+    # MPI may still hold a view of it: then the map goes with its last reference
+    with contextlib.suppress(BufferError):
+        m.close()
+
+
+_UNMAPPER: list[ThreadPoolExecutor] = []
+
+
+def _unmapper() -> ThreadPoolExecutor:
+    """The thread that unmaps files read for a transfer, off the transfer's path."""
+    if not _UNMAPPER:
+        _UNMAPPER.append(ThreadPoolExecutor(1, thread_name_prefix="mpickpt-unmap"))
+    return _UNMAPPER[0]
 
 
 class Keep:

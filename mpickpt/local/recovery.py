@@ -198,7 +198,7 @@ class LocalRecovery:
                 self._pending = ("parity", (step, manifest, xor_lost, layout))
         return why
 
-    def land(self, spans: list[Span], slots: list[torch.Tensor] | None
+    def land(self, spans: list[Span], slots: Callable[[], list[torch.Tensor]] | None
              ) -> tuple[str | None, int]:
         """The XOR teams that lost a member rebuild it straight into its restore
         (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``slots``).

@@ -29,7 +29,9 @@ files are written back to the lost node after the restore
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +44,7 @@ from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 from .ring import Ring
 
+T = TypeVar("T")
 WINDOW = 256 << 20  # bytes per message at most
 GROUP = 32 << 20  # bytes received, at least, before they are verified (remote._groups)
 
@@ -93,18 +96,14 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
     groups, rings = _groups([(owner, servers.get(owner, owner), s)
                              for owner, spans in wanted.items() for s in spans if s.nbytes],
                             ring.size if ring is not None else 0)
-    lands = [_landing(g, ring.slot(r)) if ring is not None and r is not None
-             else [s.dest for _, _, s in g] for g, r in zip(groups, rings, strict=True)]
+    lands, posts = _posts(groups, rings, ring)
 
     def before_post(k: int) -> None:
         if ring is not None and rings[k] is not None:
             ring.wait_free(rings[k])
 
-    pending = proto.start_grouped(sends, [[(b, server) for (_, server, _), d in zip(g, land,
-                                                                                  strict=True)
-                                           for b in _pieces(d)]
-                                          for g, land in zip(groups, lands, strict=True)],
-                                  "local-fetch", before_post=before_post)
+    pending = proto.start_grouped(sends, posts, "local-fetch", before_post=before_post,
+                                  peers=sorted({server for g in groups for _, server, _ in g}))
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
     for m in mapped:  # the pages to send mapped in ahead of MPI's copy, while it runs
@@ -133,6 +132,39 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
         except Exception as e:
             why = why or failure(e)
     return why is None, why
+
+
+class _Lazy(Sequence[T]):
+    """``n`` items, each made by ``make(k)`` when first asked for."""
+
+    def __init__(self, n: int, make: Callable[[int], T]) -> None:
+        self._n, self._make = n, make
+        self._made: dict[int, T] = {}
+        self._lock = threading.Lock()  # (the transfer thread posts, the caller's uses)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k: int) -> T:  # type: ignore[override]
+        if not 0 <= k < self._n:
+            raise IndexError(k)
+        with self._lock:
+            if k not in self._made:
+                self._made[k] = self._make(k)
+            return self._made[k]
+
+
+def _posts(groups: list[list[tuple[int, int, Span]]], rings: list[int | None],
+           ring: Ring | None) -> tuple[_Lazy[list[torch.Tensor]], _Lazy[list[tuple[object, int]]]]:
+    """Where each group lands, and its receives ``(buffer, server)``, each made as it is
+    posted (the ring's memory may still be being page-locked until the first ring group
+    is)."""
+    lands = _Lazy(len(groups), lambda k: _landing(groups[k], ring.slot(rings[k]))
+                  if ring is not None and rings[k] is not None
+                  else [s.dest for _, _, s in groups[k]])
+    return lands, _Lazy(len(groups), lambda k: [
+        (b, server) for (_, server, _), d in zip(groups[k], lands[k], strict=True)
+        for b in _pieces(d)])
 
 
 def _use(group: list[tuple[int, int, Span]], land: list[torch.Tensor], ring: Ring | None,

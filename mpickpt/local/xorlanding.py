@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -48,8 +49,9 @@ class _Fed:
 
 class XorLanding:
     """Rank ``rank``'s shard (``path`` names it in errors; ``size`` bytes) landing in
-    ``spans`` (uncompressed, whole checksum blocks of ``block`` bytes) through ``buffers``
-    (uint8 CPU tensors, page-locked where they are to reach a GPU fast).
+    ``spans`` (uncompressed, whole checksum blocks of ``block`` bytes) through the uint8 CPU
+    tensors ``buffers()`` gives (page-locked where they are to reach a GPU fast; asked for
+    when the first block is to be received: they may still be being page-locked before).
 
     The ring calls :meth:`into` for where a block of the file is to be received (it waits for
     a buffer free) and :meth:`arrived` once it is in, in the same order; :meth:`finish` waits for
@@ -57,11 +59,12 @@ class XorLanding:
     bytes that never came."""
 
     def __init__(self, rank: int, path: str, size: int, spans: list[Span], block: int,
-                 buffers: list[torch.Tensor]) -> None:
+                 buffers: Callable[[], list[torch.Tensor]]) -> None:
         self.rank, self.path, self.size, self.block = rank, path, size, block
         self._fed = sorted((_Fed(s) for s in spans if s.nbytes), key=lambda f: f.start)
         self._first = 0
-        self._free = deque(buffers)
+        self._buffers = buffers
+        self._free: deque[torch.Tensor] | None = None
         self._cond = threading.Condition()
         self._coming: deque[tuple[int, int, torch.Tensor]] = deque()
         self._used: list[Future[None]] = []
@@ -72,6 +75,8 @@ class XorLanding:
     def into(self, at: int, n: int) -> np.ndarray:
         """Where bytes ``[at, at + n)`` of the shard's file are to be received."""
         with self._cond:
+            if self._free is None:
+                self._free = deque(self._buffers())
             while not self._free:
                 self._cond.wait()
             buf = self._free.popleft()
@@ -95,6 +100,7 @@ class XorLanding:
             self.error = self.error or e
         finally:
             with self._cond:
+                assert self._free is not None
                 self._free.append(buf)
                 self._cond.notify()
 

@@ -44,19 +44,24 @@ def landable(proto: Protocol, manifest: Manifest, xor_lost: dict[int, int],
 
 
 def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, int],
-             layout: dict[str, Any], spans: list[Span], slots: list[torch.Tensor] | None,
-             window: int, buffers: Callable[[str, int], memoryview]) -> tuple[str | None, int]:
+             layout: dict[str, Any], spans: list[Span],
+             slots: Callable[[], list[torch.Tensor]] | None, window: int,
+             buffers: Callable[[str, int], memoryview]) -> tuple[str | None, int]:
     """The XOR teams that lost a member rebuild it: a lost rank's shard lands in ``spans``
-    (what its restore reads of it; every byte verified on the way) through ``slots``
-    (page-locked buffers for the GPU; else reused host buffers), in blocks of ``window``
-    bytes. Collective. (This rank's error, or None; the bytes it received.)"""
+    (what its restore reads of it; every byte verified on the way) through ``slots()``
+    (page-locked buffers for the GPU, asked for once the first block comes; else reused host
+    buffers), in blocks of ``window`` bytes. Collective. (This rank's error, or None; the
+    bytes it received.)"""
     me = proto.rank
     landing = None
-    if me in xor_lost.values():
-        bufs = [s[a:a + window] for s in slots or []
+
+    def bufs() -> list[torch.Tensor]:
+        return [s[a:a + window] for s in (slots() if slots is not None else [])
                 for a in range(0, s.numel() - window + 1, window)][:LANDING_BUFFERS] or [
             torch.frombuffer(buffers(f"land{i}", window), dtype=torch.uint8)
             for i in range(LANDING_BUFFERS)]
+
+    if me in xor_lost.values():
         landing = XorLanding(me, os.path.join(d, shard_name(me)), manifest.ranks[me].bytes,
                              spans, manifest.checksum_block, bufs)
     err, got = None, 0

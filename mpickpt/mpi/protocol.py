@@ -16,7 +16,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -140,21 +140,28 @@ class Protocol:
         # on the one transfer thread, after the receives' wait: its result first
         return Pending(self, sent, what, job=lambda: received.result() or self.comm.waitall(sent))
 
-    def start_grouped(self, sends: list[tuple[Any, int]], groups: list[list[tuple[Any, int]]],
-                      phase: str, ahead: int = 4,
-                      before_post: Callable[[int], None] | None = None) -> list[Pending]:
+    def start_grouped(self, sends: list[tuple[Any, int]],
+                      groups: Sequence[list[tuple[Any, int]]], phase: str, ahead: int = 4,
+                      before_post: Callable[[int], None] | None = None,
+                      peers: list[int] | None = None) -> list[Pending]:
         """:meth:`start` with the receives in groups: a :class:`Pending` per group, in order,
         then one for the sends. Only ``ahead`` groups are posted at a time, the next as each
         one is in, so that they arrive in order (posted all at once, MPI moves them side by
         side and the first is complete only near the end of all): a group can be used as soon
         as its own wait returns while the next ones move. ``before_post(k)`` returns once
         group ``k``'s buffers may be written (a ring of buffers: once an earlier group's are
-        used); it runs on the transfer thread, and an error it raises fails the transfer."""
+        used); it runs on the transfer thread, and an error it raises fails the transfer.
+        ``peers``: the ranks the groups receive from, where ``groups`` makes each group only
+        when it is posted (they name the transfer in errors); the first groups are then posted
+        on the transfer thread too, after the sends have started, so that a group whose
+        buffers are not there yet does not hold the sends up."""
         if ahead < 1:
             raise ValueError(f"ahead must be 1 or more, not {ahead}")
-        peers = sorted({p for _, p in sends} | {p for g in groups for _, p in g})
+        lazy = peers is not None
+        peers = sorted({p for _, p in sends} | set(
+            peers if peers is not None else (p for g in groups for _, p in g)))
         what = f"{phase} with {ranks_text(peers)}"
-        recvs: list[list[Request]] = [[] for _ in groups]
+        recvs: list[list[Request]] = [[] for _ in range(len(groups))]
         broken: list[str] = []
 
         def post(k: int) -> None:
@@ -165,6 +172,12 @@ class Protocol:
 
         def arrival(k: int) -> Callable[[], str | None]:
             def job() -> str | None:  # on the transfer thread, after the group before it
+                if not k and lazy:  # the first groups (the docstring says why)
+                    try:
+                        for j in range(min(ahead, len(groups))):
+                            post(j)
+                    except Exception as e:
+                        broken.append(f"posting receives: {type(e).__name__}: {e}")
                 if broken:  # an earlier group, or posting one, failed: the transfer is off
                     return broken[0]
                 error = self.comm.waitall(recvs[k])
@@ -178,8 +191,9 @@ class Protocol:
                 return None
             return job
 
-        for k in range(min(ahead, len(groups))):
-            post(k)
+        if not lazy:
+            for k in range(min(ahead, len(groups))):
+                post(k)
         reqs = [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
         return ([Pending(self, [], what, arrival(k)) for k in range(len(groups))]
                 + [Pending(self, reqs, what)])

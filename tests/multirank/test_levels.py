@@ -437,6 +437,26 @@ def test_a_lost_nodes_bytes_go_through_the_ring_into_room_set_aside(
     assert all(reports[r]["final"] == finals[r] for r in range(4))
 
 
+@pytest.mark.guarantee("local-survives-node-loss", "resume-bit-identical")
+def test_a_lost_nodes_xor_rebuild_lands_through_the_ring_into_room_set_aside(
+        tmp_path: Path, reference, guarantees, in_memory) -> None:
+    """The same way for XOR (local/xorlanding.py): node 1 of three lost, the blocks its teams
+    rebuild land in the ring's slots (page-locked on a thread while the transfer starts: the
+    first blocks wait for them), are checked there and copied into the room, and the run ends
+    bit-identical."""
+    done, reports = crash_then_resume(tmp_path, 6, [1], room=ROOM_BLOCK, **XOR_3X2)
+    guarantees.record(SUITE, "ring-xor", outcome(reports, 6, CRASH, reference[6]),
+                      done.output[-2000:])
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(6)]
+    into = "XOR rebuild into the restore"
+    assert [r["source"] for r in restored] == ["own", "own", into, into, "own", "own"], restored
+    for r in (2, 3):  # all of the lost shard's model in the room, in many blocks
+        assert restored[r]["room_bytes"] >= restored[r]["model_bytes"] > 0, restored[r]
+        assert restored[r]["network_bytes"] > 6 * 2 * ROOM_BLOCK, restored[r]
+    assert all(reports[r]["final"] == reference[6][r] for r in range(6))
+
+
 @pytest.mark.guarantee("damage-detected", "resume-bit-identical")
 @pytest.mark.parametrize("room", [False, True], ids=["host", "ring"])
 def test_a_damaged_copy_served_to_a_lost_node_is_named_and_root_takes_over(
