@@ -46,6 +46,7 @@ from .ring import Ring
 
 T = TypeVar("T")
 WINDOW = 256 << 20  # bytes per message at most
+POPULATE_THREADS = 2  # map a served copy's pages in (a pool apart from the I/O threads')
 GROUP = 32 << 20  # bytes received, at least, before they are verified (remote._groups)
 
 
@@ -106,8 +107,8 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
                                   peers=sorted({server for g in groups for _, server, _ in g}))
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
-    for m in mapped:  # the pages to send mapped in ahead of MPI's copy, while it runs
-        m.populate(threads)
+    for m in mapped:  # the pages to send mapped in ahead of MPI's copy, while it runs, on
+        m.populate(POPULATE_THREADS)  # threads of their own: not ahead of this node's reads
     # each group of spans verified where it landed as soon as it is in, on the I/O threads
     # while the next ones move (compressed ones: by their server, as it decompressed them)
     checks: list[Batch] = []
