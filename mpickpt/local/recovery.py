@@ -253,8 +253,8 @@ class LocalRecovery:
         if self.rank == 0:
             if why is not None:
                 self.log.error("step %d was restored, but writing the lost shards back to their "
-                               "nodes failed (the partner copies still protect it): %s", step,
-                               why)
+                               "nodes failed (the %s they came from still protect it): %s", step,
+                               "XOR parities" if xor_lost else "partner copies", why)
             else:
                 self.log.info("step %d: the shards of %s written back to their nodes in %.2f s",
                               step, ranks_text(sorted(self.served)), time.perf_counter() - t)
