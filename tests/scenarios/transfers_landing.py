@@ -34,6 +34,12 @@ from mpickpt.local.pool import Mapped, Maps
 from mpickpt.mpi.protocol import Protocol
 from mpickpt.save.landing import Landing
 
+
+def say(line: str) -> None:
+    """``line`` and its newline in one write: two ranks' lines, through mpiexec, do not run
+    into each other (``print`` writes the newline apart, and the test parses the lines)."""
+    os.write(1, (line + "\n").encode())
+
 MIB = 1 << 20
 out_dir = sys.argv[1]
 mode = sys.argv[2] if len(sys.argv) > 2 else None
@@ -81,7 +87,7 @@ def round_trip(name: str, fail_at: int | None) -> None:
     if fail_at is not None and me == 0:
         assert streamed.error is not None and "copy engine stopped" in str(streamed.error), (
             streamed.error)
-        print(f"rank {me}: {name}: the failed landing reported after {took:.2f} s", flush=True)
+        say(f"rank {me}: {name}: the failed landing reported after {took:.2f} s")
         return
     assert streamed.error is None, streamed.error
     assert streamed.received == real.numel(), streamed.received
@@ -91,11 +97,11 @@ def round_trip(name: str, fail_at: int | None) -> None:
     ga = got[4096 + (want.numel() - 5 * MIB) + 4096 :][: 5 * MIB]
     gb = got[4096 : 4096 + want.numel() - 5 * MIB]
     if name == "failed":  # rank 1 holds rank 0's copy of a failed save: not checked
-        print(f"rank {me}: {name}: received all {streamed.received} bytes", flush=True)
+        say(f"rank {me}: {name}: received all {streamed.received} bytes")
         return
     assert (ga == want[: 5 * MIB].numpy()).all() and (gb == want[5 * MIB :].numpy()).all(), (
         f"rank {me}: the copy of rank {peer} holds bytes sent before they landed")
-    print(f"rank {me}: {name}: the copy holds the landed bytes", flush=True)
+    say(f"rank {me}: {name}: the copy holds the landed bytes")
 
 
 
@@ -121,11 +127,10 @@ def deadline(mode: str) -> None:
     try:
         streamed = ex.stream([(4096, memoryview(host.numpy()))], 4096 + host.numel(), take,
                              lambda: None, landing).result(60)
-        print(f"rank {me}: {mode}: the stream ended without a deadline after "
-              f"{time.monotonic() - t0:.1f} s, error: {streamed.error}", flush=True)
+        say(f"rank {me}: {mode}: the stream ended without a deadline after "
+            f"{time.monotonic() - t0:.1f} s, error: {streamed.error}")
     except CollectiveTimeout as e:
-        print(f"rank {me}: {mode}: CollectiveTimeout after {time.monotonic() - t0:.1f} s: {e}",
-              flush=True)
+        say(f"rank {me}: {mode}: CollectiveTimeout after {time.monotonic() - t0:.1f} s: {e}")
     time.sleep(5)  # the other rank's deadline passes too: a rank that leaves ends the job
     os._exit(0)
 
