@@ -199,11 +199,10 @@ class LocalRecovery:
         return why
 
     def land(self, spans: list[Span], slots: Callable[[], list[torch.Tensor]] | None
-             ) -> tuple[str | None, int]:
+             ) -> str | None:
         """The XOR teams that lost a member rebuild it straight into its restore
         (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``slots``).
-        Collective, after :meth:`prepare` served XOR rebuilds. (This rank's error, or None;
-        the bytes it received.)"""
+        Collective, after :meth:`prepare` served XOR rebuilds. This rank's error, or None."""
         assert self._xor is not None
         step, manifest, xor_lost, layout = self._xor
         window, buffers = self._transfer()

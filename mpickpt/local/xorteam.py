@@ -46,12 +46,11 @@ def landable(proto: Protocol, manifest: Manifest, xor_lost: dict[int, int],
 def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, int],
              layout: dict[str, Any], spans: list[Span],
              slots: Callable[[], list[torch.Tensor]] | None, window: int,
-             buffers: Callable[[str, int], memoryview]) -> tuple[str | None, int]:
+             buffers: Callable[[str, int], memoryview]) -> str | None:
     """The XOR teams that lost a member rebuild it: a lost rank's shard lands in ``spans``
     (what its restore reads of it; every byte verified on the way) through ``slots()``
     (page-locked buffers for the GPU, asked for once the first block comes; else reused host
-    buffers), in blocks of ``window`` bytes. Collective. (This rank's error, or None; the
-    bytes it received.)"""
+    buffers), in blocks of ``window`` bytes. Collective. This rank's error, or None."""
     me = proto.rank
     landing = None
 
@@ -64,10 +63,9 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
     if me in xor_lost.values():
         landing = XorLanding(me, os.path.join(d, shard_name(me)), manifest.ranks[me].bytes,
                              spans, manifest.checksum_block, bufs)
-    err, got = None, 0
+    err = None
     try:
-        got = xor_team(proto, d, d, manifest, xor_lost, layout, "landing", window, buffers,
-                       landing)
+        xor_team(proto, d, d, manifest, xor_lost, layout, "landing", window, buffers, landing)
     except OSError as e:
         err = f"rank {me}: the XOR rebuild failed: {e}"
     except BaseException:
@@ -76,7 +74,7 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
         raise
     if landing is not None and (failed := landing.finish()) is not None:
         err = err or str(failed)
-    return err, got
+    return err
 
 
 def xor_team(proto: Protocol, d: str, out: str, manifest: Manifest, xor_lost: dict[int, int],

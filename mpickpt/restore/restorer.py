@@ -45,9 +45,8 @@ from ..save.pinned_pool import HostPool
 from . import provenance, reshard
 from .device_room import DeviceRoom
 
-# a lost rank's spans, rebuilt by its XOR team through page-locked slots or not: (error, bytes)
-Land = Callable[[list[Span], Callable[[], list[torch.Tensor]] | None],
-               tuple[str | None, int]]
+# a lost rank's spans, rebuilt by its XOR team through page-locked slots or not: its error
+Land = Callable[[list[Span], Callable[[], list[torch.Tensor]] | None], str | None]
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
 # verdicts, combined with MAX over ranks
@@ -316,8 +315,8 @@ class Restorer:
                            served_from=served_from, ring=ring)
         if xor:
             assert land is not None
-            why, _ = land([] if failed else remote.get(self.rank, []),
-                          (lambda: ring.slots) if ring is not None else None)
+            why = land([] if failed else remote.get(self.rank, []),
+                       (lambda: ring.slots) if ring is not None else None)
             if why is not None:
                 got = (False, got[1] or why)
         self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
