@@ -1,15 +1,20 @@
-"""The XOR ring alone (``mpickpt.local.xorring``): a team's parity and a lost member's rebuild, on
+"""The XOR ring alone (``mpickpt.local.xorring``), or the parity by direct transfers
+(``mpickpt.local.xordirect``): a team's parity and a lost member's rebuild, on
 shards in anonymous memory (no files, no snapshot, no shard being written beside it), against one
 transfer of the shard between neighbours through the same Protocol.
 
-    mpiexec -n 3 python bench/probe_xorring.py --mb 2000 [--reps 5] [--no-xor] [--files DIR]
+    mpiexec -n 3 python bench/probe_xorring.py --mb 2000 [--reps 5] [--no-xor | --direct]
+        [--files DIR]
 
 Every rank holds a shard of ``--mb`` MB; the ranks form one team. Rank 0 prints the medians of
 its own times: the bound, the parity, and the rebuild of member 1,
 each with its ratio to the bound. ``--no-xor``: the blocks go around without being XORed (what
-the ring costs without its CPU work; the rebuilt shard is then not checked). ``--files DIR``
+the ring costs without its CPU work; the parity and the rebuilt shard are then not checked).
+``--direct``: the parity by direct transfers, as the level makes it (the rebuild is the ring's
+either way; every parity is checked against numpy's). ``--files DIR``
 (a tmpfs, as ``/dev/shm``): the same through the level's own functions on real files, as a save
-and a restore do (``parity.from_files`` out of each shard file's map into a parity file;
+and a restore do (``parity.from_files``, by direct transfers, out of each shard file's map
+into a parity file;
 ``parity.xor_rebuild`` of member 1's shard into a new file), the files made before the timing.
 """
 
@@ -23,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpickpt.local import parity, xorring
+from mpickpt.local import parity, xordirect, xorring
 from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
 from mpickpt.mpi.protocol import Protocol
 
@@ -33,6 +38,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=200.0, help="MB per shard (200)")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (5)")
     ap.add_argument("--no-xor", action="store_true", help="pass the blocks on without XOR")
+    ap.add_argument("--direct", action="store_true",
+                    help="the parity by direct transfers (local/xordirect.py), not the ring")
     ap.add_argument("--files", help="through files in this directory (a tmpfs)")
     args = ap.parse_args()
     if args.files:
@@ -63,8 +70,18 @@ def main() -> None:
     for _ in range(args.reps):
         tb = timed(proto, "bound", lambda: proto.transfer(
             [(shard, (me + 1) % n)], [(peer, (me - 1) % n)], "bound"))
-        tp = timed(proto, "parity", lambda: xorring.ring(
+        mine_parity[:] = 0
+        tp = timed(proto, "parity", lambda: xordirect.direct(
+            proto, chunk, xorring.BLOCK, mine, lambda b: mine_parity[b.off:b.off + b.n], bufs,
+            "parity") if args.direct else xorring.ring(
             proto, order, mine, lambda b: mine_parity[b.off:b.off + b.n], bufs, "parity"))
+        if not args.no_xor:  # every other member's shard is its rank + 1, zeros past it
+            want = np.zeros(chunk, np.uint8)
+            for j in range(n):
+                if j != me:
+                    lo = xor_chunk(n, j, me) * chunk
+                    want[:max(0, min(chunk, size - lo))] ^= j + 1
+            assert (mine_parity == want).all(), "the parity differs"
         out[:] = 0
         tr = timed(proto, "rebuild", lambda: xorring.ring(
             proto, xorring.blocks(rest, chunk, xorring.BLOCK), mine,

@@ -6,16 +6,18 @@ on the level holds its tensors' bytes, HDF5's metadata and zeros between them
 (:meth:`~mpickpt.format.shard.ShardWriter.seal` zeroes a recycled file's alignment padding), so
 the parity can be made in two passes whose XOR is the parity of the files:
 
-1. :func:`from_snapshot`: while the shard is written, its tensors' bytes go around the ring
-   (:mod:`mpickpt.local.xorring`) straight from the snapshot, each once it has landed in host
-   memory; the layout (a template's, :mod:`mpickpt.format.h5template`) fixes their offsets and
-   the file's size before a byte is written;
+1. :func:`from_snapshot`: while the shard is written, its tensors' bytes go to the other
+   members by direct transfers (:mod:`mpickpt.local.xordirect`) straight from the snapshot,
+   each once it has landed in host memory; the layout (a template's,
+   :mod:`mpickpt.format.h5template`) fixes their offsets and the file's size before a byte
+   is written;
 2. :func:`add_metadata`: once every shard is sealed, the team's HDF5 metadata (a few kilobytes
    a member, gathered) is XORed into the parity where it falls.
 
 :func:`from_files` makes it from the shard files instead, after the write (a layout without a
 template: compressed tensors); :func:`xor_rebuild` reads the files, whichever way the parity
-was made. Collective over the team (MPI only through :class:`~mpickpt.mpi.protocol.Protocol`).
+was made, around the ring (:mod:`mpickpt.local.xorring`). Collective over the team (MPI only
+through :class:`~mpickpt.mpi.protocol.Protocol`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..mpi.protocol import Protocol
-from . import xorring
+from . import xordirect, xorring
 from .filemap import FileMap, Keep, file_parts
 from .topology import xor_chunk
 
@@ -75,9 +77,9 @@ def from_snapshot(team: Protocol, chunk: int, parts: Callable[[int, int], xorrin
     """Pass 1: this member's parity of the team's tensor bytes into ``into(block)``; its own
     tensor bytes from ``parts(start, n)`` (:func:`snapshot_parts`)."""
     n, me = team.size, team.rank
-    xorring.ring(team, xorring.interleave([xorring.blocks([k], chunk, window) for k in range(n)]),
-                 lambda b: parts(xor_chunk(n, me, b.k) * chunk + b.off, b.n), into,
-                 xorring.passing(buffer, window), "the XOR parity", on_block)
+    xordirect.direct(team, chunk, min(window, xorring.BLOCK),
+                     lambda b: parts(xor_chunk(n, me, b.k) * chunk + b.off, b.n), into,
+                     xorring.passing(buffer, window), "the XOR parity", on_block)
 
 
 def add_metadata(parity: np.ndarray, chunk: int, me: int,
@@ -98,9 +100,9 @@ def add_metadata(parity: np.ndarray, chunk: int, me: int,
 
 def from_files(team: Protocol, own: str, size: int, chunk: int, into: Into, buffer: Buffer,
                window: int, on_block: Callable[[], None]) -> None:
-    """The parity of the team's shard files (``own``: this member's, ``size`` bytes), over
-    the ring: each member's chunks go out of its file's map, the XOR of the team's chunks for
-    this member comes into ``into(block)``."""
+    """The parity of the team's shard files (``own``: this member's, ``size`` bytes), by
+    direct transfers: each member's chunks go out of its file's map, the XOR of the team's
+    chunks for this member comes into ``into(block)``."""
     with FileMap(own, size) as src:
         src.populate()
         from_snapshot(team, chunk, lambda start, k: file_parts(src, start, k), into, buffer,

@@ -1,5 +1,6 @@
-"""XOR parity over a ring of point-to-point transfers: the team's parities when saving, a lost
-member's shard and parity when rebuilding.
+"""XOR over a ring of point-to-point transfers: a lost member's shard and parity rebuilt (a
+team's parities are made by direct transfers, :mod:`mpickpt.local.xordirect`; the ring can make
+them too, and its test does).
 
 A block (one window of one parity position ``k``, see :mod:`mpickpt.local.topology`) is the
 XOR of one contribution from every member but ``k``. It travels a chain around the team: the
@@ -8,7 +9,8 @@ received and passes it on, and ``k`` (or a lost member, rebuilding) receives the
 message goes from team position ``i`` to ``i + 1``, in one order that every member follows, so
 the blocks of all the chains can be in flight at once: each member sends and receives about
 one shard's bytes in all, at the speed of a point-to-point transfer, and XORs them on its CPU
-while the next blocks move.
+while the next blocks move. A rebuild's blocks all end at the lost member, which thus receives
+one shard's bytes from its neighbour.
 
 MPI's own XOR reductions are not used: MPICH's ``Reduce`` and ``Reduce_scatter_block`` with
 ``BXOR`` moved 0.25 GB/s between three ranks on a 2-core VM where a ``Send`` moved 5.8 GB/s and

@@ -29,11 +29,13 @@ def test_a_partner_stream_sends_each_window_once_it_has_landed(tmp_path):
 @pytest.mark.quick
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_xor_parity_and_rebuilds_around_the_ring_are_the_xor_of_the_team(n):
-    """local/xorring.py on teams of 2 (a mirror), 3 and 4: every member's parity, then every
+    """local/xordirect.py and local/xorring.py on teams of 2 (a mirror), 3 and 4: every
+    member's parity by direct transfers (over old bytes) and around the ring, then every
     member rebuilt in turn, in blocks that start at odd addresses, byte for byte numpy's."""
     job = run_mpi(n, [str(SCENARIOS / "transfers_xor_ring.py")], timeout=120)
     assert job.returncode == 0, job.output
     for rank in range(n):
+        assert f"rank {rank}: direct ok" in job.stdout, job.output
         assert f"rank {rank}: ring ok" in job.stdout, job.output
 
 

@@ -1,9 +1,12 @@
-"""XOR parity around the ring (``mpickpt.local.xorring``), against numpy: the ranks of the job
+"""XOR parity by direct transfers (``mpickpt.local.xordirect``) and around the ring
+(``mpickpt.local.xorring``), against numpy: the ranks of the job
 form one team; each holds a shard of its own length (some not a multiple of 8, so that blocks
 start at odd addresses), with stretches of zeros; some blocks' contributions come as runs with
-the zeros left out, the way a snapshot's tensors give them. The ring computes every member's
-parity, in blocks of 1000 bytes (a chunk takes several), and then, for every position in turn,
-rebuilds that member's chunks and parity from the others. Every byte must be the XOR numpy
+the zeros left out, the way a snapshot's tensors give them. Every member's parity is made
+by direct transfers into a buffer full of old bytes (a recycled parity file), with one reused
+buffer where a round needs more, then around the ring, in blocks of 1000 bytes (a chunk takes
+several); then, for every position in turn, the ring rebuilds that member's chunks and parity
+from the others. Every byte must be the XOR numpy
 gives.
 
 Run by tests/multirank/test_transfers.py.
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpickpt.local import xorring
+from mpickpt.local import xordirect, xorring
 from mpickpt.local.topology import xor_chunk, xor_chunk_bytes
 from mpickpt.mpi.protocol import Protocol
 
@@ -53,6 +56,11 @@ def passing() -> list[np.ndarray]:
 
 want = [np.bitwise_xor.reduce([piece(j, xor_chunk(n, j, k) * chunk, chunk)
                                for j in range(n) if j != k]) for k in range(n)]
+mine = np.full(chunk, 0xAB, np.uint8)  # a recycled parity file's old bytes
+xordirect.direct(proto, chunk, BLOCK, contribution_of(me, []), lambda b: mine[b.off:b.off + b.n],
+                 [np.zeros(BLOCK, np.uint8)], "test direct parity")
+assert (mine == want[me]).all(), f"rank {me}: direct parity differs"
+print(f"rank {me}: direct ok", flush=True)
 mine = np.zeros(chunk, np.uint8)
 order = xorring.interleave([xorring.blocks([k], chunk, BLOCK) for k in range(n)])
 assert len(order) == n * -(-chunk // BLOCK)
