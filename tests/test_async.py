@@ -70,6 +70,26 @@ def test_two_in_flight_use_a_second_buffer_without_waiting(tmp_path, fault):
         assert ck.pinned_bytes == 2 * (64 << 20)
 
 
+def test_the_pool_takes_out_the_buffer_itself_in_any_order():
+    """Buffers given back in another order than they were made: reuse takes the smallest that
+    fits, a too small one is replaced, and close() lets all go (the pool once took them out of
+    its lists by comparing tensors by value, which raised as soon as one was not first)."""
+    from mpickpt.save.pinned_pool import HostPool
+
+    pool = HostPool(1 << 30, slots=2, pin=False)
+    a, b = pool.acquire(8 << 20), pool.acquire(4 << 20)
+    pool.release(a)
+    pool.release(b)  # free: [a, b]; the smaller that fits is b, not first
+    assert pool.acquire(4 << 20) is b
+    pool.release(b)
+    c = pool.acquire(16 << 20)  # none fits and no slot is left: one free buffer is replaced
+    assert c is not a and c is not b and pool.in_flight() == 1
+    pool.release(c)
+    assert pool.in_flight() == 0 and pool.allocated_bytes > 0
+    pool.close()
+    assert pool.allocated_bytes == 0 and pool.in_flight() == 0
+
+
 def test_buffers_are_reused_not_grown(tmp_path):
     with mpickpt.Checkpointer(tmp_path, keep=2) as ck:
         for step in range(5):

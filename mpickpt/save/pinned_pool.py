@@ -82,6 +82,12 @@ def host_buffer(nbytes: int, huge: bool = False) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
+def _remove(buffers: list[torch.Tensor], buf: torch.Tensor) -> None:
+    """Take ``buf`` itself out of ``buffers`` (``list.remove`` would compare tensors by value,
+    element by element, past the first one that is not ``buf``)."""
+    del buffers[next(i for i, b in enumerate(buffers) if b is buf)]
+
+
 @dataclass(eq=False)
 class Lease:
     """A slot of the pool taken for one snapshot: its buffer, or None until :meth:`HostPool.fill`
@@ -173,7 +179,7 @@ class HostPool:
         with self._cond:
             for buf in self._free:
                 self._unlock(buf)
-                self._allocated.remove(buf)
+                _remove(self._allocated, buf)
             self._free.clear()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -194,7 +200,7 @@ class HostPool:
                 fits = [b for b in self._free if b.numel() >= nbytes]
                 if fits:
                     lease = Lease(nbytes, min(fits, key=lambda b: b.numel()))
-                    self._free.remove(lease.buffer)
+                    _remove(self._free, lease.buffer)
                     break
                 in_use = (self.allocated_bytes - sum(b.numel() for b in self._free)
                           + sum(r.nbytes for r in self._reserved))
@@ -209,7 +215,7 @@ class HostPool:
                     break
                 if self._free:  # a free buffer too small: replace it (the state grew)
                     old = self._free.pop()
-                    self._allocated.remove(old)
+                    _remove(self._allocated, old)
                     self._unlock(old)
                     del old
                     continue
