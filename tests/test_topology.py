@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpickpt.local import xorring
+from mpickpt.local import xordirect, xorring
 from mpickpt.local.topology import (
     Topology,
     TopologyError,
@@ -95,6 +95,22 @@ def test_xor_parity_rebuilds_any_one_member(n: int) -> None:
             start = xor_chunk(n, lost, k) * chunk
             rebuilt[start:start + chunk] = got
         assert np.array_equal(rebuilt[:sizes[lost]], shards[lost])
+
+
+@pytest.mark.parametrize("team", [2, 3, 4, 8, 16, 64])
+def test_direct_parity_blocks_keep_the_buffers_in_flight_within_the_exchanges(team: int) -> None:
+    """A round of a team of ``team`` takes up to ``2 * team - 3`` buffers of a block, and up
+    to AHEAD + 1 rounds are in flight: their blocks shrink with the team so that this stays
+    within 1.5 times the exchange's BUFFERS blocks of 32 MiB (but never below 1 MiB); teams
+    of 2 and 3 keep whole 32 MiB blocks (the size measured on an H200)."""
+    block = xordirect.block_bytes(team, 32 << 20)
+    assert block % 65536 == 0 and xordirect.MIN_BLOCK <= block <= xorring.BLOCK
+    assert xordirect.block_bytes(team, 4 << 20) <= 4 << 20
+    assert xordirect.block_bytes(team, 7000) == 7000  # a window below MIN_BLOCK is kept
+    in_flight = (xordirect.AHEAD + 1) * (2 * team - 3) * block
+    assert in_flight <= 1.5 * xorring.BUFFERS * xorring.BLOCK or block == xordirect.MIN_BLOCK
+    if team <= 3:
+        assert block == xorring.BLOCK
 
 
 @pytest.mark.parametrize("n", [5, 8 << 10, (2 << 20) - 1, 2 << 20, (32 << 20) + 3])

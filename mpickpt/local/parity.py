@@ -77,7 +77,7 @@ def from_snapshot(team: Protocol, chunk: int, parts: Callable[[int, int], xorrin
     """Pass 1: this member's parity of the team's tensor bytes into ``into(block)``; its own
     tensor bytes from ``parts(start, n)`` (:func:`snapshot_parts`)."""
     n, me = team.size, team.rank
-    xordirect.direct(team, chunk, min(window, xorring.BLOCK),
+    xordirect.direct(team, chunk, xordirect.block_bytes(n, window),
                      lambda b: parts(xor_chunk(n, me, b.k) * chunk + b.off, b.n), into,
                      xorring.passing(buffer, window), "the XOR parity", on_block)
 

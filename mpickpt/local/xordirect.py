@@ -20,9 +20,22 @@ from collections.abc import Callable
 import numpy as np
 
 from ..mpi.protocol import Pending, Protocol
-from .xorring import Block, Parts, whole, xor_into
+from .xorring import BLOCK, BUFFERS, Block, Parts, whole, xor_into
 
 AHEAD = 2  # rounds in flight: the XOR of one beside the transfers of the next
+MIN_BLOCK = 1 << 20
+
+
+def block_bytes(team: int, window: int) -> int:
+    """The bytes of a round's blocks: at most ``window`` and :data:`~mpickpt.local.xorring.BLOCK`,
+    and fewer in a larger team, so that the buffers of the rounds in flight stay within about
+    the exchange's :data:`~mpickpt.local.xorring.BUFFERS` of them: a round takes a buffer for
+    each contribution after the first it receives (``team - 2``) and for each block it sends
+    that is not one run of the snapshot (up to ``team - 1``). Never above ``window``, nor
+    below :data:`MIN_BLOCK` unless ``window`` is."""
+    cap = min(window, BLOCK)
+    fits = BUFFERS * cap // (AHEAD * max(1, 2 * team - 3))
+    return cap if fits >= cap else min(cap, max(MIN_BLOCK, fits // 65536 * 65536))
 
 # one round: ``(member, block)`` pairs, the member sending its contribution to the block's
 # position; every member's list of rounds is the same
