@@ -37,6 +37,7 @@ def block_bytes(team: int, window: int) -> int:
     fits = BUFFERS * cap // (AHEAD * max(1, 2 * team - 3))
     return cap if fits >= cap else min(cap, max(MIN_BLOCK, fits // 65536 * 65536))
 
+
 # one round: ``(member, block)`` pairs, the member sending its contribution to the block's
 # position; every member's list of rounds is the same
 Round = list[tuple[int, Block]]
@@ -67,9 +68,10 @@ def direct(team: Protocol, chunk: int, window: int, contribution: Callable[[Bloc
     """This member's parity, ``chunk`` bytes in blocks of ``window``: each of its blocks
     lands in ``into(b)``, the XOR of every other member's ``contribution(b)`` (its runs of
     the block's bytes, zeros between them); this member's contributions go to the others.
-    ``buffers``: reused uint8 arrays of ``window`` bytes (more are made if a round needs
-    them, and kept). Collective over ``team``; within its deadline. A member whose own bytes
-    fail goes on with zeros from its callback, so that no other member waits for a block."""
+    ``buffers``: reused uint8 arrays of ``window`` bytes at least (more are made if a round
+    needs them, and used again until the call returns: :func:`block_bytes` keeps them few).
+    Collective over ``team``; within its deadline. A member whose own bytes fail goes on
+    with zeros from its callback, so that no other member waits for a block."""
     me, n = team.rank, team.size
     free = list(buffers)
     begun: set[int] = set()  # this member's blocks (by offset) whose first part is in place
