@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..mpi.protocol import Pending, Protocol
-from .xorring import BLOCK, BUFFERS, Block, Parts, whole, xor_into
+from .xorring import BLOCK, BUFFERS, Block, Parts, composed, whole, xor_into
 
 AHEAD = 2  # rounds in flight: the XOR of one beside the transfers of the next
 MIN_BLOCK = 1 << 20
@@ -74,23 +74,21 @@ def direct(team: Protocol, chunk: int, window: int, contribution: Callable[[Bloc
     with zeros from its callback, so that no other member waits for a block."""
     me, n = team.rank, team.size
     free = list(buffers)
-    begun: set[int] = set()  # this member's blocks (by offset) whose first part is in place
 
     def take() -> np.ndarray:
         return free.pop() if free else np.empty(window, np.uint8)
 
     def post(rnd: Round) -> _Round:
         recvs, xors, used = [], [], []
-        for j, b in rnd:
+        for j, b in rnd:  # a round has every contribution to this member's block
             if b.k != me:
                 continue
-            if b.off in begun:
+            if recvs:  # the first lands in place, the others are XORed in after
                 buf = take()
                 used.append(buf)
                 xors.append((b, buf[:b.n]))
                 recvs.append((buf[:b.n], j))
             else:
-                begun.add(b.off)
                 recvs.append((into(b), j))
         sends = []
         for j, b in rnd:
@@ -101,10 +99,7 @@ def direct(team: Protocol, chunk: int, window: int, contribution: Callable[[Bloc
             if out is None:
                 buf = take()
                 used.append(buf)
-                out = buf[:b.n]
-                out[:] = 0
-                for at, a in parts:
-                    out[at:at + a.nbytes] = a
+                out = composed(buf[:b.n], parts)
             sends.append((out, b.k))
         return _Round(team.start(sends, recvs, phase), xors, used, len(recvs))
 

@@ -101,6 +101,14 @@ def _xor_pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
+def composed(out: np.ndarray, parts: Parts) -> np.ndarray:
+    """``out`` (a block's length) filled with ``parts``' runs, zeros between them."""
+    out[:] = 0
+    for at, a in parts:
+        out[at:at + a.nbytes] = a
+    return out
+
+
 def whole(parts: Parts, n: int) -> np.ndarray | None:
     """The block itself, where ``parts`` are one run of all its ``n`` bytes."""
     if len(parts) == 1 and parts[0][0] == 0 and parts[0][1].nbytes == n:
@@ -212,8 +220,4 @@ class _Flow:
         a buffer made instead joins the others once its block has gone."""
         self.reclaim()
         buf = self.free.popleft() if self.free else np.empty(max(self.size, n), np.uint8)
-        out = buf[:n]
-        out[:] = 0
-        for at, a in parts:
-            out[at:at + a.nbytes] = a
-        return out, buf
+        return composed(buf[:n], parts), buf
