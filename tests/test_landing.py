@@ -18,7 +18,7 @@ from harness import never_blocks
 from mpickpt.errors import CheckpointError
 from mpickpt.format import reader, shard
 from mpickpt.local.pool import Maps
-from mpickpt.save.landing import Landing
+from mpickpt.save.landing import Landing, host_copy
 
 BLOCK = 1 << 16
 PIECE = 1 << 20
@@ -118,3 +118,23 @@ def test_a_landing_that_fails_fails_the_write(tmp_path, into):
     with never_blocks("a write whose landing failed", 30), \
             pytest.raises(RuntimeError, match="copy engine stopped"):
         written_while_landing(tmp_path, fail_at=6 << 20, into=into)
+
+
+@pytest.mark.parametrize("n", [0, 1, (1 << 20) - 3, (16 << 20) + 4097])
+def test_the_rings_host_copy_copies_every_byte_and_nothing_past_them(n):
+    """The ring's CPU copy (memmove by several threads, not torch's OpenMP pool): every byte of
+    the piece, at any size, and not one byte past its end."""
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.full((n + 64,), 7, dtype=torch.uint8)
+    host_copy(dst[:n], src)
+    assert torch.equal(dst[:n], src)
+    assert bool((dst[n:] == 7).all())
+
+
+def test_the_rings_host_copy_refuses_what_is_not_two_contiguous_byte_runs_of_one_size():
+    with pytest.raises(ValueError, match="contiguous byte tensors of one size"):
+        host_copy(torch.empty(8, dtype=torch.uint8), torch.empty(9, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous byte tensors"):
+        host_copy(torch.empty(8, dtype=torch.float32), torch.empty(8, dtype=torch.float32))
+    with pytest.raises(ValueError, match="contiguous byte tensors"):
+        host_copy(torch.empty(16, dtype=torch.uint8)[::2], torch.empty(8, dtype=torch.uint8))

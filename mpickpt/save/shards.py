@@ -185,6 +185,7 @@ class RankShards:
         assert req.snapshot is not None
         req.snapshot.wait(landing)
         req.stats["copy_s"] = req.snapshot.copy_s or req.stats["stall_s"]
+        req.stats.update({f"copy_{k}": v for k, v in req.snapshot.parts.items()})
 
     def _attrs(self, req: SaveRequest) -> dict[str, str | int]:
         """The attributes of a rank's shard (or of its group in a node's file)."""

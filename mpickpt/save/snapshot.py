@@ -4,7 +4,8 @@ CUDA tensors: an event recorded on the current stream orders a dedicated copy st
 work already queued; on that stream the tensors are copied into a device staging buffer (when GPU
 memory allows: a device-to-device copy at HBM speed), or straight to the host buffer otherwise.
 ``take`` returns once the copies are queued. The persist thread then empties the staging buffer
-into the page-locked host buffer in :meth:`Snapshot.wait`, one 4 MiB piece at a time, while the
+into the host buffer in :meth:`Snapshot.wait` (4 MiB pieces straight into a page-locked buffer;
+else through the ring below, whose CPU copy is :func:`mpickpt.save.landing.host_copy`), while the
 I/O threads write the shard's blocks that have landed (:mod:`mpickpt.save.landing`). Measured on an
 H200: while the copy engine always has a device-to-host transfer queued (the whole state, or even
 two 32 MiB pieces kept in flight), a device-to-host copy of the training loop (``loss.item()``)
@@ -80,6 +81,9 @@ class Snapshot:
     unstage: list[tuple[torch.cuda.Stream, torch.Tensor, int, int]] = field(default_factory=list)
     staging_free: threading.Event = field(default_factory=threading.Event)
     copy_s: float = 0.0
+    # where copy_s went: the wait for the snapshot thread, the device copies (from the event
+    # on the training stream to their end), emptying the staging buffers (wall clock)
+    parts: dict[str, float] = field(default_factory=dict)
     lazy_s: float = 0.0  # the snapshot thread's part, when there was one
     # the page-locked pieces the staging buffer goes through into the host buffer (None when
     # that is page-locked), asked for when it is emptied
@@ -110,6 +114,7 @@ class Snapshot:
         try:
             if self.ready is not None:
                 self.ready.result()
+            self.parts["ready_s"] = time.perf_counter() - t0
             assert self.lease.buffer is not None
             ring = self.ring() if self.ring is not None and self.unstage else None
             for k, (stream, src, lo, hi) in enumerate(self.unstage):
@@ -127,7 +132,9 @@ class Snapshot:
         if self.done_events:
             self.copy_s = max(s.elapsed_time(d) for s, d in zip(self.start_events, self.done_events,
                                                                 strict=True)) / 1e3
+            self.parts["device_s"] = self.copy_s
         if self.unstage:
+            self.parts["unstage_s"] = time.perf_counter() - t0 - self.parts["ready_s"]
             self.copy_s += time.perf_counter() - t0
         self.copy_s = max(self.copy_s, self.lazy_s)
         self.sources.clear()
