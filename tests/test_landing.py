@@ -17,8 +17,9 @@ from harness import never_blocks
 
 from mpickpt.errors import CheckpointError
 from mpickpt.format import reader, shard
+from mpickpt.format.hostcopy import host_copy
 from mpickpt.local.pool import Maps
-from mpickpt.save.landing import Landing, host_copy
+from mpickpt.save.landing import Landing
 
 BLOCK = 1 << 16
 PIECE = 1 << 20
@@ -131,10 +132,13 @@ def test_the_rings_host_copy_copies_every_byte_and_nothing_past_them(n):
     assert bool((dst[n:] == 7).all())
 
 
-def test_the_rings_host_copy_refuses_what_is_not_two_contiguous_byte_runs_of_one_size():
+def test_the_rings_host_copy_refuses_what_is_not_two_contiguous_byte_runs_in_host_memory():
     with pytest.raises(ValueError, match="contiguous byte tensors of one size"):
         host_copy(torch.empty(8, dtype=torch.uint8), torch.empty(9, dtype=torch.uint8))
     with pytest.raises(ValueError, match="contiguous byte tensors"):
         host_copy(torch.empty(8, dtype=torch.float32), torch.empty(8, dtype=torch.float32))
     with pytest.raises(ValueError, match="contiguous byte tensors"):
         host_copy(torch.empty(16, dtype=torch.uint8)[::2], torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="in host memory"):  # memmove there would crash
+        host_copy(torch.empty(8, dtype=torch.uint8, device="meta"),
+                  torch.empty(8, dtype=torch.uint8))

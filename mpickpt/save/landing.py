@@ -11,17 +11,14 @@ they made a save's persist twice the disk's bound.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..errors import CheckpointError
+from ..format.hostcopy import host_copy
 
 # The staging->host copy goes in pieces of this size, at most D2H_DEPTH queued at a time.
 D2H_CHUNK = 4 << 20
@@ -132,35 +129,3 @@ def _land(ev: torch.cuda.Event, a: int, b: int, slot: torch.Tensor, dst: torch.T
     host_copy(dst[a:b], slot[: b - a])
     if on_landed is not None:
         on_landed(b)
-
-
-def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[:] = src`` for contiguous byte tensors in host memory, by COPY_THREADS threads of
-    ``memmove`` (outside the interpreter's lock), not by torch's ``copy_``: that runs on torch's
-    OpenMP pool, all the machine's cores, which beside a training thread and the I/O threads
-    emptied 5.84 GB in 1.0-2.5 s instead of 0.26 s and slowed the training steps (on an H200,
-    ``bench_gpu.py``: with that pool at 4 threads, 0.33-0.8 s, and a stall per checkpoint of
-    0.012-0.034 s instead of 0.052-0.080 s)."""
-    n = src.numel()
-    if dst.numel() != n or not (dst.is_contiguous() and src.is_contiguous()) \
-            or dst.element_size() != 1 or src.element_size() != 1:
-        raise ValueError("host_copy takes two contiguous byte tensors of one size")
-    d, s = dst.data_ptr(), src.data_ptr()
-    part = max(-(-n // COPY_THREADS), 1 << 20)
-    rest = [_copiers().submit(ctypes.memmove, d + o, s + o, min(part, n - o))
-            for o in range(part, n, part)]
-    ctypes.memmove(d, s, min(part, n))
-    for f in rest:
-        f.result()
-
-
-COPY_THREADS = 4  # the calling thread and three more
-
-
-@functools.cache
-def _copiers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="mpickpt-copy")
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_copiers.cache_clear)  # a child has none of the threads
