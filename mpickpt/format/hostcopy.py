@@ -7,7 +7,8 @@ that pool oversubscribes the cores, and each copy waits for its slowest thread. 
 with the loop stopped, and the training steps lost 0.05-0.08 s per checkpoint to it
 (``bench/probe_ring.py``, ``docs/performance.md``). :func:`host_copy` copies with ``memmove``
 outside the interpreter's lock: on the calling thread alone below :data:`PART` bytes, else on
-:data:`COPY_THREADS` threads.
+:data:`COPY_THREADS` threads. Used by the ring (:mod:`mpickpt.save.landing`) and by a shard's
+write into a given destination, the node-local level's (:mod:`mpickpt.format.shard`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from .blocks import DIRECT_ALIGN, _direct_len, _open_direct, pwrite_all
 from .h5image import MetadataImage, padding, place
 from .h5layout import Layout, let_others_run
 from .h5template import Template
+from .hostcopy import host_copy
 from .iothreads import pool, run_tasks, start_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT as FORMAT,
@@ -236,7 +237,7 @@ class ShardWriter:
                     n = min(PIECE, len(buf) - p)
                     if hasher is not None:
                         hasher.update(buf[p : p + n])
-                    self._dst[at + p : at + p + n].copy_(src[lo + p : lo + p + n])
+                    host_copy(self._dst[at + p : at + p + n], src[lo + p : lo + p + n])
                 if hasher is not None:
                     r.checksums[b] = hasher.hexdigest()
             else:
