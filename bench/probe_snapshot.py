@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -113,12 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     job = Job(args.layers, args.width, args.batch, torch.device("cuda"))
     n = pinned_pool.align(job.nbytes())
-    times = []
-    for _ in range(30):
-        t = time.perf_counter()
-        job.step()
-        times.append(time.perf_counter() - t)
-    base = statistics.median(times)
+    base = job.median_step()
     print(f"{n / 1e9:.2f} GB, step {base * 1e3:.1f} ms", flush=True)
     res: dict[str, Any] = {"bytes": n, "step_s": base, "pin": {}, "drain": {}}
 
