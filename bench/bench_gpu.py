@@ -151,15 +151,6 @@ class Job:
         self.opt.zero_grad(set_to_none=True)
         return loss.item()  # the loop syncs once per step, as real loops do when they log
 
-    def median_step(self, steps: int = 30) -> float:
-        """The median time of ``steps`` training steps, in seconds (the probes' baseline)."""
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            self.step()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job
+from bench_gpu import Job, baseline_step
 
 from mpickpt.format import checksum, iothreads
 from mpickpt.save import landing
@@ -171,7 +171,7 @@ def main() -> None:
     a = ap.parse_args()
     job = Job(a.layers, a.width, a.batch, torch.device("cuda"))
     n = job.nbytes()
-    base = job.median_step()
+    base = baseline_step(job, 30)
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty(n, dtype=torch.uint8).fill_(0)  # pageable, touched: as the pool's
     stream = torch.cuda.Stream()

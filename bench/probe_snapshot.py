@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job
+from bench_gpu import Job, baseline_step
 
 from mpickpt.save import landing, pinned_pool
 
@@ -112,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     job = Job(args.layers, args.width, args.batch, torch.device("cuda"))
     n = pinned_pool.align(job.nbytes())
-    base = job.median_step()
+    base = baseline_step(job, 30)
     print(f"{n / 1e9:.2f} GB, step {base * 1e3:.1f} ms", flush=True)
     res: dict[str, Any] = {"bytes": n, "step_s": base, "pin": {}, "drain": {}}
 

@@ -5,7 +5,7 @@ work already queued; on that stream the tensors are copied into a device staging
 memory allows: a device-to-device copy at HBM speed), or straight to the host buffer otherwise.
 ``take`` returns once the copies are queued. The persist thread then empties the staging buffer
 into the host buffer in :meth:`Snapshot.wait` (4 MiB pieces straight into a page-locked buffer;
-else through the ring below, whose CPU copy is :func:`mpickpt.save.landing.host_copy`), while the
+else through the ring below, whose CPU copy is :func:`mpickpt.format.hostcopy.host_copy`), while the
 I/O threads write the shard's blocks that have landed (:mod:`mpickpt.save.landing`). Measured on an
 H200: while the copy engine always has a device-to-host transfer queued (the whole state, or even
 two 32 MiB pieces kept in flight), a device-to-host copy of the training loop (``loss.item()``)
@@ -134,8 +134,9 @@ class Snapshot:
                                                                 strict=True)) / 1e3
             self.parts["device_s"] = self.copy_s
         if self.unstage:
-            self.parts["unstage_s"] = time.perf_counter() - t0 - self.parts["ready_s"]
-            self.copy_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.parts["unstage_s"] = waited - self.parts["ready_s"]
+            self.copy_s += waited
         self.copy_s = max(self.copy_s, self.lazy_s)
         self.sources.clear()
 
