@@ -58,17 +58,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[..., None], calls: list[float], device: str) -> Callable[..., None]:
-    """``fn``, appending to ``calls`` how long each call took (the GPU's work included)."""
+def _timed(fn: Callable[..., None], calls: list[float], device: str,
+           starts: list[float]) -> Callable[..., None]:
+    """``fn``, appending to ``calls`` how long each call took (the GPU's work included) and to
+    ``starts`` when it began."""
 
     def timed(*a: Any, **k: Any) -> None:
         _sync(device)
         t = time.perf_counter()
+        starts.append(t)
         fn(*a, **k)
         _sync(device)
         calls.append(time.perf_counter() - t)
 
     return timed
+
+
+def _timeline(t0: float, ends: list[float], starts: list[float]) -> dict[str, list[float]]:
+    """When each step ended and each save call began, in seconds from the run's start: where
+    a run lost its time (the steps after each save against the others)."""
+    return {"step_ends": [round(e - t0, 4) for e in ends],
+            "save_starts": [round(s - t0, 4) for s in starts]}
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Checkpointer's options for the mpickpt methods: keep=2, and ``--options``."""
+    return {"keep": 2, **json.loads(args.options)}
 
 
 def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
@@ -103,7 +118,7 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
     elif how == "async":
         plugins = [AsyncCheckpointIO()]
     elif how == "mpickpt":
-        plugins = [MpickptIO(os.path.join(work, "root"), keep=2)]
+        plugins = [MpickptIO(os.path.join(work, "root"), **_options(args))]
     if how != "none":
         callbacks = [ModelCheckpoint(dirpath=os.path.join(work, "ckpt"), save_top_k=-1,
                                      every_n_train_steps=args.every)]
@@ -119,14 +134,15 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
                          enable_model_summary=False, enable_checkpointing=how != "none",
                          callbacks=callbacks, plugins=plugins)
     calls: list[float] = []
-    trainer.save_checkpoint = _timed(trainer.save_checkpoint, calls, args.device)  # type: ignore[method-assign]
+    starts: list[float] = []
+    trainer.save_checkpoint = _timed(trainer.save_checkpoint, calls, args.device, starts)  # type: ignore[method-assign]
     model = MLP()
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     t = time.perf_counter()
     trainer.fit(model, loader)
     _sync(args.device)
     return {"total_s": time.perf_counter() - t, "steps_s": ends[-1] - t, "calls": calls,
-            "state_bytes": state_bytes}
+            "state_bytes": state_bytes, **_timeline(t, ends, starts)}
 
 
 def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
@@ -159,11 +175,12 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
     if how == "mpickpt":
         trainer = mpickpt.hf.Trainer(model=model, args=targs, train_dataset=data,
                                      mpickpt_root=os.path.join(work, "root"),
-                                     mpickpt_options={"keep": 2})
+                                     mpickpt_options=_options(args))
     else:
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
     calls: list[float] = []
-    trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, args.device)  # type: ignore[method-assign]
+    starts: list[float] = []
+    trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, args.device, starts)  # type: ignore[method-assign]
     ends: list[float] = []  # when each training step ended: the last one starts the tail
 
     class Clock(transformers.TrainerCallback):
@@ -176,11 +193,12 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
     trainer.train()
     _sync(args.device)
     return {"total_s": time.perf_counter() - t, "steps_s": ends[-1] - t, "calls": calls,
-            "state_bytes": state_bytes}
+            "state_bytes": state_bytes, **_timeline(t, ends, starts)}
 
 
 def worker(args: argparse.Namespace) -> None:
     framework, how = args.method.split()
+    os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=args.dir, prefix="mpickpt-fw-")
     try:
         job = lightning_job if framework == "lightning" else hf_job
@@ -205,6 +223,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json", default="bench/results/frameworks.json")
+    ap.add_argument("--options", default="{}", help="the Checkpointer's options for the "
+                    'mpickpt methods, as JSON (default: keep=2 only), e.g. \'{"io_threads": 4}\'')
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.method:
@@ -220,7 +240,7 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--method", m,
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("steps", "every", "width", "layers", "gpt_width", "gpt_layers",
-                              "batch", "gpt_batch", "device", "dir")]]
+                              "batch", "gpt_batch", "device", "dir", "options")]]
             p = subprocess.run(cmd, capture_output=True, text=True,
                                env={**os.environ, "MPICKPT_LOG": "WARNING"})
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

@@ -788,6 +788,7 @@ def plot(res: dict[str, Any], png: str) -> None:
     fig.suptitle(f"{res['device_name']}{ranks}: {res['state_bytes_per_rank'] / 1e9:.2f} GB state "
                  f"per rank ({res['layers']}x{res['width']}^2 MLP + Adam)")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=100)
 
 
