@@ -14,7 +14,7 @@ import torch
 from harness import never_blocks
 
 from mpickpt.errors import ShardError
-from mpickpt.format import reader, shard
+from mpickpt.format import blocks, reader, shard
 
 BLOCK = 1 << 16
 
@@ -137,17 +137,17 @@ def test_page_aligned_buffers_take_the_direct_path_and_stay_bit_exact(tmp_path):
 
     pool = HostPool(64 << 20, slots=2)
     src = pool.acquire(16 << 20)
-    assert src.data_ptr() % shard.DIRECT_ALIGN == 0
+    assert src.data_ptr() % blocks.DIRECT_ALIGN == 0
     g = torch.Generator().manual_seed(1)
     src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8, generator=g))
     # an odd-sized tensor at the start of the buffer: its whole pages go O_DIRECT, its tail not
     # (over shard.INLINE_BYTES in all: a smaller shard goes through the page cache)
     tensors = {"odd": src[: (5 << 20) + 100], "tiny": src[8 << 20 : (8 << 20) + 7]}
-    fd = shard._open_direct(str(tmp_path / "probe"), os.O_WRONLY | os.O_CREAT)
+    fd = blocks._open_direct(str(tmp_path / "probe"), os.O_WRONLY | os.O_CREAT)
     if fd < 0:
         pytest.skip("this file system has no O_DIRECT")
     os.close(fd)
-    assert shard._direct_len(0, src.data_ptr(), 1 << 20, (5 << 20) + 100) == 5 << 20
+    assert blocks._direct_len(0, src.data_ptr(), 1 << 20, (5 << 20) + 100) == 5 << 20
     records, size = write(tmp_path / "s.h5", tensors)
     dst = pool.acquire(16 << 20)
     out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3,
@@ -195,7 +195,7 @@ def test_large_buffers_of_a_page_locking_pool_ask_for_huge_pages_the_others_do_n
     small = pinned_pool.host_buffer(64 << 10, huge=True)
     plain = pinned_pool.host_buffer(8 << 20)
     for b, n in ((big, 8 << 20), (small, 64 << 10), (plain, 8 << 20)):
-        assert b.numel() == n and b.data_ptr() % shard.DIRECT_ALIGN == 0
+        assert b.numel() == n and b.data_ptr() % blocks.DIRECT_ALIGN == 0
     assert _huge_mapping(big) and not _plain(big)  # MADV_HUGEPAGE on a mapping of its own
     assert _plain(small) and _plain(plain)
     assert _huge_mapping(pinned_pool.HostPool(64 << 20, pin=True)._new(8 << 20))

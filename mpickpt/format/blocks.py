@@ -75,6 +75,18 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         buf, offset = buf[n:], offset + n
 
 
+def _pwrite(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> None:
+    """Write ``buf`` (at address ``addr``) at ``offset``: the aligned part with O_DIRECT on
+    ``dfd``, the rest through the page cache on ``fd``."""
+    d = _direct_len(dfd, addr, offset, len(buf))
+    while d:
+        n = os.pwrite(dfd, buf[:d], offset)
+        buf, offset, d = buf[n:], offset + n, d - n
+        if n % DIRECT_ALIGN:  # a short odd-sized write: finish through the page cache
+            break
+    pwrite_all(fd, buf, offset)
+
+
 def _pread(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> int:
     """Read ``buf`` (at address ``addr``) from ``offset``: the aligned part with O_DIRECT on
     ``dfd``, the rest through the page cache on ``fd``; the number of bytes read (fewer only at

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 
 from . import checksum, dtypes, rootdir
-from .blocks import DIRECT_ALIGN, _direct_len, _open_direct, pwrite_all
+from .blocks import _open_direct, _pwrite, pwrite_all
+from .framesink import FrameSink, FrameWriter
 from .h5image import MetadataImage, padding, place
 from .h5layout import Layout, let_others_run
 from .h5template import Template
@@ -57,18 +58,6 @@ def _io_tasks(records: Iterable[TensorRecord], block: int) -> list[tuple[int, in
     """(record index, block index) for every block of every record, largest tensors first."""
     order = sorted(enumerate(records), key=lambda r: -r[1].nbytes)
     return [(i, b) for i, r in order for b in range(checksum.block_count(r.nbytes, block))]
-
-
-def _pwrite(fd: int, dfd: int, addr: int, buf: memoryview, offset: int) -> None:
-    """Write ``buf`` (at address ``addr``) at ``offset``: the aligned part with O_DIRECT on
-    ``dfd``, the rest through the page cache on ``fd``."""
-    d = _direct_len(dfd, addr, offset, len(buf))
-    while d:
-        n = os.pwrite(dfd, buf[:d], offset)
-        buf, offset, d = buf[n:], offset + n, d - n
-        if n % DIRECT_ALIGN:  # a short odd-sized write: finish through the page cache
-            break
-    pwrite_all(fd, buf, offset)
 
 
 class Destination(Protocol):
@@ -127,9 +116,9 @@ class ShardWriter:
             if self._template is not None:
                 self.records = self._template.fresh_records()
             else:
-                # HDF5 writes through a Python file object when chunks are compressed: its
-                # writes (the frames) then release the GIL, which HDF5's own driver holds
-                self._raw = self._image or (io.FileIO(path, "r+") if codecs else None)
+                # compressed: HDF5 writes through a FrameSink, which leaves each chunk's
+                # bytes to this writer's threads (O_DIRECT, as a raw shard's tensors)
+                self._raw = self._image or (FrameSink(self._fd) if codecs else None)
                 self._layout = Layout(self._raw or path, alignment=alignment, codecs=codecs,
                                       block=block, where=path)
                 self._layout.add(tensors, attrs)
@@ -138,7 +127,7 @@ class ShardWriter:
                 self._into = into
                 self._fd = os.dup(into.fd)
                 self._dst = into.reserve(self.data_end)
-            elif sum(r.nbytes for r in self.records) > INLINE_BYTES:
+            elif sum(r.nbytes for r in self.records) > INLINE_BYTES or codecs:
                 self._dfd = _open_direct(path, os.O_WRONLY)  # else: the page cache costs less
         except BaseException:
             self.close()
@@ -292,26 +281,29 @@ class ShardWriter:
 
         assert self._layout is not None
         datasets = self._layout.datasets
+        sink = self._raw if isinstance(self._raw, FrameSink) else None
         workers = pool(threads, True) if threads > 1 else None
         ahead = max(2 * threads, 2)
+        frames = FrameWriter(sink, self._fd, self._dfd, codec.max_frame(block), workers, ahead)
         pending = [workers.submit(compress, *j) if workers else None for j in jobs[:ahead]]
         try:
             for k, (i, b) in enumerate(jobs):
-                fut = pending[k]
+                fut, pending[k] = pending[k], None  # its frame freed once written, not at the end
                 digest, frame = fut.result() if fut else compress(i, b)
                 if workers and k + ahead < len(jobs):
                     pending.append(workers.submit(compress, *jobs[k + ahead]))
-                r = self.records[i]
                 if digest is not None:
-                    r.checksums[b] = digest
-                datasets[i].write_direct_chunk((b * sizes[i][1],), frame)
+                    self.records[i].checksums[b] = digest
+                frames.put(datasets[i], (b * sizes[i][1],), frame)
                 let_others_run()
                 if on_block is not None:
                     on_block()
+            frames.finish()
         except BaseException:
             for fut in pending:
                 if fut is not None:
                     fut.cancel()
+            frames.abandon()
             raise
         for i, r in enumerate(self.records):
             if r.codec is not None:

@@ -1,0 +1,163 @@
+"""The file object HDF5 writes a compressed shard through: its metadata goes to the file, each
+compressed chunk's bytes are left for mpickpt's threads to write with ``O_DIRECT``.
+
+HDF5 places a directly written chunk (``H5Dwrite_chunk``) and indexes it; only it knows where.
+Through h5py's file-object driver its writes come here: :meth:`FrameSink.expect` names the
+frame about to be handed over (its address and length), the one write of exactly that buffer
+is not made but noted (:meth:`FrameSink.taken`: its offset), and the caller writes the frame
+there itself (:func:`write_frame`), on another thread, bypassing the page cache as a raw
+shard's tensors do. Through the page cache, gigabytes of frames were flushed at the seal's
+``fsync``, and the training loop stopped for 0.1-0.2 s then on the H200 (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import queue
+from concurrent.futures import Executor, Future, wait
+from typing import Any
+
+import numpy as np
+
+from .blocks import DIRECT_ALIGN, _address, _pwrite, align, pwrite_all
+
+
+def address(buf: object) -> int:
+    """The address of a bytes-like object's first byte (read-only ones too)."""
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)  # type: ignore[call-overload]
+
+
+class FrameSink(io.RawIOBase):
+    """A file object over ``fd`` for h5py: reads and writes at the position, but for the one
+    write of the buffer :meth:`expect` names, which is noted, not made."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self._pos = 0
+        self._size = os.fstat(fd).st_size
+        self._expect: tuple[int, int] | None = None
+        self._taken: int | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def expect(self, frame: bytes) -> None:
+        """The next write of ``frame``'s own bytes is the caller's to make."""
+        self._expect, self._taken = (address(frame), len(frame)), None
+
+    def taken(self) -> int | None:
+        """Where the expected frame goes, if HDF5 handed it here unwritten (else HDF5 wrote a
+        copy itself, and the caller writes nothing)."""
+        at, self._taken, self._expect = self._taken, None, None
+        return at
+
+    def write(self, data: object) -> int:
+        b = memoryview(data).cast("B")  # type: ignore[arg-type]
+        n = len(b)
+        if self._expect is not None and n and (address(b), n) == self._expect:
+            self._taken, self._expect = self._pos, None
+        else:
+            pwrite_all(self.fd, b, self._pos)
+        self._pos += n
+        self._size = max(self._size, self._pos)
+        return n
+
+    def readinto(self, buf: object) -> int:
+        out = memoryview(buf).cast("B")  # type: ignore[arg-type]
+        got = os.preadv(self.fd, [out], self._pos)
+        self._pos += got
+        return got
+
+    def truncate(self, size: int | None = None) -> int:
+        self._size = self._pos if size is None else size
+        os.ftruncate(self.fd, self._size)
+        return self._size
+
+    def flush(self) -> None:
+        pass
+
+
+class AlignedBuffers:
+    """Page-aligned buffers of ``capacity`` bytes, made when none is free and kept for reuse:
+    as many as frames are written at once."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = align(capacity, DIRECT_ALIGN)
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+
+    def take(self) -> mmap.mmap:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return mmap.mmap(-1, self.capacity)
+
+    def give(self, buf: mmap.mmap) -> None:
+        self._free.put(buf)
+
+
+def write_frame(fd: int, dfd: int, frame: bytes, offset: int, buffers: AlignedBuffers) -> None:
+    """Write ``frame`` at ``offset``: copied into an aligned buffer, whose aligned part goes with
+    ``O_DIRECT`` on ``dfd`` (``-1``: none) and the rest through the page cache on ``fd``."""
+    buf = buffers.take()
+    try:
+        view = memoryview(buf)[:len(frame)]
+        np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(frame, np.uint8))
+        _pwrite(fd, dfd, _address(memoryview(buf)), view, offset)
+    finally:
+        buffers.give(buf)
+
+
+class FrameWriter:
+    """Hands each frame to HDF5 (``write_direct_chunk``: placed and indexed) and writes the bytes
+    ``sink`` was left on ``workers`` (None: here), at most ``ahead`` frames in flight."""
+
+    def __init__(self, sink: FrameSink | None, fd: int, dfd: int, capacity: int,
+                 workers: Executor | None, ahead: int) -> None:
+        self.sink, self.fd, self.dfd, self.workers, self.ahead = sink, fd, dfd, workers, ahead
+        self.buffers = AlignedBuffers(capacity)
+        self._writes: list[Future[None]] = []
+
+    def put(self, dataset: Any, coords: tuple[int, ...], frame: bytes) -> None:
+        if self.sink is not None:
+            self.sink.expect(frame)
+        dataset.write_direct_chunk(coords, frame)
+        at = self.sink.taken() if self.sink is not None else None
+        if at is None:  # HDF5 wrote it
+            return
+        args = (self.fd, self.dfd, frame, at, self.buffers)
+        if self.workers is None:
+            write_frame(*args)
+            return
+        self._writes.append(self.workers.submit(write_frame, *args))
+        while len(self._writes) > self.ahead:
+            self._writes.pop(0).result()
+
+    def finish(self) -> None:
+        """Until every frame is written; the first error raised."""
+        while self._writes:
+            self._writes.pop(0).result()
+
+    def abandon(self) -> None:
+        """Cancel the writes not started and wait for the others (they use the caller's
+        descriptors); their errors are dropped: the caller is failing already."""
+        for f in self._writes:
+            f.cancel()
+        wait(self._writes)
+        self._writes = []
