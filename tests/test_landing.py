@@ -142,3 +142,34 @@ def test_the_rings_host_copy_refuses_what_is_not_two_contiguous_byte_runs_in_hos
     with pytest.raises(ValueError, match="in host memory"):  # memmove there would crash
         host_copy(torch.empty(8, dtype=torch.uint8, device="meta"),
                   torch.empty(8, dtype=torch.uint8))
+
+
+def _sources() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    m = torch.randn(300, 200, generator=g)
+    c = torch.randn(64, dtype=torch.complex64, generator=g)
+    return {
+        "plain": torch.randn(3 << 18, generator=g),  # 3 MiB: over one thread's part
+        "param": torch.nn.Parameter(torch.randn(40, 30, generator=g)),  # requires grad
+        "bool": torch.rand(1000, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "transposed": m.t(),  # strided: torch's copy
+        "offset view": m[7:11],  # contiguous, with a storage offset
+        "conjugate": c.conj(),  # a conjugate bit: torch resolves it
+        "negative": torch.randn(8, 2, generator=g).to(torch.complex64).conj().imag,
+    }
+
+
+@pytest.mark.parametrize("name", list(_sources()))
+def test_the_snapshots_host_copy_gives_what_torch_copy_gives(name):
+    """``copy_into`` (memmove for plain contiguous host tensors, torch's ``copy_`` otherwise)
+    leaves ``dst`` equal to ``src`` for every kind of host tensor a state may hold."""
+    from mpickpt.format.hostcopy import copy_into
+
+    src = _sources()[name]
+    dst = torch.empty(src.shape, dtype=src.dtype)
+    copy_into(dst, src)
+    with torch.no_grad():
+        want = src.resolve_conj().resolve_neg().clone()
+    assert torch.equal(dst, want), name

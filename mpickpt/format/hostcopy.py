@@ -7,8 +7,10 @@ that pool oversubscribes the cores, and each copy waits for its slowest thread. 
 with the loop stopped, and the training steps lost 0.05-0.08 s per checkpoint to it
 (``bench/probe_ring.py``, ``docs/performance.md``). :func:`host_copy` copies with ``memmove``
 outside the interpreter's lock: on the calling thread alone below :data:`PART` bytes, else on
-:data:`COPY_THREADS` threads. Used by the ring (:mod:`mpickpt.save.landing`) and by a shard's
-write into a given destination, the node-local level's (:mod:`mpickpt.format.shard`).
+:data:`COPY_THREADS` threads. Used by the ring (:mod:`mpickpt.save.landing`), by a shard's
+write into a given destination, the node-local level's (:mod:`mpickpt.format.shard`), and
+(:func:`copy_into`) by the snapshot of tensors in host memory (:mod:`mpickpt.save.snapshot`):
+sixteen tensors of 256 KB took 5.4 ms by ``copy_`` on this project's 2-core VM, 0.3 ms so.
 """
 
 from __future__ import annotations
@@ -32,13 +34,30 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
             or dst.device.type != "cpu" or src.device.type != "cpu":
         raise ValueError("host_copy takes two contiguous byte tensors of one size in host "
                          "memory")
-    d, s = dst.data_ptr(), src.data_ptr()
+    _copy(dst.data_ptr(), src.data_ptr(), n)
+
+
+def _copy(d: int, s: int, n: int) -> None:
+    """``n`` bytes from address ``s`` to address ``d``, on up to COPY_THREADS threads."""
     part = max(-(-n // COPY_THREADS), PART)
     rest = [_copiers().submit(ctypes.memmove, d + o, s + o, min(part, n - o))
             for o in range(part, n, part)]
     ctypes.memmove(d, s, min(part, n))
     for f in rest:
         f.result()
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a host tensor ``dst`` of ``src``'s dtype and shape: by
+    :func:`host_copy` where both are plain contiguous CPU tensors, else by torch (a strided
+    view, a conjugate or negative bit, another layout or device)."""
+    if (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
+            and src.shape == dst.shape and src.layout == torch.strided
+            and src.is_contiguous() and dst.is_contiguous() and not src.is_conj()
+            and not src.is_neg() and not src.is_quantized and src.numel()):
+        _copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        dst.copy_(src)
 
 
 @functools.cache

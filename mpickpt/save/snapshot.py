@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..format.blocks import align
+from ..format.hostcopy import copy_into
 from .landing import Landing, unstage
 from .pinned_pool import HostPool, Lease
 
@@ -198,7 +199,7 @@ class Snapshotter:
             with torch.no_grad():
                 for n in now:
                     if lease.buffer is not None:
-                        snap.tensors[n].copy_(tensors[n])
+                        copy_into(snap.tensors[n], tensors[n])
                     else:
                         held[n] = tensors[n].detach().clone()
             held.update((n, tensors[n]) for n in later)
@@ -265,7 +266,7 @@ class Snapshotter:
             snap.tensors = _views(buf, offsets, tensors)
         with torch.no_grad():
             for n, t in held.items():
-                snap.tensors[n].copy_(t)
+                copy_into(snap.tensors[n], t)
         snap.lazy_s = time.perf_counter() - t0
 
     def _copy_cuda(self, dev: torch.device, srcs: list[torch.Tensor], names: list[str],
