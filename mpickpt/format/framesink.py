@@ -12,7 +12,6 @@ shard's tensors do. Through the page cache, gigabytes of frames were flushed at 
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import queue
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .blocks import DIRECT_ALIGN, _address, _pwrite, align, pwrite_all
+from .h5image import HDF5File
 
 
 def address(buf: object) -> int:
@@ -29,34 +29,15 @@ def address(buf: object) -> int:
     return int(np.frombuffer(buf, np.uint8).ctypes.data)  # type: ignore[call-overload]
 
 
-class FrameSink(io.RawIOBase):
+class FrameSink(HDF5File):
     """A file object over ``fd`` for h5py: reads and writes at the position, but for the one
     write of the buffer :meth:`expect` names, which is noted, not made."""
 
     def __init__(self, fd: int) -> None:
-        super().__init__()
+        super().__init__(os.fstat(fd).st_size)
         self.fd = fd
-        self._pos = 0
-        self._size = os.fstat(fd).st_size
         self._expect: tuple[int, int] | None = None
         self._taken: int | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
     def expect(self, frame: bytes) -> None:
         """The next write of ``frame``'s own bytes is the caller's to make."""
@@ -76,7 +57,7 @@ class FrameSink(io.RawIOBase):
         else:
             pwrite_all(self.fd, b, self._pos)
         self._pos += n
-        self._size = max(self._size, self._pos)
+        self.size = max(self.size, self._pos)
         return n
 
     def readinto(self, buf: object) -> int:
@@ -86,12 +67,9 @@ class FrameSink(io.RawIOBase):
         return got
 
     def truncate(self, size: int | None = None) -> int:
-        self._size = self._pos if size is None else size
-        os.ftruncate(self.fd, self._size)
-        return self._size
-
-    def flush(self) -> None:
-        pass
+        self.size = self._pos if size is None else size
+        os.ftruncate(self.fd, self.size)
+        return self.size
 
 
 class AlignedBuffers:

@@ -20,15 +20,14 @@ from .blocks import pwrite_all
 PAGE = 4096
 
 
-class MetadataImage(io.RawIOBase):
-    """A sparse in-memory file for h5py's file-object driver; unwritten bytes read as zeros."""
+class HDF5File(io.RawIOBase):
+    """What h5py's file-object driver needs of a file besides reading and writing: a position,
+    seeking from the start, the position or the end (``size``), and no buffering."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 0) -> None:
         super().__init__()
-        self._pages: dict[int, bytearray] = {}
-        self._spans: list[tuple[int, int]] = []  # written [start, end), in write order
         self._pos = 0
-        self.size = 0  # the file's end (HDF5 truncates it to its end of allocation)
+        self.size = size  # the file's end
 
     def readable(self) -> bool:
         return True
@@ -46,6 +45,19 @@ class MetadataImage(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+    def flush(self) -> None:
+        pass
+
+
+class MetadataImage(HDF5File):
+    """A sparse in-memory file for h5py's file-object driver; unwritten bytes read as zeros.
+    ``size`` is the file's end (HDF5 truncates it to its end of allocation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pages: dict[int, bytearray] = {}
+        self._spans: list[tuple[int, int]] = []  # written [start, end), in write order
 
     def write(self, data: object) -> int:
         b = memoryview(data).cast("B")  # type: ignore[arg-type]
@@ -72,9 +84,6 @@ class MetadataImage(io.RawIOBase):
     def truncate(self, size: int | None = None) -> int:
         self.size = self._pos if size is None else size
         return self.size
-
-    def flush(self) -> None:
-        pass
 
     def _copy(self, pos: int, out: memoryview) -> None:
         done = 0
