@@ -89,3 +89,25 @@ def test_damage_to_a_referred_to_shard_falls_back_naming_it(tmp_path: Path):
         for s in (6, 7, 8):  # named: the file, the tensor
             assert str(shard) in skipped[s] and "model/base.weight" in skipped[s], skipped[s]
             assert "checksum mismatch" in skipped[s], skipped[s]
+
+
+@pytest.mark.guarantee("incremental", "no-torn-load", "resume-bit-identical")
+def test_a_kill_while_compressed_frames_are_written_leaves_every_checkpoint_loadable(
+        tmp_path: Path):
+    """Compressed (the I/O threads write each frame where HDF5 placed it: format/framesink), a
+    kill in the shard's write leaves that step uncommitted and every committed one loadable,
+    and the resumed job, compressed too, ends as an uninterrupted one. (The fault fires at the
+    first block written, which in this job is a raw one: the frames' own kill is the unit test's
+    failing write, tests/test_framesink.py.)"""
+    root = tmp_path / "root"
+    zstd = ("--compress", "zstd")
+    dead, _ = run("train", root, tmp_path / "dead", "--steps", str(STEPS), "--keep", "2", *zstd,
+                  fault=f"mid-write:1:kill:{KILLED}")
+    assert dead.returncode != 0, dead.output
+    steps = every_committed_step_loads(root, tmp_path / "check")
+    assert KILLED not in steps and 5 in steps, steps
+    done, found = run("train", root, tmp_path / "resumed", "--steps", str(STEPS), "--keep", "2",
+                      *zstd)
+    assert done.returncode == 0, done.output
+    for r in found.values():
+        assert r["restored"] == 5 and r["final"], r
