@@ -67,6 +67,13 @@ DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the referenc
 NAN = float("nan")
 
 
+def add_job_args(ap: argparse.ArgumentParser) -> None:
+    """``--layers``, ``--width`` and ``--batch`` of a probe's job: the reference job's by
+    default (``DEFAULTS["cuda"]``)."""
+    for k, v in DEFAULTS["cuda"].items():
+        ap.add_argument(f"--{k}", type=int, default=v, help=f"default {v}: the reference job")
+
+
 def log(*a: Any) -> None:
     if RANK == 0:
         print(*a, flush=True)

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job, baseline_step
+from bench_gpu import Job, add_job_args, baseline_step
 
 from mpickpt.format import checksum, iothreads
 from mpickpt.save import landing
@@ -161,9 +161,7 @@ def beside(job: Job | None, base: float, work: Callable[[], dict[str, float]]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=29)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=256)
+    add_job_args(ap)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="only the writers' rows")

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job, baseline_step
+from bench_gpu import Job, add_job_args, baseline_step
 
 import mpickpt
 
@@ -77,9 +77,7 @@ class PeakRss:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=29)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=256)
+    add_job_args(ap)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--compression", default=None, help="zstd, zstd+shuffle (default: none)")
     ap.add_argument("--slow", type=float, default=1.5, help="a slow step: this many medians")

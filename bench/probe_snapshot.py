@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job, baseline_step
+from bench_gpu import Job, add_job_args, baseline_step
 
 from mpickpt.save import landing, pinned_pool
 
@@ -104,9 +104,7 @@ def show(kind: str, name: str, r: dict[str, float]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=29)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=256)
+    add_job_args(ap)
     ap.add_argument("--json", default="bench/results/probe-snapshot.json")
     ap.add_argument("--trace", default="", help="write a torch.profiler trace of one save here")
     args = ap.parse_args()
