@@ -101,10 +101,14 @@ class _Mpickpt:
         self._mpickpt_ck: Checkpointer | None = None
         self._mpickpt_loaded: dict[str, Any] | None = None
         self.add_callback(_Preemption(self))
+        # made now, on every rank: a misconfiguration is refused here, and the Checkpointer's
+        # start (MPI's own included) is not paid inside the first training step
+        self.checkpointer  # noqa: B018
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """The Checkpointer (created on every rank at the first save or resume)."""
+        """The Checkpointer (created on every rank with the Trainer, again after a ``train()``
+        that closed it)."""
         if self._mpickpt_ck is None:
             self._mpickpt_ck = Checkpointer(self.mpickpt_root, **self._mpickpt_options)
         return self._mpickpt_ck

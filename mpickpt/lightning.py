@@ -65,10 +65,10 @@ REPLICATED = (f"{STATE_KEY}/state_dict", f"{STATE_KEY}/optimizer_states",
 
 class MpickptIO(CheckpointIO):
     """Lightning's checkpoint files, saved and loaded through a :class:`~mpickpt.Checkpointer`
-    on ``root`` (created at the first save or load, on every rank: use it with
-    :class:`DDPStrategy`, which calls it on every rank). ``kwargs`` go to the Checkpointer
-    (``keep=N`` or ``keep=mpickpt.Retention(...)``, ``incremental`` ...); ``replicated``
-    defaults to DDP's model, optimizer and scheduler states."""
+    on ``root`` (created on every rank by :class:`DDPStrategy`'s setup, before the first
+    training step: use it with that strategy, which also saves on every rank). ``kwargs`` go
+    to the Checkpointer (``keep=N`` or ``keep=mpickpt.Retention(...)``, ``incremental`` ...);
+    ``replicated`` defaults to DDP's model, optimizer and scheduler states."""
 
     def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__()
@@ -154,6 +154,9 @@ class DDPStrategy(_DDPStrategy):
         super().setup(trainer)
         if isinstance(self.checkpoint_io, MpickptIO):
             self.checkpoint_io.template = self._live_states
+            # made now, on every rank: a misconfiguration is refused before training, and the
+            # Checkpointer's start (MPI's own included) is not paid inside the first save
+            self.checkpoint_io.checkpointer  # noqa: B018
 
     def _live_states(self) -> dict[str, Any]:
         """The states every rank holds alike, as Lightning's checkpoint dict names them."""

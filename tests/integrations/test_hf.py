@@ -62,3 +62,17 @@ def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
     assert "restored step 8" in one.stderr + one.stdout, one.output
     got, want = finals(tmp_path / "one", 1)[0], finals(tmp_path / "two", N)[0]
     assert_same(got, want)
+
+
+@pytest.mark.quick
+def test_a_misconfigured_checkpointer_is_refused_when_the_trainer_is_made(tmp_path: Path):
+    """``keep=0`` (no checkpoint would be kept): the Trainer's construction fails on every rank,
+    naming it, before a training step (the Checkpointer is made with the Trainer, not at its
+    first save), and ROOT holds no checkpoint."""
+    job = train(N, tmp_path / "root", tmp_path / "out", "--steps", "4", "--save-steps", "2",
+                "--options", '{"keep": 0}')
+    assert job.returncode != 0, job.output
+    assert "keep must be at least 1, not 0" in job.output, job.output
+    assert "trainer = Trainer(" in job.output, job.output  # raised in the construction
+    assert "trainer.train(" not in job.output, job.output
+    assert committed_steps(tmp_path / "root") == []

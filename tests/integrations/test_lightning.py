@@ -108,3 +108,16 @@ def test_lightnings_own_slurm_requeue_next_to_mpickpt_is_refused(tmp_path: Path)
     with pytest.raises(ValueError, match=r"SLURMEnvironment\(auto_requeue=False\)"):
         strategy.setup(None)
     assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.quick
+def test_a_misconfigured_checkpointer_is_refused_at_setup_before_a_step(tmp_path: Path):
+    """``keep=0`` (no checkpoint would be kept): ``fit`` fails on every rank in the strategy's
+    setup, naming it, before a training step (the Checkpointer is made there, not at the first
+    save), and ROOT holds no checkpoint."""
+    job = train(N, tmp_path / "root", tmp_path / "out", "--epochs", "1", "--keep", "0")
+    assert job.returncode != 0, job.output
+    assert "keep must be at least 1, not 0" in job.output, job.output
+    assert "in setup" in job.output, job.output
+    assert "training_step" not in job.output and "save_checkpoint" not in job.output, job.output
+    assert committed_steps(tmp_path / "root") == []

@@ -15,6 +15,7 @@ Run by tests/integrations/test_hf.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--save-steps", type=int, default=4)
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--signal-at", type=int, default=None)
+    ap.add_argument("--options", default="{}", help="the Checkpointer's options, as JSON")
     args = ap.parse_args()
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
@@ -66,7 +68,7 @@ def main() -> None:
         save_strategy="no" if args.no_checkpoint else "steps", save_steps=args.save_steps,
         ddp_backend="gloo", disable_tqdm=True, dataloader_drop_last=True)
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64),
-                      mpickpt_root=args.root,
+                      mpickpt_root=args.root, mpickpt_options=json.loads(args.options),
                       callbacks=[SignalAt(args.signal_at)] if args.signal_at else None)
     start = None if args.no_checkpoint else trainer.resume_path()
     trainer.train(resume_from_checkpoint=start)

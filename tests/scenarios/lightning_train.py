@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--signal-at", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--resume", choices=["root", "last"], default="root")
+    ap.add_argument("--keep", type=int, default=None, help="MpickptIO's keep")
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -79,6 +80,8 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
     keep: dict = {"keep": 3} if args.top_k is None else {
         "keep": Retention(1, best=("train_loss", "min"), keep_best=args.top_k)}
+    if args.keep is not None:
+        keep = {"keep": args.keep}
     io = None if args.no_checkpoint else MpickptIO(args.root, **keep)
     policy: dict = {"save_top_k": -1} if args.top_k is None else {
         "save_top_k": args.top_k, "monitor": "train_loss", "mode": "min"}
