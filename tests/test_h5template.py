@@ -113,6 +113,26 @@ def test_a_layout_whose_bytes_are_not_its_values_is_never_templated(monkeypatch,
     assert build(tensors, attrs(1, {}), alignment=ALIGN, block=BLOCK) is None
 
 
+def test_a_layout_holding_a_value_twice_is_never_templated(monkeypatch, tensors):
+    """HDF5 keeping a second copy of a value (here, the tree in another attribute): a render
+    would write this save's value at one place and leave the other stale, so no template."""
+    add = h5layout.Layout.add
+
+    def twice(self, t, a, group=None):
+        add(self, t, {**a, "tree_again": a["tree"]}, group)
+
+    monkeypatch.setattr(h5layout.Layout, "add", twice)
+    assert build(tensors, attrs(1, {}), alignment=ALIGN, block=BLOCK) is None
+
+
+def test_values_are_found_in_any_order_across_runs():
+    """The search starts where the last value was found and goes round to the start."""
+    runs = [(0, b"..BB..AA"), (4096, b"CC.."), (8192, b"DD")]
+    assert h5template._places(runs, [b"AA", b"BB", b"DD", b"CC"]) == [
+        (0, 6, 2), (0, 2, 2), (2, 0, 2), (1, 0, 2)]
+    assert h5template._places(runs, [b"AA", b"EE"]) is None
+
+
 def test_a_value_of_another_length_is_refused(tensors):
     t = build(tensors, attrs(1, {}), alignment=ALIGN, block=BLOCK)
     assert t is not None

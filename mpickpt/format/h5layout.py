@@ -41,13 +41,19 @@ def let_others_run() -> None:
     os.sched_yield()
 
 
+_STR = np.dtype(h5py.string_dtype())  # variable-length UTF-8, as h5py writes a str
+_STR_TYPE = h5py.h5t.py_create(_STR, logical=True)  # (made once: most attributes are str)
+
+
 def set_attr(obj: h5py.h5o.ObjectID, name: str, value: str | int | np.ndarray) -> None:
     """A new attribute, as ``obj.attrs[name] = value`` makes it (a str as a variable-length
     UTF-8 string, an int as int64), through the low-level API: 3x faster, which counts for
     small checkpoints taken every step."""
-    arr = np.array(value, dtype=h5py.string_dtype()) if isinstance(value, str) else \
-        np.asarray(value)
-    tid = h5py.h5t.py_create(arr.dtype, logical=True)
+    if isinstance(value, str):
+        arr, tid = np.array(value, dtype=_STR), _STR_TYPE
+    else:
+        arr = np.asarray(value)
+        tid = h5py.h5t.py_create(arr.dtype, logical=True)
     space = (h5py.h5s.create(h5py.h5s.SCALAR) if arr.shape == ()
              else h5py.h5s.create_simple(arr.shape))
     h5py.h5a.create(obj, name.encode(), tid, space).write(arr)

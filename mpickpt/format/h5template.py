@@ -123,13 +123,9 @@ def build(tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str | int], *
     rec_b, runs_b, size_b = _image(tensors, attrs, b[0], b[1], b[2], alignment, capacity)
     if [r.offset for r in rec_a] != [r.offset for r in rec_b] or size_a != size_b:
         return None
-    places = []
-    for value in _encode(*a, capacity):
-        found = [(i, at) for i, (_, data) in enumerate(runs_a)
-                 for at in _occurrences(data, value)]
-        if len(found) != 1:
-            return None
-        places.append((*found[0], len(value)))
+    places = _places(runs_a, _encode(*a, capacity))
+    if places is None:
+        return None
     t = Template(tuple(replace(r, checksums=[]) for r in rec_a), size_a, tuple(runs_a),
                  tuple(places))
     if [off for off, _ in runs_a] != [off for off, _ in runs_b] or t.render(*b) != runs_b:
@@ -137,12 +133,35 @@ def build(tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str | int], *
     return t
 
 
-def _occurrences(data: bytes, value: bytes) -> list[int]:
-    out, at = [], data.find(value)
-    while at >= 0 and value:
-        out.append(at)
-        at = data.find(value, at + 1)
+def _places(runs: Runs, values: list[bytes]) -> list[tuple[int, int, int]] | None:
+    """Where each value first lies in ``runs``: (run, position, length), or None where one is
+    missing. Each search starts where the last value was found (HDF5 lays the values out in
+    the order they were made, so it rarely goes round). A value HDF5 wrote twice is not
+    caught here but by :func:`build`'s second image, in which the render would leave one copy
+    of the other value behind."""
+    out, run, at = [], 0, 0
+    for v in values:
+        hit = _find(runs, v, run, at)
+        if hit is None or not v:
+            return None
+        run, at = hit
+        out.append((run, at, len(v)))
+        at += len(v)
     return out
+
+
+def _find(runs: Runs, value: bytes, run: int, at: int) -> tuple[int, int] | None:
+    """The first place of ``value`` from (``run``, ``at``) on, round to the start."""
+    n = len(runs)
+    for i in range(n + 1 if n else 0):
+        k = (run + i) % n
+        data = runs[k][1]
+        lo = at if i == 0 else 0
+        hi = len(data) if i < n else at + len(value) - 1  # (the last lap: the run's start)
+        j = data.find(value, lo, hi)
+        if j >= 0:
+            return k, j
+    return None
 
 
 class Templates:
