@@ -32,6 +32,7 @@ Needs ``pip install '.[lightning,hf]'``. JSON to ``--json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -74,11 +75,64 @@ def _timed(fn: Callable[..., None], calls: list[float], device: str,
     return timed
 
 
-def _timeline(t0: float, ends: list[float], starts: list[float]) -> dict[str, list[float]]:
-    """When each step ended and each save call began, in seconds from the run's start: where
-    a run lost its time (the steps after each save against the others)."""
+_GC: list[tuple[float, float]] = []  # (start, seconds) of each full collection of Python's
+
+
+def _watch_gc() -> None:
+    """Record every collection of the oldest generation: a step that paid for one is not a
+    save's doing, though a save's objects bring the next one closer."""
+    began = [0.0]
+
+    def cb(phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            _GC.append((began[0], time.perf_counter() - began[0]))
+
+    gc.callbacks.append(cb)
+
+
+def _timeline(t0: float, ends: list[float], starts: list[float]) -> dict[str, list[Any]]:
+    """When each step ended and each save call began, and each full collection of Python's
+    (start, seconds), in seconds from the run's start: where a run lost its time (the steps
+    after each save against the others)."""
     return {"step_ends": [round(e - t0, 4) for e in ends],
-            "save_starts": [round(s - t0, 4) for s in starts]}
+            "save_starts": [round(s - t0, 4) for s in starts],
+            "full_gc": [[round(a - t0, 4), round(d, 4)] for a, d in _GC if a >= t0]}
+
+
+def _durations(ends: list[float]) -> list[float]:
+    return [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)]
+
+
+def save_steps(run: dict[str, Any]) -> list[int]:
+    """The index of the step each save began in."""
+    ends = run.get("step_ends") or []
+    return [next((i for i, e in enumerate(ends) if e > s), len(ends))
+            for s in run.get("save_starts") or []]
+
+
+def steps_lost(run: dict[str, Any], at: list[int], window: int,
+               base: dict[str, Any] | None = None) -> list[float]:
+    """For each save step of ``at`` with ``window`` steps from it: how much longer those steps
+    took than this run's median step away from them (a save's call included). A step that the
+    run without checkpoints (``base``, the same round) also took 1.5 medians or more to (the
+    framework's own: an epoch's end, its logging) counts against that run's time of it
+    instead. Robust to a run whose steps are all slower or faster than another's; the run
+    without checkpoints over the same steps (``base`` None) gives the figure's noise."""
+    d = _durations(run.get("step_ends") or [])
+    after = [list(range(i, i + window)) for i in at if i + window <= len(d)]
+    near = {i for w in after for i in w} | {0}  # (the first step: the job's start)
+    quiet = [x for i, x in enumerate(d) if i not in near]
+    if not quiet:
+        return []
+    med = statistics.median(quiet)
+    bd = _durations(base.get("step_ends") or []) if base else []
+    bmed = statistics.median(bd[1:]) if len(bd) > 1 else None
+    return [sum(d[i] - (bd[i] if bmed and i < len(bd) and bd[i] >= 1.5 * bmed else med)
+                for i in w) for w in after]
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,6 +256,7 @@ def worker(args: argparse.Namespace) -> None:
     framework, how = args.method.split()
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=args.dir, prefix="mpickpt-fw-")
+    _watch_gc()
     try:
         job = lightning_job if framework == "lightning" else hf_job
         out = job(args, how, work)
@@ -216,6 +271,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--window", type=int, default=10,
+                    help="steps after each save counted in 'steps lost' (timeline)")
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--gpt-width", type=int, default=512)
@@ -250,8 +307,10 @@ def main() -> None:
                 sys.exit(f"{m} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
             runs[m].append(json.loads(line[-1][7:]))
             made = runs[m][-1].get("trainer_made_s")
+            gcs = runs[m][-1].get("full_gc") or []
             print(f"round {r + 1}: {m}: total {runs[m][-1]['total_s']:.2f} s, save calls "
-                  f"{[round(c, 3) for c in runs[m][-1]['calls']]}"
+                  f"{[round(c, 3) for c in runs[m][-1]['calls']]}, {len(gcs)} full GC "
+                  f"({sum(d for _, d in gcs):.2f} s)"
                   + (f", Trainer made in {made:.2f} s (not in the total)" if made else ""),
                   flush=True)
     rows, out = [], []
@@ -269,14 +328,34 @@ def main() -> None:
         slow = (total - base) / saves if saves else 0.0
         # to the end of the last training step: the tail (the wait for the last save) apart
         rest = (steps - base_steps) / saves if saves else 0.0
+        nones = runs.get(f"{fw} none") or []
+        lost, noise = [], []
+        for i, run in enumerate(runs[m]):
+            none = nones[i] if i < len(nones) and nones[i] is not run else None
+            lost += steps_lost(run, save_steps(run), args.window, none)
+            if none is not None:
+                noise += steps_lost(none, save_steps(run), args.window)
+        lost_med = statistics.median(lost) if lost else None
         out.append({"method": m, "state_bytes": runs[m][0]["state_bytes"], "saves": saves,
                     "save_call_s": stall, "total_s": total, "slowdown_per_save_s": slow,
-                    "tail_s": tail, "slowdown_per_save_less_tail_s": rest, "runs": runs[m]})
+                    "tail_s": tail, "slowdown_per_save_less_tail_s": rest,
+                    "steps_lost_per_save_s": lost, "steps_lost_per_save_median_s": lost_med,
+                    "steps_lost_without_checkpoints_s": noise,
+                    "runs": runs[m]})
         rows.append((m, f"{runs[m][0]['state_bytes'] / 1e6:.0f}", str(saves),
                      f"{stall:.3f}", f"{total:.2f}", f"{slow:.3f}" if saves else "-",
-                     f"{tail:.2f}", f"{rest:.3f}" if saves else "-"))
+                     f"{tail:.2f}", f"{rest:.3f}" if saves else "-",
+                     f"{lost_med:.3f}" if lost_med is not None else "-",
+                     ", ".join(f"{x:.2f}" for x in lost) or "-",
+                     ", ".join(f"{x:.2f}" for x in noise) or "-"))
     print(columns(("method", "state MB", "saves", "save call s (median)", "run s",
-                   "slowdown per save s", "tail s", "per save less the tail s"), rows))
+                   "slowdown per save s", "tail s", "per save less the tail s",
+                   "steps lost per save s (median)", "each", "same steps, no checkpoints"),
+                  rows))
+    print(f"steps lost: the {args.window} steps from each save's (but the last's) over the same "
+          "run's median step away from saves; a step the run without checkpoints of the same "
+          "round also took 1.5 medians or more to counts against its time there; 'same steps, "
+          "no checkpoints': that run's own steps there, over its own median (the noise)")
     for fw in ("lightning", "hf"):
         own = next((o for o in out if o["method"] == f"{fw} own"), None)
         mine = next((o for o in out if o["method"] == f"{fw} mpickpt"), None)
