@@ -1,5 +1,6 @@
-"""GPU memory set aside for a restore whose bytes come over MPI: filled while they come, taken
-by the state device to device once every rank has verified what it holds.
+"""GPU memory set aside for a restore from the node-local level: filled while the bytes come
+over MPI, or from a rank's own shard mapped where it lies once its checksums pass, and taken by
+the state device to device once every rank has verified what it holds.
 
 A restore from the node-local level after a lost node waits for the lost shard's bytes from
 its partner. Through host memory, the state can take them only after they are all in and
@@ -8,7 +9,9 @@ own shard, mapped where it lies) or after page-locking a buffer as large as the 
 receiving rank's). With room on the GPU, both copies run while the bytes move: the received
 ones through a small ring of page-locked slots (:mod:`mpickpt.local.ring`), a rank's own mapped
 shard once its checksums pass; after the verify vote the state copies from GPU memory. Nothing
-of the state changes before that vote, as before.
+of the state changes before that vote, as before. A restart on the same nodes (every shard its
+own rank's, nothing over MPI) takes the second way too: its copy into the GPU then runs from
+the page-locked mapping before the vote, where it ran from pageable memory after it.
 
 Used only where the GPU has the room free (with :data:`HEADROOM` to spare), a target's bytes
 are uncompressed, and ``MPICKPT_RESTORE_GPU_ROOM`` is not 0; otherwise the restore goes through

@@ -345,10 +345,12 @@ class Restorer:
         _check_files(plan, {r for r in needed if on_node(r)}, path)
         # the node-local level in memory: this node's shards are used where they lie
         in_memory = nodes is not None and rootdir.in_memory(path)
-        # bytes moving over MPI (a lost node's, or shares of other nodes' ranks): meanwhile
-        # into GPU memory, where it has the room, and this rank's own mapped ones too
+        # bytes moving over MPI (a lost node's, or shares of other nodes' ranks), or this
+        # node's own shards mapped where they lie: into GPU memory, where it has the room,
+        # as they come or once verified (from the mapping page-locked: at the bus's speed)
+        moving = bool(served) or not all(map(on_node, needed))
         room = DeviceRoom.find(plan.devices, lambda r: not on_node(r)) \
-            if nodes is not None and (served or not all(map(on_node, needed))) else None
+            if nodes is not None and (moving or in_memory) else None
         staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None,
                                room=room)
         here = sorted({r for r in staged.by_rank if on_node(r)}

@@ -73,6 +73,33 @@ def test_a_lost_node_on_the_gpu_comes_back_from_its_partner_and_ends_bit_identic
         assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("room", ["1", "0"], ids=["gpu-room", "host-memory"])
+def test_a_restart_on_the_same_nodes_copies_its_own_verified_shards_into_gpu_room(
+        tmp_path: Path, shm: Path, room: str) -> None:
+    """Every shard its own rank's, nothing over MPI: each rank's mapped shard is verified, then
+    copied into GPU memory set aside before the vote (restore/device_room.py), or with
+    MPICKPT_RESTORE_GPU_ROOM=0 taken by the state from host memory after it; bit for bit."""
+    ref, refs = job(tmp_path / "ref", shm / "ref", "ref")
+    assert ref.returncode == 0, ref.output
+    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH)
+    assert crashed.returncode != 0, crashed.output
+    done, reports = job(tmp_path / "run", shm / "run", "resume",
+                        env={"MPICKPT_RESTORE_GPU_ROOM": room})
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(2)]
+    assert [r["step"] for r in restored] == [CRASH, CRASH], restored
+    assert [r["level"] for r in restored] == ["local", "local"], restored
+    assert all(r["mapped_bytes"] > 0 for r in restored), restored
+    assert all(r["exact"] for r in restored), restored
+    if room == "1":
+        assert all(r["room_bytes"] >= r["model_bytes"] > 0 for r in restored), restored
+    else:
+        assert all(r["room_bytes"] == 0 for r in restored), restored
+    for r in range(2):
+        assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
+
+
 def test_a_damaged_step_on_the_gpu_never_reaches_the_state(
         tmp_path: Path, shm: Path) -> None:
     """Rank 0's shard and its partner copy both damaged, nothing in ROOT: the vote fails, and
