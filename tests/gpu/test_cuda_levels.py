@@ -79,13 +79,15 @@ def test_a_restart_on_the_same_nodes_copies_its_own_verified_shards_into_gpu_roo
         tmp_path: Path, shm: Path, room: str) -> None:
     """Every shard its own rank's, nothing over MPI: each rank's mapped shard is verified, then
     copied into GPU memory set aside before the vote (restore/device_room.py), or with
-    MPICKPT_RESTORE_GPU_ROOM=0 taken by the state from host memory after it; bit for bit."""
-    ref, refs = job(tmp_path / "ref", shm / "ref", "ref")
+    MPICKPT_RESTORE_GPU_ROOM=0 taken by the state from host memory after it; bit for bit.
+    (Tensors of 512 bytes or more aligned to 512: each model tensor then lies where it can be
+    used in place; with the default alignment these small ones are packed and read instead.)"""
+    ref, refs = job(tmp_path / "ref", shm / "ref", "ref", alignment=512)
     assert ref.returncode == 0, ref.output
-    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH)
+    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH, alignment=512)
     assert crashed.returncode != 0, crashed.output
     done, reports = job(tmp_path / "run", shm / "run", "resume",
-                        env={"MPICKPT_RESTORE_GPU_ROOM": room})
+                        env={"MPICKPT_RESTORE_GPU_ROOM": room}, alignment=512)
     assert done.returncode == 0, done.output
     restored = [reports[r]["restore"] for r in range(2)]
     assert [r["step"] for r in restored] == [CRASH, CRASH], restored
