@@ -117,22 +117,30 @@ def save_steps(run: dict[str, Any]) -> list[int]:
 def steps_lost(run: dict[str, Any], at: list[int], window: int,
                base: dict[str, Any] | None = None) -> list[float]:
     """For each save step of ``at`` with ``window`` steps from it: how much longer those steps
-    took than this run's median step away from them (a save's call included). A step that the
-    run without checkpoints (``base``, the same round) also took 1.5 medians or more to (the
-    framework's own: an epoch's end, its logging) counts against that run's time of it
-    instead. Robust to a run whose steps are all slower or faster than another's; the run
-    without checkpoints over the same steps (``base`` None) gives the figure's noise."""
-    d = _durations(run.get("step_ends") or [])
+    took than this run's median step away from them (a save's call included), less the full
+    collections of Python's garbage collector that ran in them (recorded in ``full_gc``; the
+    framework's own: a run without checkpoints has as many, elsewhere). For a run without
+    that record, a step that the run without checkpoints (``base``, the same round) also took
+    1.5 medians or more to counts against that run's time of it instead. The run without
+    checkpoints over the same steps (``base`` None) gives the figure's noise."""
+    ends = run.get("step_ends") or []
+    d = _durations(ends)
     after = [list(range(i, i + window)) for i in at if i + window <= len(d)]
     near = {i for w in after for i in w} | {0}  # (the first step: the job's start)
     quiet = [x for i, x in enumerate(d) if i not in near]
     if not quiet:
         return []
     med = statistics.median(quiet)
-    bd = _durations(base.get("step_ends") or []) if base else []
+    gcs = run.get("full_gc")
+    bd = _durations(base.get("step_ends") or []) if base and gcs is None else []
     bmed = statistics.median(bd[1:]) if len(bd) > 1 else None
-    return [sum(d[i] - (bd[i] if bmed and i < len(bd) and bd[i] >= 1.5 * bmed else med)
-                for i in w) for w in after]
+    out = []
+    for w in after:
+        lost = sum(d[i] - (bd[i] if bmed and i < len(bd) and bd[i] >= 1.5 * bmed else med)
+                   for i in w)
+        lo, hi = ends[w[0]] - d[w[0]], ends[w[-1]]
+        out.append(lost - sum(g for a, g in gcs or [] if lo <= a < hi))
+    return out
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -353,9 +361,9 @@ def main() -> None:
                    "steps lost per save s (median)", "each", "same steps, no checkpoints"),
                   rows))
     print(f"steps lost: the {args.window} steps from each save's (but the last's) over the same "
-          "run's median step away from saves; a step the run without checkpoints of the same "
-          "round also took 1.5 medians or more to counts against its time there; 'same steps, "
-          "no checkpoints': that run's own steps there, over its own median (the noise)")
+          "run's median step away from saves, less the full GCs that ran in them (counted per "
+          "run above); 'same steps, no checkpoints': that run's own steps there, likewise (the "
+          "noise)")
     for fw in ("lightning", "hf"):
         own = next((o for o in out if o["method"] == f"{fw} own"), None)
         mine = next((o for o in out if o["method"] == f"{fw} mpickpt"), None)
