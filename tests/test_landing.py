@@ -62,10 +62,39 @@ def test_a_failed_landing_fails_every_gate_naming_why():
     assert len(errors) == 1 and "illegal memory access" in str(errors[0])
 
 
-def written_while_landing(tmp_path, fail_at: int | None = None, into: bool = False):
+def test_pieces_land_in_the_order_asked_for_then_in_address_order_each_once():
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    base = buf.data_ptr()
+    landing = Landing(base, [(100, 1000)])  # pieces of 100: [100, 200) ... [900, 1000)
+    got = landing.pieces(0, 100)
+    assert next(got) == (0, 100)  # nothing asked for yet: in order
+    landing.prefer([(base + 750, base + 760), (base + 150, base + 420), (base + 0, base + 50)])
+    rest = list(got)
+    # [750, 760) is piece 6; [150, 420) pieces 0 (taken), 1, 2, 3; [0, 50) is outside the range
+    assert rest[:4] == [(600, 700), (100, 200), (200, 300), (300, 400)]
+    assert rest[4:] == [(400, 500), (500, 600), (700, 800), (800, 900)]
+    assert len(rest) + 1 == 9
+
+
+def test_a_gate_opens_on_bytes_landed_out_of_order_and_not_before():
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    base = buf.data_ptr()
+    landing = Landing(base, [(0, 1000)])
+    landing.mark(0, 500, 700)
+    assert landing.gate(base + 520, base + 690, timeout=0)
+    assert not landing.gate(base + 400, base + 600, timeout=0)  # [400, 500) not yet
+    landing.mark(0, 300, 450)
+    assert not landing.gate(base + 400, base + 600, timeout=0)  # [450, 500) not yet
+    landing.mark(0, 450, 500)
+    assert landing.gate(base + 300, base + 700, timeout=0)
+    assert not landing.gate(base + 0, base + 310, timeout=0)
+
+
+def written_while_landing(tmp_path, fail_at: int | None = None, into: bool = False,
+                          backwards: bool = False):
     """A shard of three tensors (views of one buffer holding garbage) written on 4 threads while
     another thread lands the real bytes a MiB at a time (``into``: into a mapped file of the
-    node-local level, filled with garbage too)."""
+    node-local level, filled with garbage too; ``backwards``: the last MiB first)."""
     real = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(3))
     host = torch.full_like(real, 0xEE)
@@ -74,14 +103,18 @@ def written_while_landing(tmp_path, fail_at: int | None = None, into: bool = Fal
                "c": host[(9 << 20) + 8 :]}
     landing = Landing(host.data_ptr(), [(0, host.numel())])
 
+    if backwards:  # the way an XOR member's rounds ask for its chunks: its last bytes first
+        landing.prefer([(host.data_ptr() + a, host.data_ptr() + a + PIECE)
+                        for a in range(host.numel() - PIECE, -1, -PIECE)])
+
     def land() -> None:
         try:
-            for a in range(0, host.numel(), PIECE):
+            for a, b in landing.pieces(0, PIECE):
                 if fail_at is not None and a >= fail_at:
                     raise RuntimeError("the copy engine stopped")
                 time.sleep(0.01)
-                host[a : a + PIECE].copy_(real[a : a + PIECE])
-                landing.landed(0, min(a + PIECE, host.numel()))
+                host[a:b].copy_(real[a:b])
+                landing.mark(0, a, b)
         except BaseException as e:
             landing.finish(e)
             raise
@@ -105,9 +138,10 @@ def written_while_landing(tmp_path, fail_at: int | None = None, into: bool = Fal
     return w.records, size, want
 
 
+@pytest.mark.parametrize("backwards", [False, True], ids=["in-order", "backwards"])
 @pytest.mark.parametrize("into", [False, True], ids=["file", "into-mapped"])
-def test_blocks_written_while_landing_hold_the_landed_bytes(tmp_path, into):
-    records, size, want = written_while_landing(tmp_path, into=into)
+def test_blocks_written_while_landing_hold_the_landed_bytes(tmp_path, into, backwards):
+    records, size, want = written_while_landing(tmp_path, into=into, backwards=backwards)
     out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=BLOCK, threads=3)
     for k, t in want.items():  # read_shard checks every block's checksum too
         assert torch.equal(out[k].reshape(-1).view(torch.uint8),
@@ -173,3 +207,21 @@ def test_the_snapshots_host_copy_gives_what_torch_copy_gives(name):
     with torch.no_grad():
         want = src.resolve_conj().resolve_neg().clone()
     assert torch.equal(dst, want), name
+
+
+def test_an_xor_members_landing_order_is_its_rounds_order():
+    """Member 1 of 3, chunks of 300 bytes, rounds of 100: each round takes the block at the
+    same offset of each of its two chunks (parity 0 gets chunk 0, parity 2 chunk 1), mapped
+    through the tensors' runs to their host addresses (a gap between runs stays out)."""
+    import numpy as np
+
+    from mpickpt.local.parity import Run, landing_order
+
+    runs = [Run(0, np.zeros(250, np.uint8), 10_000), Run(260, np.zeros(340, np.uint8), 20_000)]
+    got = landing_order(runs, 3, 1, 300, 100)
+    assert got == [
+        (10_000, 10_100),                        # round 0: [0, 100) of chunk 0
+        (20_040, 20_140),                        # and [300, 400) of chunk 1
+        (10_100, 10_200), (20_140, 20_240),      # round 1: [100, 200), [400, 500)
+        (10_200, 10_250), (20_000, 20_040),      # round 2: [200, 300) less the gap
+        (20_240, 20_340)]                        # and [500, 600)

@@ -20,7 +20,7 @@ import numpy as np
 from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
 from ..save.landing import Landing
-from . import parity, xorring
+from . import parity, xordirect, xorring
 from .filemap import FileMap, Keep
 from .pool import Mapped
 from .topology import partner_holder, partner_source, team_of, xor_chunk_bytes
@@ -111,6 +111,10 @@ class Exchange:
             keep.error = e
         if files:
             return Streamed(dest, keep.error, 0, 0, time.perf_counter() - t0)
+        if landing is not None and runs:  # land the blocks in the order the rounds take them
+            landing.prefer(parity.landing_order(runs, len(self.team), self.pos, chunk,
+                                                xordirect.block_bytes(len(self.team),
+                                                                      self.window)))
         parts = parity.snapshot_parts(runs or [], landing.gate if landing else None, keep)
         parity.from_snapshot(self.team_proto, chunk, parts, self._into(dest, keep), self.buffer,
                              self.window, lambda: keep.do(on_window))

@@ -72,6 +72,30 @@ def snapshot_parts(runs: list[Run], gate: Callable[[int, int], object] | None, k
     return parts
 
 
+def landing_order(runs: list[Run], n: int, me: int, chunk: int, window: int
+                  ) -> list[tuple[int, int]]:
+    """The host addresses ``[addr, end)`` of ``runs`` in the order :func:`from_snapshot`'s
+    rounds take them from member ``me`` of a team of ``n``: a block of each of its chunks per
+    round. For its snapshot's landing to follow (:meth:`mpickpt.save.landing.Landing.prefer`),
+    so that a round need not wait for the last chunk's bytes to land after all the first's."""
+    starts = [r.offset for r in runs]
+    out: list[tuple[int, int]] = []
+    for off in range(0, chunk, window):
+        for k in range(n):
+            if k == me:
+                continue
+            lo = xor_chunk(n, me, k) * chunk + off
+            hi = lo + min(window, chunk - off)
+            i = max(0, bisect_right(starts, lo) - 1)
+            while i < len(runs) and runs[i].offset < hi:
+                r = runs[i]
+                a, b = max(lo, r.offset), min(hi, r.offset + r.data.nbytes)
+                if a < b:
+                    out.append((r.addr + a - r.offset, r.addr + b - r.offset))
+                i += 1
+    return out
+
+
 def from_snapshot(team: Protocol, chunk: int, parts: Callable[[int, int], xorring.Parts],
                   into: Into, buffer: Buffer, window: int, on_block: Callable[[], None]) -> None:
     """Pass 1: this member's parity of the team's tensor bytes into ``into(block)``; its own

@@ -120,7 +120,8 @@ class Snapshot:
             ring = self.ring() if self.ring is not None and self.unstage else None
             for k, (stream, src, lo, hi) in enumerate(self.unstage):
                 unstage(stream, src, self.lease.buffer[lo:hi], ring,
-                        None if landing is None else functools.partial(_at, landing, k, lo))
+                        None if landing is None else functools.partial(_at, landing, k, lo),
+                        None if landing is None else functools.partial(landing.pieces, k))
         except BaseException as e:
             error = e
             raise
@@ -142,8 +143,8 @@ class Snapshot:
         self.sources.clear()
 
 
-def _at(landing: Landing, k: int, lo: int, n: int) -> None:
-    landing.landed(k, lo + n)
+def _at(landing: Landing, k: int, lo: int, a: int, b: int) -> None:
+    landing.mark(k, lo + a, lo + b)
 
 
 class Snapshotter:

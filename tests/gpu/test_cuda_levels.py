@@ -30,9 +30,9 @@ def shm():
     shutil.rmtree(where, ignore_errors=True)
 
 
-def job(base: Path, local: Path, name: str, env: dict[str, str] | None = None,
+def job(base: Path, local: Path, name: str, env: dict[str, str] | None = None, n: int = 2,
         **plan: Any) -> tuple[Any, dict[int, dict]]:
-    """tests/scenarios/levels.py on 2 ranks, one per node, the model on the GPU."""
+    """tests/scenarios/levels.py on ``n`` ranks, one per node, the model on the GPU."""
     out = base / f"out-{name}"
     full = {"root": str(base / "root"), "local": str(local), "steps": LAST, "every": 10,
             "persist_every": 3, "out": str(out), "device": "cuda", "redundancy": "partner",
@@ -40,8 +40,8 @@ def job(base: Path, local: Path, name: str, env: dict[str, str] | None = None,
     base.mkdir(parents=True, exist_ok=True)
     path = base / f"plan-{name}.json"
     path.write_text(json.dumps(full))
-    done = run_mpi(2, [str(JOB), str(path)], timeout=240, env=env)
-    reports = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)
+    done = run_mpi(n, [str(JOB), str(path)], timeout=240, env=env)
+    reports = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)
                if (out / f"rank-{r}.json").exists()}
     return done, reports
 
@@ -100,6 +100,31 @@ def test_a_restart_on_the_same_nodes_copies_its_own_verified_shards_into_gpu_roo
         assert all(r["room_bytes"] == 0 for r in restored), restored
     for r in range(2):
         assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
+
+
+@pytest.mark.quick
+def test_an_xor_team_on_the_gpu_makes_its_parity_from_the_landing_snapshot_and_rebuilds(
+        tmp_path: Path, shm: Path) -> None:
+    """Three ranks as three nodes, one XOR team: each save's parity goes from the snapshot as
+    it lands in host memory, in the order the parity's rounds take it (landing.prefer); a lost
+    node is rebuilt from it into the restore, bit for bit. (Tensors aligned to 512 bytes, so
+    that the small model's tensors lie apart: the parity takes them from the snapshot.)"""
+    xor = {"redundancy": "xor", "xor_set": 3, "alignment": 512, "n": 3}
+    ref, refs = job(tmp_path / "ref", shm / "ref", "ref", **xor)
+    assert ref.returncode == 0, ref.output
+    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH, **xor)
+    assert crashed.returncode != 0, crashed.output
+    shutil.rmtree(shm / "run" / "n1")
+    done, reports = job(tmp_path / "run", shm / "run", "resume", **xor)
+    assert done.returncode == 0, done.output
+    restored = [reports[r]["restore"] for r in range(3)]
+    assert [r["step"] for r in restored] == [CRASH] * 3, restored
+    assert restored[1]["source"] == "XOR rebuild into the restore", restored
+    assert all(r["exact"] for r in restored), restored
+    for r in range(3):
+        assert reports[r]["final"] == refs[r]["final"], f"rank {r} did not end bit-identical"
+        saves = reports[r]["saves"]
+        assert saves and all(v["parity_from_snapshot"] == 1.0 for v in saves.values()), saves
 
 
 def test_a_damaged_step_on_the_gpu_never_reaches_the_state(
