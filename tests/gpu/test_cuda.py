@@ -129,9 +129,9 @@ def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_pat
     rings: list[bool] = []
     real = snapshot.unstage
 
-    def spy(stream, src, dst, ring=None, on_landed=None):
+    def spy(stream, src, dst, ring=None, on_landed=None, order=None):
         rings.append(ring is not None)
-        return real(stream, src, dst, ring, on_landed)
+        return real(stream, src, dst, ring, on_landed, order)
 
     snapshot.unstage = spy
     try:
@@ -169,11 +169,11 @@ def test_blocks_are_written_as_they_land_bit_exact(tmp_path, monkeypatch):
 
     gates: list[tuple[int, int]] = []
     landed: list[int] = []
-    real_gate, real_landed = landing.Landing.gate, landing.Landing.landed
+    real_gate, real_mark = landing.Landing.gate, landing.Landing.mark
     monkeypatch.setattr(landing.Landing, "gate",
                         lambda self, a, b: (gates.append((a, b)), real_gate(self, a, b))[1])
-    monkeypatch.setattr(landing.Landing, "landed",
-                        lambda self, k, n: (landed.append(n), real_landed(self, k, n))[1])
+    monkeypatch.setattr(landing.Landing, "mark",  # each piece's end: in order, nothing asked
+                        lambda self, k, a, b: (landed.append(b), real_mark(self, k, a, b))[1])
     m, opt = model_and_opt(0)
     x = torch.randn(1024, 1024, device="cuda")
     step(m, opt, x)
