@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import knobs
 from ..format.h5image import place
 from ..mpi.protocol import Pending, Protocol
 from ..save.landing import Landing
@@ -111,7 +112,8 @@ class Exchange:
             keep.error = e
         if files:
             return Streamed(dest, keep.error, 0, 0, time.perf_counter() - t0)
-        if landing is not None and runs:  # land the blocks in the order the rounds take them
+        if landing is not None and runs and knobs.XOR_LAND_BY_ROUNDS.get():
+            # land the blocks in the order the rounds take them
             landing.prefer(parity.landing_order(runs, len(self.team), self.pos, chunk,
                                                 xordirect.block_bytes(len(self.team),
                                                                       self.window)))

@@ -103,19 +103,22 @@ def test_a_restart_on_the_same_nodes_copies_its_own_verified_shards_into_gpu_roo
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("rounds", ["1", "0"], ids=["rounds-order", "address-order"])
 def test_an_xor_team_on_the_gpu_makes_its_parity_from_the_landing_snapshot_and_rebuilds(
-        tmp_path: Path, shm: Path) -> None:
+        tmp_path: Path, shm: Path, rounds: str) -> None:
     """Three ranks as three nodes, one XOR team: each save's parity goes from the snapshot as
-    it lands in host memory, in the order the parity's rounds take it (landing.prefer); a lost
-    node is rebuilt from it into the restore, bit for bit. (Tensors aligned to 512 bytes, so
-    that the small model's tensors lie apart: the parity takes them from the snapshot.)"""
+    it lands in host memory, in the order the parity's rounds take it
+    (MPICKPT_XOR_LAND_BY_ROUNDS=1: landing.prefer) or in address order; a lost node is rebuilt
+    from it into the restore, bit for bit. (Tensors aligned to 512 bytes, so that the small
+    model's tensors lie apart: the parity takes them from the snapshot.)"""
     xor = {"redundancy": "xor", "xor_set": 3, "alignment": 512, "n": 3}
-    ref, refs = job(tmp_path / "ref", shm / "ref", "ref", **xor)
+    env = {"MPICKPT_XOR_LAND_BY_ROUNDS": rounds}
+    ref, refs = job(tmp_path / "ref", shm / "ref", "ref", env, **xor)
     assert ref.returncode == 0, ref.output
-    crashed, _ = job(tmp_path / "run", shm / "run", "crash", crash_after=CRASH, **xor)
+    crashed, _ = job(tmp_path / "run", shm / "run", "crash", env, crash_after=CRASH, **xor)
     assert crashed.returncode != 0, crashed.output
     shutil.rmtree(shm / "run" / "n1")
-    done, reports = job(tmp_path / "run", shm / "run", "resume", **xor)
+    done, reports = job(tmp_path / "run", shm / "run", "resume", env, **xor)
     assert done.returncode == 0, done.output
     restored = [reports[r]["restore"] for r in range(3)]
     assert [r["step"] for r in restored] == [CRASH] * 3, restored
