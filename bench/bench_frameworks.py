@@ -104,7 +104,7 @@ def _timeline(t0: float, ends: list[float], starts: list[float]) -> dict[str, li
 
 
 def _durations(ends: list[float]) -> list[float]:
-    return [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)]
+    return [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)] if ends else []
 
 
 def save_steps(run: dict[str, Any]) -> list[int]:
@@ -125,8 +125,11 @@ def steps_lost(run: dict[str, Any], at: list[int], window: int,
     checkpoints over the same steps (``base`` None) gives the figure's noise."""
     ends = run.get("step_ends") or []
     d = _durations(ends)
+    if window < 1 or not d:
+        return []
     after = [list(range(i, i + window)) for i in at if i + window <= len(d)]
-    near = {i for w in after for i in w} | {0}  # (the first step: the job's start)
+    # away from saves: not the first step (the job's start), nor any save's window, cut or not
+    near = {i for s in at for i in range(s, min(s + window, len(d)))} | {0}
     quiet = [x for i, x in enumerate(d) if i not in near]
     if not quiet:
         return []
@@ -234,7 +237,7 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
         report_to=[], disable_tqdm=True, logging_strategy="no",
         use_cpu=args.device != "cuda")
     data = Tokens(args.steps * args.gpt_batch)
-    made = time.perf_counter()  # mpickpt's Trainer makes its Checkpointer here (MPI's start)
+    made = time.perf_counter()
     if how == "mpickpt":
         trainer = mpickpt.hf.Trainer(model=model, args=targs, train_dataset=data,
                                      mpickpt_root=os.path.join(work, "root"),
@@ -294,6 +297,9 @@ def main() -> None:
                     'mpickpt methods, as JSON (default: keep=2 only), e.g. \'{"io_threads": 4}\'')
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not 1 <= args.window <= args.every:
+        ap.error(f"--window {args.window}: from 1 to --every ({args.every}), so that no step "
+                 "counts after two saves")
     if args.method:
         worker(args)
         return

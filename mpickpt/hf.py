@@ -101,14 +101,10 @@ class _Mpickpt:
         self._mpickpt_ck: Checkpointer | None = None
         self._mpickpt_loaded: dict[str, Any] | None = None
         self.add_callback(_Preemption(self))
-        # made now, on every rank: a misconfiguration is refused here, and the Checkpointer's
-        # start (MPI's own included) is not paid inside the first training step
-        self.checkpointer  # noqa: B018
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """The Checkpointer (created on every rank with the Trainer, again after a ``train()``
-        that closed it)."""
+        """The Checkpointer (created on every rank as ``train()`` starts, or by a resume)."""
         if self._mpickpt_ck is None:
             self._mpickpt_ck = Checkpointer(self.mpickpt_root, **self._mpickpt_options)
         return self._mpickpt_ck
@@ -142,6 +138,9 @@ class _Mpickpt:
               **kwargs: Any) -> Any:
         """As ``Trainer.train``; ``resume_from_checkpoint`` True or ROOT: the newest loadable
         mpickpt checkpoint; ``"checkpoint-N"`` or N: step N, or the newest before it."""
+        # made now, on every rank (collective): a misconfiguration is refused before a step,
+        # and the Checkpointer's start (MPI's own included) is not paid inside the first one
+        self.checkpointer  # noqa: B018
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._mpickpt_restore(resume_from_checkpoint)
         try:

@@ -49,6 +49,7 @@ try:
     from lightning.pytorch.plugins.environments import SLURMEnvironment
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("mpickpt.lightning needs PyTorch Lightning: pip install "
                       "'mpickpt[lightning]'") from e
@@ -65,10 +66,11 @@ REPLICATED = (f"{STATE_KEY}/state_dict", f"{STATE_KEY}/optimizer_states",
 
 class MpickptIO(CheckpointIO):
     """Lightning's checkpoint files, saved and loaded through a :class:`~mpickpt.Checkpointer`
-    on ``root`` (created on every rank by :class:`DDPStrategy`'s setup, before the first
-    training step: use it with that strategy, which also saves on every rank). ``kwargs`` go
-    to the Checkpointer (``keep=N`` or ``keep=mpickpt.Retention(...)``, ``incremental`` ...);
-    ``replicated`` defaults to DDP's model, optimizer and scheduler states."""
+    on ``root`` (created on every rank by :class:`DDPStrategy`'s setup for ``fit``, before
+    the first training step: use it with that strategy, which also saves on every rank).
+    ``kwargs`` go to the Checkpointer (``keep=N`` or ``keep=mpickpt.Retention(...)``,
+    ``incremental`` ...); ``replicated`` defaults to DDP's model, optimizer and scheduler
+    states."""
 
     def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__()
@@ -154,9 +156,10 @@ class DDPStrategy(_DDPStrategy):
         super().setup(trainer)
         if isinstance(self.checkpoint_io, MpickptIO):
             self.checkpoint_io.template = self._live_states
-            # made now, on every rank: a misconfiguration is refused before training, and the
-            # Checkpointer's start (MPI's own included) is not paid inside the first save
-            self.checkpoint_io.checkpointer  # noqa: B018
+            if trainer.state.fn == TrainerFn.FITTING:  # (not for validate, test or predict)
+                # made now, on every rank: a misconfiguration is refused before training, and
+                # the Checkpointer's start (MPI's own included) is not paid in the first save
+                self.checkpoint_io.checkpointer  # noqa: B018
 
     def _live_states(self) -> dict[str, Any]:
         """The states every rank holds alike, as Lightning's checkpoint dict names them."""

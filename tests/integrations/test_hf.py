@@ -65,14 +65,14 @@ def test_a_checkpoint_of_two_ranks_restores_on_one(tmp_path: Path):
 
 
 @pytest.mark.quick
-def test_a_misconfigured_checkpointer_is_refused_when_the_trainer_is_made(tmp_path: Path):
-    """``keep=0`` (no checkpoint would be kept): the Trainer's construction fails on every rank,
-    naming it, before a training step (the Checkpointer is made with the Trainer, not at its
-    first save), and ROOT holds no checkpoint."""
+def test_a_misconfigured_checkpointer_is_refused_as_train_starts(tmp_path: Path):
+    """``keep=0`` (no checkpoint would be kept): ``train()`` fails on every rank as it starts,
+    naming it, before a training step (the Checkpointer is made there, not at the first step's
+    preemption check), and ROOT holds no checkpoint."""
     job = train(N, tmp_path / "root", tmp_path / "out", "--steps", "4", "--save-steps", "2",
                 "--options", '{"keep": 0}')
     assert job.returncode != 0, job.output
     assert "keep must be at least 1, not 0" in job.output, job.output
-    assert "trainer = Trainer(" in job.output, job.output  # raised in the construction
-    assert "trainer.train(" not in job.output, job.output
+    assert "trainer.train(" in job.output and "self.checkpointer" in job.output, job.output
+    assert "_inner_training_loop" not in job.output, job.output  # (where the steps run)
     assert committed_steps(tmp_path / "root") == []
