@@ -114,15 +114,12 @@ def save_steps(run: dict[str, Any]) -> list[int]:
             for s in run.get("save_starts") or []]
 
 
-def steps_lost(run: dict[str, Any], at: list[int], window: int,
-               base: dict[str, Any] | None = None) -> list[float]:
+def steps_lost(run: dict[str, Any], at: list[int], window: int) -> list[float]:
     """For each save step of ``at`` with ``window`` steps from it: how much longer those steps
     took than this run's median step away from them (a save's call included), less the full
-    collections of Python's garbage collector that ran in them (recorded in ``full_gc``; the
-    framework's own: a run without checkpoints has as many, elsewhere). For a run without
-    that record, a step that the run without checkpoints (``base``, the same round) also took
-    1.5 medians or more to counts against that run's time of it instead. The run without
-    checkpoints over the same steps (``base`` None) gives the figure's noise."""
+    collections of Python's garbage collector that ran in them (``full_gc``; the framework's
+    own: a run without checkpoints has as many, elsewhere). The run without checkpoints over
+    the same steps gives the figure's noise."""
     ends = run.get("step_ends") or []
     d = _durations(ends)
     if window < 1 or not d:
@@ -134,15 +131,11 @@ def steps_lost(run: dict[str, Any], at: list[int], window: int,
     if not quiet:
         return []
     med = statistics.median(quiet)
-    gcs = run.get("full_gc")
-    bd = _durations(base.get("step_ends") or []) if base and gcs is None else []
-    bmed = statistics.median(bd[1:]) if len(bd) > 1 else None
     out = []
     for w in after:
-        lost = sum(d[i] - (bd[i] if bmed and i < len(bd) and bd[i] >= 1.5 * bmed else med)
-                   for i in w)
         lo, hi = ends[w[0]] - d[w[0]], ends[w[-1]]
-        out.append(lost - sum(g for a, g in gcs or [] if lo <= a < hi))
+        out.append(sum(d[i] - med for i in w)
+                   - sum(g for a, g in run.get("full_gc") or [] if lo <= a < hi))
     return out
 
 
@@ -237,14 +230,12 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
         report_to=[], disable_tqdm=True, logging_strategy="no",
         use_cpu=args.device != "cuda")
     data = Tokens(args.steps * args.gpt_batch)
-    made = time.perf_counter()
     if how == "mpickpt":
         trainer = mpickpt.hf.Trainer(model=model, args=targs, train_dataset=data,
                                      mpickpt_root=os.path.join(work, "root"),
                                      mpickpt_options=_options(args))
     else:
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
-    made = time.perf_counter() - made
     calls: list[float] = []
     starts: list[float] = []
     trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, args.device, starts)  # type: ignore[method-assign]
@@ -260,7 +251,7 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
     trainer.train()
     _sync(args.device)
     return {"total_s": time.perf_counter() - t, "steps_s": ends[-1] - t, "calls": calls,
-            "state_bytes": state_bytes, "trainer_made_s": made, **_timeline(t, ends, starts)}
+            "state_bytes": state_bytes, **_timeline(t, ends, starts)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -320,13 +311,10 @@ def main() -> None:
             if p.returncode != 0 or not line:
                 sys.exit(f"{m} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
             runs[m].append(json.loads(line[-1][7:]))
-            made = runs[m][-1].get("trainer_made_s")
             gcs = runs[m][-1].get("full_gc") or []
             print(f"round {r + 1}: {m}: total {runs[m][-1]['total_s']:.2f} s, save calls "
                   f"{[round(c, 3) for c in runs[m][-1]['calls']]}, {len(gcs)} full GC "
-                  f"({sum(d for _, d in gcs):.2f} s)"
-                  + (f", Trainer made in {made:.2f} s (not in the total)" if made else ""),
-                  flush=True)
+                  f"({sum(d for _, d in gcs):.2f} s)", flush=True)
     rows, out = [], []
     for m in methods:
         fw = m.split()[0]
@@ -346,7 +334,7 @@ def main() -> None:
         lost, noise = [], []
         for i, run in enumerate(runs[m]):
             none = nones[i] if i < len(nones) and nones[i] is not run else None
-            lost += steps_lost(run, save_steps(run), args.window, none)
+            lost += steps_lost(run, save_steps(run), args.window)
             if none is not None:
                 noise += steps_lost(none, save_steps(run), args.window)
         lost_med = statistics.median(lost) if lost else None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,19 @@ class Run:
     addr: int
 
 
+def _overlaps(runs: list[Run], starts: list[int], lo: int, hi: int
+              ) -> Iterator[tuple[Run, int, int]]:
+    """Each run of ``runs`` (sorted by offset; ``starts``, their offsets) that holds shard
+    bytes of ``[lo, hi)``, with the part ``[a, b)`` of them it holds."""
+    i = max(0, bisect_right(starts, lo) - 1)
+    while i < len(runs) and runs[i].offset < hi:
+        r = runs[i]
+        a, b = max(lo, r.offset), min(hi, r.offset + r.data.nbytes)
+        if a < b:
+            yield r, a, b
+        i += 1
+
+
 def snapshot_parts(runs: list[Run], gate: Callable[[int, int], object] | None, keep: Keep
                    ) -> Callable[[int, int], xorring.Parts]:
     """The runs of shard bytes ``[start, start + n)`` that ``runs`` hold (sorted by offset),
@@ -57,16 +70,13 @@ def snapshot_parts(runs: list[Run], gate: Callable[[int, int], object] | None, k
 
     def parts(start: int, n: int) -> xorring.Parts:
         out: xorring.Parts = []
-        i = max(0, bisect_right(starts, start) - 1)
-        while i < len(runs) and runs[i].offset < start + n and keep.error is None:
-            r = runs[i]
-            lo, hi = max(start, r.offset), min(start + n, r.offset + r.data.nbytes)
-            if lo < hi:
-                if gate is not None:
-                    keep.do(gate, r.addr + lo - r.offset, r.addr + hi - r.offset)
-                if keep.error is None:
-                    out.append((lo - start, r.data[lo - r.offset:hi - r.offset]))
-            i += 1
+        for r, lo, hi in _overlaps(runs, starts, start, start + n):
+            if keep.error is not None:
+                break
+            if gate is not None:
+                keep.do(gate, r.addr + lo - r.offset, r.addr + hi - r.offset)
+            if keep.error is None:
+                out.append((lo - start, r.data[lo - r.offset:hi - r.offset]))
         return out
 
     return parts
@@ -75,24 +85,19 @@ def snapshot_parts(runs: list[Run], gate: Callable[[int, int], object] | None, k
 def landing_order(runs: list[Run], n: int, me: int, chunk: int, window: int
                   ) -> list[tuple[int, int]]:
     """The host addresses ``[addr, end)`` of ``runs`` in the order :func:`from_snapshot`'s
-    rounds take them from member ``me`` of a team of ``n``: a block of each of its chunks per
-    round. For its snapshot's landing to follow (:meth:`mpickpt.save.landing.Landing.prefer`),
-    so that a round need not wait for the last chunk's bytes to land after all the first's."""
+    rounds (:func:`~mpickpt.local.xordirect.rounds`) take them from member ``me`` of a team
+    of ``n``: a block of each of its chunks per round. For its snapshot's landing to follow
+    (:meth:`mpickpt.save.landing.Landing.prefer`), so that a round need not wait for the last
+    chunk's bytes to land after all the first's."""
     starts = [r.offset for r in runs]
     out: list[tuple[int, int]] = []
-    for off in range(0, chunk, window):
-        for k in range(n):
-            if k == me:
+    for rnd in xordirect.rounds(n, chunk, window):
+        for j, b in rnd:
+            if j != me:
                 continue
-            lo = xor_chunk(n, me, k) * chunk + off
-            hi = lo + min(window, chunk - off)
-            i = max(0, bisect_right(starts, lo) - 1)
-            while i < len(runs) and runs[i].offset < hi:
-                r = runs[i]
-                a, b = max(lo, r.offset), min(hi, r.offset + r.data.nbytes)
-                if a < b:
-                    out.append((r.addr + a - r.offset, r.addr + b - r.offset))
-                i += 1
+            lo = xor_chunk(n, me, b.k) * chunk + b.off
+            out += [(r.addr + a - r.offset, r.addr + e - r.offset)
+                    for r, a, e in _overlaps(runs, starts, lo, lo + b.n)]
     return out
 
 
