@@ -1,16 +1,24 @@
-"""One copy between host buffers, off torch's thread pool.
+"""Copies between host buffers, off torch's thread pool.
 
 torch's ``copy_`` of a CPU tensor runs on torch's OpenMP pool (all the machine's cores by
 default), from whichever thread calls it: beside a training thread and mpickpt's I/O threads
 that pool oversubscribes the cores, and each copy waits for its slowest thread. On an H200 host
 (16 cores) the ring's copy of a 5.84 GB snapshot took 1.0-2.5 s beside training that way, 0.26 s
 with the loop stopped, and the training steps lost 0.05-0.08 s per checkpoint to it
-(``bench/probe_ring.py``, ``docs/performance.md``). :func:`host_copy` copies with ``memmove``
-outside the interpreter's lock: on the calling thread alone below :data:`PART` bytes, else on
-:data:`COPY_THREADS` threads. Used by the ring (:mod:`mpickpt.save.landing`), by a shard's
-write into a given destination, the node-local level's (:mod:`mpickpt.format.shard`), and
-(:func:`copy_into`) by the snapshot of tensors in host memory (:mod:`mpickpt.save.snapshot`):
-sixteen tensors of 256 KB took 5.4 ms by ``copy_`` on this project's 2-core VM, 0.3 ms so.
+(``bench/probe_ring.py``, ``docs/performance.md``). Both copies here use ``memmove`` outside the
+interpreter's lock:
+
+- :func:`host_copy`, for copies that run beside training (the ring of
+  :mod:`mpickpt.save.landing`; a shard's write into a given destination, the node-local level's,
+  :mod:`mpickpt.format.shard`): one ``memmove`` on the calling thread. Split over three more
+  threads, the ring's copy cost the training loop of two ranks sharing an H200 one step of
+  +165-260 ms per save (+9-11 % at a save every 20 steps); on the calling thread alone +0.3 %,
+  and the save was protected sooner (``docs/performance.md``, "The ring's copy and the
+  parity's XOR on one thread").
+- :func:`copy_into`, the snapshot of tensors in host memory inside ``save()``
+  (:mod:`mpickpt.save.snapshot`), while the loop waits for it anyway: on :data:`COPY_THREADS`
+  threads from :data:`PART` bytes. Sixteen tensors of 256 KB took 5.4 ms by ``copy_`` on this
+  project's 2-core VM, 0.3 ms so.
 """
 
 from __future__ import annotations
@@ -27,14 +35,15 @@ PART = 1 << 20  # the least a thread copies
 
 
 def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[:] = src`` for contiguous byte tensors in host memory (see the module)."""
+    """``dst[:] = src`` for contiguous byte tensors in host memory, by one ``memmove`` on this
+    thread (see the module)."""
     n = src.numel()
     if dst.numel() != n or not (dst.is_contiguous() and src.is_contiguous()) \
             or dst.element_size() != 1 or src.element_size() != 1 \
             or dst.device.type != "cpu" or src.device.type != "cpu":
         raise ValueError("host_copy takes two contiguous byte tensors of one size in host "
                          "memory")
-    _copy(dst.data_ptr(), src.data_ptr(), n)
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
 def _copy(d: int, s: int, n: int) -> None:
@@ -49,7 +58,8 @@ def _copy(d: int, s: int, n: int) -> None:
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for a host tensor ``dst`` of ``src``'s dtype and shape: by
-    :func:`host_copy`'s ``memmove`` where both are plain contiguous CPU tensors, else by torch
+    ``memmove`` on up to :data:`COPY_THREADS` threads where both are plain contiguous CPU
+    tensors, else by torch
     (a strided view, a conjugate or negative bit, another layout or device)."""
     if (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
             and src.shape == dst.shape and src.layout == torch.strided
