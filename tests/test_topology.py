@@ -115,12 +115,14 @@ def test_direct_parity_blocks_keep_the_buffers_in_flight_within_the_exchanges(te
 
 @pytest.mark.parametrize("n", [5, 8 << 10, (2 << 20) - 1, 2 << 20, (32 << 20) + 3])
 @pytest.mark.parametrize("skew", [0, 3])
-def test_xor_into_is_numpys_xor_in_pieces_or_whole(n: int, skew: int) -> None:
-    """xorring.xor_into: small blocks on this thread, large ones in pieces on its threads,
-    at addresses that are not whole words too; byte for byte numpy's XOR."""
+@pytest.mark.parametrize("threads", [xorring.XOR_THREADS, 1])
+def test_xor_into_is_numpys_xor_in_pieces_or_whole(n: int, skew: int, threads: int) -> None:
+    """xorring.xor_into: small blocks on this thread, large ones in pieces on its threads
+    (unless told to use one), at addresses that are not whole words too; byte for byte
+    numpy's XOR."""
     rng = np.random.default_rng(n + skew)
     acc = rng.integers(0, 256, n + skew, dtype=np.uint8)[skew:]
     src = rng.integers(0, 256, n + 1, dtype=np.uint8)[1:]
     want = acc ^ src
-    xorring.xor_into(acc, src)
+    xorring.xor_into(acc, src, threads)
     assert (acc == want).all()

@@ -7,7 +7,11 @@ XOR before it. Here every contribution goes straight to the member whose parity 
 of: the same bytes per member (its shard out, a shard's worth in), but no chain, so all of a
 round's transfers move at once and the XOR runs on the receiving member only, beside the next
 round's transfers. The first contribution of a block is received straight into its place in
-the parity; the others into reused buffers, XORed in once they are in.
+the parity; the others into reused buffers, XORed in once they are in, on this thread alone:
+the parity runs while the job trains, and with each block's XOR split over four threads of
+its own (:func:`~mpickpt.local.xorring.xor_into`'s default) three ranks sharing an H200 lost a
+training step of +90 ms per save (+3.3 % at a save every 20 steps) against +0.5 % so, and were
+protected as soon (1.10x against 1.12x the slowest bound; ``docs/performance.md``).
 
 A rebuild still goes around the ring: there every block ends at one member, which a ring
 feeds with one shard's bytes where direct transfers would feed it ``len(team) - 1``.
@@ -106,7 +110,7 @@ def direct(team: Protocol, chunk: int, window: int, contribution: Callable[[Bloc
     def finish(r: _Round) -> None:
         r.pending.wait()
         for b, buf in r.xors:
-            xor_into(into(b), buf)
+            xor_into(into(b), buf, threads=1)
         free.extend(r.used)
         for _ in range(r.blocks):
             on_block()

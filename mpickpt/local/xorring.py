@@ -72,16 +72,17 @@ def interleave(per_position: list[list[Block]]) -> list[Block]:
     return out
 
 
-def xor_into(acc: np.ndarray, src: np.ndarray) -> None:
+def xor_into(acc: np.ndarray, src: np.ndarray, threads: int = XOR_THREADS) -> None:
     """``acc ^= src`` (uint8 arrays of one length), 8 bytes at a time where both allow; a
-    large block in :data:`XOR_THREADS` pieces at once (numpy lets go of the GIL), since a
-    member passes a block on only once it is XORed: one thread took 0.6 s of the 1.7 s a
-    three-member parity of 2 GB shards took on an H200 host."""
+    large block in ``threads`` pieces at once (numpy lets go of the GIL), since a member of
+    the ring passes a block on only once it is XORed: one thread took 0.6 s of the 1.7 s a
+    three-member parity of 2 GB shards took by the ring on an H200 host. (The parity beside
+    training, :mod:`mpickpt.local.xordirect`, passes 1: see there.)"""
     n = acc.nbytes
-    if n < XOR_PIECE * 2:
+    if n < XOR_PIECE * 2 or threads <= 1:
         _xor(acc, src)
         return
-    step = (-(-n // XOR_THREADS) + 7) & ~7  # whole words, but for the last piece
+    step = (-(-n // threads) + 7) & ~7  # whole words, but for the last piece
     list(_xor_pool().map(lambda a: _xor(acc[a:a + step], src[a:a + step]), range(0, n, step)))
 
 

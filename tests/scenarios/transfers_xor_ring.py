@@ -4,15 +4,18 @@ form one team; each holds a shard of its own length (some not a multiple of 8, s
 start at odd addresses), with stretches of zeros; some blocks' contributions come as runs with
 the zeros left out, the way a snapshot's tensors give them. Every member's parity is made
 by direct transfers into a buffer full of old bytes (a recycled parity file), with one reused
-buffer where a round needs more, then around the ring, in blocks of 1000 bytes (a chunk takes
-several); then, for every position in turn, the ring rebuilds that member's chunks and parity
-from the others. Every byte must be the XOR numpy
-gives.
+buffer where a round needs more, and again in blocks of 4 MiB, XORed on the calling thread
+(no helper thread of the XOR's may start: the parity runs beside training); then around the
+ring, in blocks of 1000 bytes (a chunk takes several); then, for every position in turn, the
+ring rebuilds that member's chunks and parity from the others. Every byte must be the XOR
+numpy gives.
 
 Run by tests/multirank/test_transfers.py.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -60,6 +63,33 @@ mine = np.full(chunk, 0xAB, np.uint8)  # a recycled parity file's old bytes
 xordirect.direct(proto, chunk, BLOCK, contribution_of(me, []), lambda b: mine[b.off:b.off + b.n],
                  [np.zeros(BLOCK, np.uint8)], "test direct parity")
 assert (mine == want[me]).all(), f"rank {me}: direct parity differs"
+
+# blocks large enough that xorring.xor_into would split them over its own threads: the parity,
+# made while the job trains, XORs them on this thread (docs/performance.md: a training step
+# of +90 ms per save otherwise), and comes out the same
+BIG = 4 << 20
+big = [np.random.default_rng(10 + r).integers(0, 256, 3 * BIG + 8 * r + 3, dtype=np.uint8)
+       for r in range(n)]
+big_chunk = xor_chunk_bytes(max(b.nbytes for b in big), n)
+
+
+def big_piece(r: int, start: int, length: int) -> np.ndarray:
+    out = np.zeros(length, np.uint8)
+    have = max(0, min(length, big[r].nbytes - start))
+    out[:have] = big[r][start:start + have]
+    return out
+
+
+big_mine = np.full(big_chunk, 0x5A, np.uint8)
+xordirect.direct(proto, big_chunk, BIG,
+                 lambda b: [(0, big_piece(me, xor_chunk(n, me, b.k) * big_chunk + b.off, b.n))],
+                 lambda b: big_mine[b.off:b.off + b.n],
+                 [np.zeros(BIG, np.uint8) for _ in range(xorring.BUFFERS)], "test big parity")
+assert (big_mine == np.bitwise_xor.reduce([big_piece(j, xor_chunk(n, j, me) * big_chunk, big_chunk)
+                                           for j in range(n) if j != me])).all(), \
+    f"rank {me}: direct parity of large blocks differs"
+helpers = [t.name for t in threading.enumerate() if t.name.startswith("mpickpt-xor")]
+assert not helpers, f"rank {me}: the parity XORed on threads of its own: {helpers}"
 print(f"rank {me}: direct ok", flush=True)
 mine = np.zeros(chunk, np.uint8)
 order = xorring.interleave([xorring.blocks([k], chunk, BLOCK) for k in range(n)])
