@@ -36,12 +36,12 @@ def test_a_gate_opens_once_its_bytes_have_landed():
     t = threading.Thread(target=lambda: (landing.gate(base + 300, base + 700),
                                          opened.append(time.monotonic())))
     t.start()
-    landing.landed(0, 400)
-    landing.landed(1, 650)
+    landing.mark(0, 0, 400)
+    landing.mark(1, 600, 650)
     time.sleep(0.2)
     assert not opened  # [650, 700) of the second range is not there yet
     at = time.monotonic()
-    landing.landed(1, 700)
+    landing.mark(1, 650, 700)
     t.join(5)
     assert opened and opened[0] >= at
 

@@ -59,8 +59,8 @@ def _copy(d: int, s: int, n: int) -> None:
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for a host tensor ``dst`` of ``src``'s dtype and shape: by
     ``memmove`` on up to :data:`COPY_THREADS` threads where both are plain contiguous CPU
-    tensors, else by torch
-    (a strided view, a conjugate or negative bit, another layout or device)."""
+    tensors, else by torch (a strided view, a conjugate or negative bit, another layout or
+    device)."""
     if (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
             and src.shape == dst.shape and src.layout == torch.strided
             and src.is_contiguous() and dst.is_contiguous() and not src.is_conj()

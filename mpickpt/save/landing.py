@@ -41,10 +41,6 @@ class Landing:
         self._wanted: list[tuple[int, int]] = []  # offsets to land first, in order (prefer)
         self._version = 0
 
-    def landed(self, k: int, upto: int) -> None:
-        """Range ``k`` has landed from its start up to offset ``upto`` of the host buffer."""
-        self.mark(k, self.ranges[k][0], upto)
-
     def mark(self, k: int, a: int, b: int) -> None:
         """Offsets ``[a, b)`` of range ``k`` have landed."""
         with self._cv:

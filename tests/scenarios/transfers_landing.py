@@ -72,7 +72,7 @@ def round_trip(name: str, fail_at: int | None) -> None:
                 return
             time.sleep(0.02)
             host[lo : lo + MIB].copy_(real[lo : lo + MIB])
-            landing.landed(0, min(lo + MIB, host.numel()))
+            landing.mark(0, lo, min(lo + MIB, host.numel()))
         landing.finish()
 
     directory = os.path.join(out_dir, f"{name}-{me}")
