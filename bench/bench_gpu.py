@@ -481,8 +481,10 @@ def main() -> None:
             # persist is judged against the faster of a new file and one written over
             par_write = max(res.get("par_write_aggregate_GBps") or 0,
                             res.get("par_overwrite_aggregate_GBps") or 0) or None
+            kinds = {k: res[f"par_{k}_aggregate_GBps"] for k in ("write", "overwrite")
+                     if res.get(f"par_{k}_aggregate_GBps")}
             res["methods"][m] = summarize(every, nbytes, res.get("dd_write_aggregate_GBps"),
-                                          par_write, res.get("par_read_aggregate_GBps"))
+                                          par_write, res.get("par_read_aggregate_GBps"), kinds)
             log(m, json.dumps({k: v for k, v in res["methods"][m].items() if k != "per_rank"}))
         job.load(ref)  # back to the reference so every method saves the same values
     import torch.distributed as dist
@@ -595,6 +597,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
                 job, ref, m, lambda: ck.restore({"model": job.model, "optim": job.opt}))
             restore["pinned_pool_bytes"] = ck.pinned_bytes
             restore["stats"] = last.stats
+            restore["restore_phases"] = dict(ck.restore_info.phases)  # where its time went
             size = tree_bytes(last.path) if RANK == 0 else 0  # all ranks' shards
             ck.close()
             ck = None
@@ -622,6 +625,8 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
     if handles:  # the first save's and each rep's own figures: where their time went
         out["save_stats_all"] = [{k: v for k, v in h.outcome().stats.items()
                                   if isinstance(v, (int, float))} for h in handles[:args.reps + 1]]
+        # each timed save's file: written over a retired one's (recycled) or new
+        out["persist_recycled_all"] = [bool(s.get("recycled")) for s in out["save_stats_all"][1:]]
     out["first_stall_s"] = first["stall_s"]
     out["first_call_s"] = first["call_s"]
     out["slowest_steps"] = [r["slowest_steps"] for r in reps]
@@ -631,9 +636,27 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
     return out
 
 
+def persist_by_file(per_rank: list[dict[str, Any]], total: int, bounds: dict[str, float]
+                    ) -> dict[str, Any]:
+    """Each timed save's persist (the slowest rank's) against the bound of the file it wrote:
+    a new one (``par_write``) or a retired checkpoint's, written over (``par_overwrite``); the
+    median ratio of each kind and how many saves it has."""
+    out: dict[str, Any] = {}
+    kinds = per_rank[0]["persist_recycled_all"]
+    for recycled, name, key in ((False, "new", "write"), (True, "recycled", "overwrite")):
+        idx = [i for i, k in enumerate(kinds) if k == recycled]
+        if not idx or not bounds.get(key):
+            continue
+        ratios = [total / max(r["persist_s_all"][i] for r in per_rank) / 1e9 / bounds[key]
+                  for i in idx]
+        out[f"persist_{name}_of_parallel"] = median(ratios)
+        out[f"persist_{name}_saves"] = len(idx)
+    return out
+
+
 def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | None,
-              par_write: float | None = None, par_read: float | None = None
-              ) -> dict[str, Any]:
+              par_write: float | None = None, par_read: float | None = None,
+              par_kinds: dict[str, float] | None = None) -> dict[str, Any]:
     """One method's figures over the ranks (each rank's own: the median over its reps)."""
     errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
     if errors:
@@ -665,6 +688,8 @@ def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | Non
     if par_write and par_read:  # the bounds of the disk read and written in parallel
         out["persist_of_parallel"] = out["persist_aggregate_GBps"] / par_write
         out["restore_of_parallel"] = out["restore_aggregate_GBps"] / par_read
+    if par_kinds and "persist_recycled_all" in per_rank[0]:
+        out.update(persist_by_file(per_rank, total, par_kinds))
     out["per_rank"] = per_rank
     return out
 
@@ -754,6 +779,15 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
             ratio = mp[key]
             print(f"mpickpt's {what}: {ratio:.0%} of the disk's parallel bound (goal >= 90%: "
                   f"{'met' if ratio >= 0.9 else 'missed'})")
+        for name, bound in (("new", "a new file"), ("recycled", "a file written over")):
+            if f"persist_{name}_of_parallel" in mp:
+                ratio = mp[f"persist_{name}_of_parallel"]
+                print(f"  saves into {name} files ({mp[f'persist_{name}_saves']}): {ratio:.0%} "
+                      f"of the parallel bound of {bound} (goal >= 90%: "
+                      f"{'met' if ratio >= 0.9 else 'missed'})")
+    if "restore_phases" in mp.get("per_rank", [{}])[0]:
+        print("mpickpt's restore, rank 0's phases (s): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in mp["per_rank"][0]["restore_phases"].items()))
     if "prepare_s_max" in mp:
         print(f"mpickpt's first checkpoint: stall {fmt(mp['first_stall_s_max'], 3)} s; after "
               f"prepare() before the loop ({fmt(mp['prepare_s_max'], 2)} s) "
