@@ -123,9 +123,10 @@ CHECK_PIECES_RANKS = Knob("MPICKPT_CHECK_PIECES_RANKS", 64, _count, "a number of
                           "that sharded tensors tile, up to this many ranks (above, a restore "
                           "checks the pieces it reads); 0 never")
 RESTORE_GPU_ROOM = Knob("MPICKPT_RESTORE_GPU_ROOM", True, _flag, "0 or 1",
-                        "0: a restore from the local level whose bytes come over MPI takes "
-                        "them through host memory, not GPU memory set aside while they come "
-                        "(used where the GPU has the shard's bytes and 1 GiB free)")
+                        "0: a restore into a state on a GPU takes the bytes through host "
+                        "memory, not GPU memory set aside while they come (read from ROOT, "
+                        "over MPI, or mapped from the node's own shards; used where the GPU "
+                        "has the bytes and 1 GiB free)")
 XOR_LAND_BY_ROUNDS = Knob("MPICKPT_XOR_LAND_BY_ROUNDS", True, _flag, "0 or 1",
                           "0: an XOR save's snapshot on a GPU lands in host memory in address "
                           "order, not in the order its parity's rounds take it (protected "

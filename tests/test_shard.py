@@ -206,6 +206,43 @@ def test_large_buffers_of_a_page_locking_pool_ask_for_huge_pages_the_others_do_n
     assert int(view.sum()) == 700
 
 
+def test_spans_into_another_device_are_read_and_verified_in_page_locked_buffers(tmp_path, tensors):
+    """A restore into GPU memory (here the meta device, which any machine has): every block
+    read into its I/O thread's own buffer of a Bounce and verified there; without one, refused;
+    a flipped byte is named as on the host path; the buffers go back at close."""
+    from mpickpt.restore.device_room import Bounce
+
+    records, size = write(tmp_path / "s.h5", tensors)
+    big = next(r for r in records if r.name == "big")
+    span = reader.Span(big, 0, big.nbytes, torch.empty(big.nbytes, dtype=torch.uint8,
+                                                       device="meta"))
+    with pytest.raises(ValueError, match="page-locked"):
+        reader.read_spans(0, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3)
+    bounce = Bounce(BLOCK, 3, pin=False)
+    seen: set[int] = set()
+
+    def counted():
+        buf = bounce()
+        seen.add(buf.data_ptr())
+        return buf
+
+    reader.read_spans(0, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3,
+                      bounce=counted)
+    assert 1 <= len(seen) <= 3  # one buffer per thread that read, each reused
+    assert bounce._pool.allocated_bytes == len(seen) * BLOCK
+    with open(tmp_path / "s.h5", "r+b") as f:
+        f.seek(big.offset + 2 * BLOCK + 9)
+        b = f.read(1)
+        f.seek(big.offset + 2 * BLOCK + 9)
+        f.write(bytes([b[0] ^ 0x04]))
+    with pytest.raises(ShardError, match=r"rank 5: .*s\.h5: tensor 'big': checksum mismatch "
+                                         r"in block 2"):
+        reader.read_spans(5, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3,
+                          bounce=bounce)
+    bounce.close()
+    assert bounce._pool.allocated_bytes == 0
+
+
 # ------------------------------------------------------------- hostile records and files
 
 

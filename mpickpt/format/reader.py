@@ -81,11 +81,14 @@ def read_spans(
     block: int = checksum.DEFAULT_BLOCK,
     threads: int = 4,
     on_block: Callable[[], None] | None = None,
+    bounce: Callable[[], torch.Tensor] | None = None,
 ) -> None:
     """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
     on one or at the record's end) into its ``dest``, verifying every block
     (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place);
-    :class:`ShardError` naming the file, tensor and block at the first mismatch.
+    :class:`ShardError` naming the file, tensor and block at the first mismatch. A ``dest``
+    in GPU memory takes each block, once verified, from ``bounce()``: the calling thread's
+    page-locked host buffer of at least a block, which the block is read into.
 
     The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
     the records must have passed :func:`check_records`."""
@@ -98,14 +101,23 @@ def read_spans(
             if not _whole_blocks(s.record, s.lo, s.hi, block) or s.dest.numel() != s.nbytes:
                 raise ValueError(f"span {s.lo}..{s.hi} of {s.record.name!r} is not whole "
                                  "checksum blocks")
-        views = [byte_view(s.dest) for s in spans]
+        host = [s.dest.device.type == "cpu" for s in spans]
+        if bounce is None and not all(host):
+            raise ValueError("spans into GPU memory need a page-locked buffer to come through")
+        views = [byte_view(s.dest) if h else None for s, h in zip(spans, host, strict=True)]
         largest_first = sorted(range(len(spans)), key=lambda i: -spans[i].nbytes)
         tasks = [(i, b) for i in largest_first
                  for b in range(checksum.block_count(spans[i].nbytes, block))]
 
         def task(i: int, b: int) -> None:
-            s, at = spans[i], b * block
-            f.read_block(s.record, (s.lo + at) // block, views[i][at : at + block])
+            s, at, view = spans[i], b * block, views[i]
+            if view is not None:
+                f.read_block(s.record, (s.lo + at) // block, view[at : at + block])
+            else:  # verified in the page-locked buffer, then copied (and waited for)
+                assert bounce is not None
+                buf = bounce()
+                n = f.read_block(s.record, (s.lo + at) // block, byte_view(buf)[:block])
+                s.dest[at : at + n].copy_(buf[:n])
             if on_block is not None:
                 on_block()
 

@@ -295,6 +295,8 @@ class Staged:
     mapped: dict[str, Source] = field(default_factory=dict)
     # a mapped target -> its room on the GPU, where it is copied once verified (device_room)
     device_out: dict[str, torch.Tensor] = field(default_factory=dict)
+    # spans read into GPU memory come through this thread's page-locked buffer (device_room)
+    bounce: Callable[[], torch.Tensor] | None = None
 
     def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
              on_block: Callable[[], None] | None = None) -> None:
@@ -309,7 +311,7 @@ class Staged:
                 by_file.setdefault(entry.file_of(directory, s.record), []).append(s)
             for (path, size), spans in by_file.items():
                 read_spans(src_rank, path, size, spans, block=block, threads=threads,
-                           on_block=on_block)
+                           on_block=on_block, bounce=self.bounce)
             whole = [(n, src) for n, src in self.mapped.items() if src.rank == src_rank]
             if whole:
                 path, size = os.path.join(directory, entry.file), entry.bytes

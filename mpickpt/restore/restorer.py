@@ -76,11 +76,12 @@ class RestoreInfo:
     # (level "local", a node directory in memory) of bytes_read, used where they lie in this
     # node's files: verified in place, never copied into a buffer
     mapped_bytes: int = 0
-    # (level "local") bytes of GPU memory the state's bytes were put in while they came over
-    # MPI, taken by the state after the vote (restore/device_room.py)
+    # bytes of GPU memory the state's bytes were put in as they came (over MPI, or read from
+    # ROOT), taken by the state after the vote (restore/device_room.py)
     room_bytes: int = 0
     root_bytes: int = 0  # read from ROOT by every rank
-    # seconds of each phase on this rank (level "local": the recovery's, then "load")
+    # seconds of each phase on this rank (level "local": the recovery's, then "load" and its
+    # parts as "load.*"; ROOT: stage, read (own-read the part of it), apply)
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -95,7 +96,7 @@ class Restorer:
         self.replicated, self.world_change = replicated, world_change
         self.bytes_read = 0
         self.mapped_bytes = 0  # of bytes_read, used where they lie (a node directory in memory)
-        self.room_bytes = 0  # put in GPU memory set aside while bytes came over MPI
+        self.room_bytes = 0  # put in GPU memory set aside while the bytes came
         self.fetched_bytes = 0  # the node-local level: received from other nodes' ranks
         self.served_bytes = 0  # and of its own lost shard, from the rank holding its copy
         self.manifest: Manifest | None = None  # of the checkpoint loaded (or last tried)
@@ -122,6 +123,7 @@ class Restorer:
                 info.phases = dict(local.last.phases)
             else:
                 verdict, loaded = self._try(state, step, path)
+                info.phases = dict(self.phases)
             if verdict is None:
                 info.step, info.path, info.metadata = step, path, loaded
                 info.world_size, info.bytes_read = self._written_by, self.bytes_read
@@ -130,7 +132,7 @@ class Restorer:
                 info.network_bytes = local.last.received if level == "local" and local else 0
                 info.fetched_bytes = self.fetched_bytes if level == "local" else 0
                 info.mapped_bytes = self.mapped_bytes if level == "local" else 0
-                info.room_bytes = self.room_bytes if level == "local" else 0
+                info.room_bytes = self.room_bytes
                 break
             info.skipped.append((step, verdict))
             later = [t for t in tries[n + 1:] if t[0] == step]
@@ -345,14 +347,16 @@ class Restorer:
         _check_files(plan, {r for r in needed if on_node(r)}, path)
         # the node-local level in memory: this node's shards are used where they lie
         in_memory = nodes is not None and rootdir.in_memory(path)
-        # bytes moving over MPI (a lost node's, or shares of other nodes' ranks), or this
-        # node's own shards mapped where they lie: into GPU memory, where it has the room,
-        # as they come or once verified (from the mapping page-locked: at the bus's speed)
+        # bytes moving over MPI (a lost node's, or shares of other nodes' ranks), this node's
+        # own shards mapped where they lie, or (ROOT) read here through page-locked buffers:
+        # into GPU memory, where it has the room, as they come or once verified
         moving = bool(served) or not all(map(on_node, needed))
-        room = DeviceRoom.find(plan.devices, lambda r: not on_node(r)) \
-            if nodes is not None and (moving or in_memory) else None
+        room = DeviceRoom.find(plan.devices, lambda r: nodes is None or not on_node(r)) \
+            if nodes is None or moving or in_memory else None
         staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None,
                                room=room)
+        if nodes is None and room is not None and room.held:
+            staged.bounce = room.take_bounce(block, self.io_threads, self.pool.pin)
         here = sorted({r for r in staged.by_rank if on_node(r)}
                       | {src.rank for src in staged.mapped.values()})
         remote = {r: spans for r, spans in staged.by_rank.items() if r not in here}

@@ -1,0 +1,86 @@
+"""A restore from ROOT into a state on the GPU: each block read into a page-locked buffer of its
+I/O thread, verified there, copied into GPU memory set aside; the state takes it after the vote.
+
+Skipped without a GPU (CI has none); run on a GPU machine: python -m pytest tests/gpu -v
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import flip_data_byte
+from test_cuda import model_and_opt, step, values
+
+import mpickpt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def saved(root: Path, steps: int) -> list[list[torch.Tensor]]:
+    """``steps`` checkpoints of a trained model on the GPU under ``root``; each one's values."""
+    m, opt = model_and_opt(0)
+    x = torch.randn(512, 1024, device="cuda")
+    out = []
+    with mpickpt.Checkpointer(root, keep=steps) as ck:
+        for i in range(steps):
+            step(m, opt, x)
+            out.append(values(m, opt))
+            assert ck.save(i, {"model": m, "optim": opt}).wait().committed
+    return out
+
+
+@pytest.mark.parametrize("room", ["1", "0"])
+def test_a_fresh_process_restores_from_root_through_gpu_room_bit_exact(tmp_path, monkeypatch,
+                                                                       room):
+    """A restarted job (a new Checkpointer, an optimizer without state): bit-exact either way;
+    through the room no host buffer as large as the state is allocated, and the room is given
+    back (the optimizer's state does not keep it alive)."""
+    monkeypatch.setenv("MPICKPT_RESTORE_GPU_ROOM", room)
+    ref = saved(tmp_path, 1)[0]
+    m, opt = model_and_opt(1)  # fresh: Adam has no state yet
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": m, "optim": opt}) == 0
+        info = ck.restore_info
+        state_bytes = sum(t.numel() * t.element_size() for t in ref)
+        if room == "1":
+            assert info.room_bytes >= state_bytes - 64, info
+            assert ck._pool.allocated_bytes < state_bytes // 100, "a host buffer for the state"
+        else:
+            assert info.room_bytes == 0
+            assert ck._pool.allocated_bytes >= state_bytes - 64
+    got = values(m, opt)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref, strict=True):
+        assert a.device == b.device and torch.equal(a, b)
+    for st in opt.state.values():  # each of the optimizer's tensors has memory of its own
+        for v in st.values():
+            if v.is_cuda:
+                assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
+
+
+def test_a_damaged_block_read_into_gpu_room_never_reaches_the_state(tmp_path):
+    """The newest step's shard damaged: the room takes its blocks until the bad one, the state
+    is untouched, the restore falls back to the older step; with no older step, the state is
+    still the job's own."""
+    refs = saved(tmp_path, 2)
+    _, tensor = flip_data_byte(tmp_path, 1, rank=0)
+    m, opt = model_and_opt(1)
+    x = torch.randn(512, 1024, device="cuda")
+    step(m, opt, x)
+    with mpickpt.Checkpointer(tmp_path, keep=2) as ck:
+        assert ck.restore({"model": m, "optim": opt}) == 0
+        assert ck.restore_info.room_bytes > 0
+        (skipped, why), = ck.restore_info.skipped
+        assert skipped == 1 and "checksum mismatch" in why and tensor in why, why
+    for a, b in zip(values(m, opt), refs[0], strict=True):
+        assert torch.equal(a, b)
+    flip_data_byte(tmp_path, 0, rank=0)
+    m2, opt2 = model_and_opt(2)
+    step(m2, opt2, x)
+    before = values(m2, opt2)
+    with mpickpt.Checkpointer(tmp_path, keep=2) as ck:
+        assert ck.restore({"model": m2, "optim": opt2}) is None
+    for a, b in zip(values(m2, opt2), before, strict=True):
+        assert torch.equal(a, b), "a damaged checkpoint's bytes reached the state"
