@@ -334,10 +334,11 @@ class Staged:
         return self.out
 
 
-def stage(p: Plan, buffer: Callable[[int], torch.Tensor],
+def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
           mappable: Callable[[int], bool] | None = None, room: DeviceRoom | None = None
           ) -> Staged:
-    """Allocate the targets of ``p`` in one ``buffer`` and lay out the spans to read: a record
+    """Allocate the targets of ``p`` in one ``buffer(nbytes, to_gpu)`` (``to_gpu``: targets on
+    a GPU take their bytes from it) and lay out the spans to read: a record
     that lands whole in one contiguous range of its target is read straight there. A target
     that is one whole record, uncompressed and in the shard of a rank that ``mappable`` accepts
     (a file in memory: the node-local level's own shards), takes no room in the buffer: it is
@@ -356,7 +357,8 @@ def stage(p: Plan, buffer: Callable[[int], torch.Tensor],
     if on_gpu is None:
         gpu, at_gpu = set(), {}
     offsets, pos = _layout(p, set(p.targets) - set(mapped) - gpu)
-    buf = buffer(pos) if pos else torch.empty(0, dtype=torch.uint8)
+    to_gpu = any(p.devices[n].type == "cuda" for n in offsets if n in p.devices)
+    buf = buffer(pos, to_gpu) if pos else torch.empty(0, dtype=torch.uint8)
     out = {n: (on_gpu if n in gpu else buf)[at: at + p.targets[n].nbytes]
            .view(dtypes.torch_dtype(p.targets[n].dtype)).view(p.targets[n].shape)
            for n, at in (offsets | at_gpu).items()}
@@ -417,17 +419,6 @@ def _over(view: memoryview, rec: TensorRecord) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(view, dtype=torch.uint8)
     return flat.view(dtypes.torch_dtype(rec.dtype)).view(rec.shape)
-
-
-def execute(p: Plan, manifest: Manifest, directory: str, *, threads: int,
-            buffer: Callable[[int], torch.Tensor],
-            on_block: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
-    """Read and verify the planned spans; assemble and return every target by name. The records
-    of the shards read must have passed :func:`mpickpt.format.shard.check_records` (restore checks
-    them before it plans, and before anything is allocated)."""
-    s = stage(p, buffer)
-    s.read(manifest, directory, list(s.by_rank), threads=threads, on_block=on_block)
-    return s.finish()
 
 
 def _copy_box(dest: torch.Tensor, t: Target, src: Source, spans: list[Span]) -> None:

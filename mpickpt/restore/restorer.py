@@ -245,9 +245,10 @@ class Restorer:
         clock = Clock()
         self.phases = clock.phases
 
-        def buffer(nbytes: int) -> torch.Tensor:
+        def buffer(nbytes: int, to_gpu: bool) -> torch.Tensor:
             held.append(self.pool.acquire(nbytes))
-            self.pool.lock(held[-1])  # before the loop: fast copies to the GPU (pinned_pool)
+            if to_gpu:  # before the loop: fast copies to the GPU (pinned_pool)
+                self.pool.lock(held[-1])
             return held[-1]
 
         where, staged, reading, room = path, None, None, None
@@ -335,7 +336,8 @@ class Restorer:
         phases["own-read"] = time.perf_counter() - t
 
     def _stage(self, plan: reshard.Plan, path: str, needed: set[int], served: dict[int, int],
-               nodes: Sequence[str] | None, buffer: Callable[[int], torch.Tensor], block: int
+               nodes: Sequence[str] | None, buffer: Callable[[int, bool], torch.Tensor],
+               block: int
                ) -> tuple[reshard.Staged, list[int], dict[int, list[Span]], DeviceRoom | None]:
         """This node's shards of the ``needed`` ranks checked, the targets laid out: (the
         staging, the ranks whose shards are read here, the spans that come from other ranks,

@@ -117,11 +117,16 @@ def test_first_save_page_locks_its_buffer_off_the_training_thread(tmp_path, allo
 
 
 
-def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_path):
+@pytest.mark.parametrize("room", ["1", "0"])
+def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_path, monkeypatch,
+                                                                         room):
     """Without prepare(), the pool's buffer stays pageable: the snapshot's GPU staging buffer is
-    emptied through the small page-locked ring, bit exact; a restore page-locks the buffer (it
-    runs before the loop), and the next save empties the staging buffer into it straight."""
+    emptied through the small page-locked ring, bit exact. A restore through GPU room leaves
+    it so (the next save goes through the ring again); one through host memory page-locks it
+    (it runs before the loop), and the next save empties the staging buffer into it straight."""
     from mpickpt.save import snapshot
+
+    monkeypatch.setenv("MPICKPT_RESTORE_GPU_ROOM", room)
 
     m, opt = model_and_opt(0)
     x = torch.randn(1024, 1024, device="cuda")
@@ -149,10 +154,13 @@ def test_first_save_page_locks_nothing_its_staging_goes_through_the_ring(tmp_pat
             ck.restore({"model": m2, "optim": opt2}, step=0)
             for a, b in zip(values(m2, opt2), expected, strict=True):
                 assert torch.equal(a, b)
-            assert ck._pool.locked_bytes > 0  # the restore's buffer, the pool's
+            if room == "1":
+                assert ck.restore_info.room_bytes > 0 and ck._pool.locked_bytes == 0
+            else:
+                assert ck._pool.locked_bytes > 0  # the restore's buffer, the pool's
             after = values(m2, opt2)
             assert ck.save(1, {"model": m2, "optim": opt2}).wait().committed
-            assert rings == [True, False]
+            assert rings == [True, room == "1"]
             step(m2, opt2, x)
             ck.restore({"model": m2, "optim": opt2}, step=1)
             for a, b in zip(values(m2, opt2), after, strict=True):
