@@ -19,17 +19,9 @@ import shutil
 import time
 
 import torch
+from bench_gpu import drop_caches  # (bench/ is this script's folder: on sys.path)
 
 import mpickpt
-
-
-def drop_caches() -> bool:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> None:
