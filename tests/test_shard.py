@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import stat
 import subprocess
+import weakref
 
 import h5py
 import numpy as np
@@ -239,8 +241,11 @@ def test_spans_into_another_device_are_read_and_verified_in_page_locked_buffers(
                                          r"in block 2"):
         reader.read_spans(5, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3,
                           bounce=bounce)
+    taken = [weakref.ref(t) for t in bounce._taken]
     bounce.close()
     assert bounce._pool.allocated_bytes == 0
+    gc.collect()
+    assert taken and not any(t() is not None for t in taken), "a thread still holds its buffer"
 
 
 # ------------------------------------------------------------- hostile records and files

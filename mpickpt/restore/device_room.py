@@ -134,6 +134,7 @@ class Bounce:
             for buf in self._taken:
                 self._pool.release(buf)
             self._taken.clear()
+            self._mine = threading.local()  # the threads' references to them too
         self._pool.close()
 
 
