@@ -241,7 +241,7 @@ def test_spans_into_another_device_are_read_and_verified_in_page_locked_buffers(
                                          r"in block 2"):
         reader.read_spans(5, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3,
                           bounce=bounce)
-    taken = [weakref.ref(t) for t in bounce._taken]
+    taken = [weakref.ref(t) for t in bounce._taken.buffers]
     bounce.close()
     assert bounce._pool.allocated_bytes == 0
     gc.collect()

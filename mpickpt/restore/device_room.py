@@ -37,7 +37,7 @@ from .. import knobs
 from ..format.iothreads import run_tasks
 from ..format.reader import MappedSpans
 from ..local.ring import Ring, pinned_ring
-from ..save.pinned_pool import HostPool
+from ..save.pinned_pool import HostPool, Taken
 
 HEADROOM = 1 << 30  # bytes of the GPU left free, at least, when room is set aside
 PIECE = 64 << 20  # bytes per copy into the GPU on the I/O threads
@@ -115,26 +115,18 @@ class Bounce:
         self.size = size
         self._pool = HostPool(size * threads, slots=threads, pin=pin)
         self._mine = threading.local()
-        self._taken: list[torch.Tensor] = []
-        self._lock = threading.Lock()
+        self._taken = Taken(self._pool)
 
     def __call__(self) -> torch.Tensor:
         buf = getattr(self._mine, "buf", None)
         if buf is None:
-            buf = self._pool.acquire(self.size)
-            with self._lock:
-                self._taken.append(buf)
-            self._pool.lock(buf)
-            self._mine.buf = buf
+            buf = self._mine.buf = self._taken.take(self.size, lock=True)
         return buf
 
     def close(self) -> None:
         """Every buffer back, unlocked (each thread's reads over)."""
-        with self._lock:
-            for buf in self._taken:
-                self._pool.release(buf)
-            self._taken.clear()
-            self._mine = threading.local()  # the threads' references to them too
+        self._taken.release()
+        self._mine = threading.local()  # the threads' references to them too
         self._pool.close()
 
 

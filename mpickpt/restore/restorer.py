@@ -41,7 +41,7 @@ from ..format.records import check_file, check_records
 from ..local.recovery import Clock, LocalRecovery
 from ..local.remote import fetch as remote_fetch
 from ..mpi.protocol import Protocol
-from ..save.pinned_pool import HostPool
+from ..save.pinned_pool import HostPool, Taken
 from . import provenance, reshard
 from .device_room import DeviceRoom
 
@@ -239,17 +239,11 @@ class Restorer:
             return reason, {}
         self._written_by = manifest.world_size
         self.manifest = manifest
-        verdict, err, arrays, held = _OK, None, {}, []
+        verdict, err, arrays, held = _OK, None, {}, Taken(self.pool)
         plan = None
         self.mapped_bytes = self.room_bytes = 0
         clock = Clock()
         self.phases = clock.phases
-
-        def buffer(nbytes: int, to_gpu: bool) -> torch.Tensor:
-            held.append(self.pool.acquire(nbytes))
-            if to_gpu:  # before the loop: fast copies to the GPU (pinned_pool)
-                self.pool.lock(held[-1])
-            return held[-1]
 
         where, staged, reading, room = path, None, None, None
         remote: dict[int, list[Span]] = {}
@@ -263,8 +257,9 @@ class Restorer:
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             _check_records(plan, needed - {source}, path, manifest.checksum_block)
+            # (a host buffer page-locked where GPU targets take their bytes from it)
             staged, here, remote, room = self._stage(plan, path, needed, served, nodes,
-                                                     buffer, manifest.checksum_block)
+                                                     held.take, manifest.checksum_block)
             clock.lap("stage")
             if nodes is None:
                 self._read_here(staged, manifest, path, here, clock.phases)
@@ -296,8 +291,7 @@ class Restorer:
         finally:
             clock.lap("apply")
             arrays.clear()
-            for buf in held:
-                self.pool.release(buf)
+            held.release()
             staged = remote = None  # (views of the room on the GPU)
             if room is not None:
                 self.room_bytes = sum(b.numel() for b in room.held)

@@ -248,3 +248,28 @@ class HostPool:
     def in_flight(self) -> int:
         with self._cond:
             return len(self._allocated) + len(self._reserved) - len(self._free)
+
+
+class Taken:
+    """The buffers one reader takes from ``pool`` (a restore's, or its threads'), each
+    page-locked where asked, all given back at once by :meth:`release`."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self.buffers: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, lock: bool) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; page-locked if ``lock`` (and the pool pins)."""
+        buf = self.pool.acquire(nbytes)
+        with self._lock:
+            self.buffers.append(buf)
+        if lock:
+            self.pool.lock(buf)
+        return buf
+
+    def release(self) -> None:
+        with self._lock:
+            for buf in self.buffers:
+                self.pool.release(buf)
+            self.buffers.clear()

@@ -71,6 +71,7 @@ def test_a_new_checkpointer_restores_from_root_through_gpu_room_bit_exact(tmp_pa
                 assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
 
 
+@pytest.mark.quick
 def test_a_damaged_block_read_into_gpu_room_never_reaches_the_state(tmp_path):
     """The newest step's shard damaged: the room takes its blocks until the bad one, the state
     is untouched, the restore falls back to the older step; with no older step, the state is
