@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
 import stat
 import subprocess
+import threading
 import weakref
 
 import h5py
@@ -210,8 +212,9 @@ def test_large_buffers_of_a_page_locking_pool_ask_for_huge_pages_the_others_do_n
 
 def test_spans_into_another_device_are_read_and_verified_in_page_locked_buffers(tmp_path, tensors):
     """A restore into GPU memory (here the meta device, which any machine has): every block
-    read into its I/O thread's own buffer of a Bounce and verified there; without one, refused;
-    a flipped byte is named as on the host path; the buffers go back at close."""
+    read into a page-locked buffer of a Bounce, verified there, the buffer given back after it;
+    without one, refused; a flipped byte is named as on the host path; the buffers are let go
+    at close."""
     from mpickpt.restore.device_room import Bounce
 
     records, size = write(tmp_path / "s.h5", tensors)
@@ -223,15 +226,17 @@ def test_spans_into_another_device_are_read_and_verified_in_page_locked_buffers(
     bounce = Bounce(BLOCK, 3, pin=False)
     seen: set[int] = set()
 
+    @contextlib.contextmanager
     def counted():
-        buf = bounce()
-        seen.add(buf.data_ptr())
-        return buf
+        with bounce() as buf:
+            seen.add(buf.data_ptr())
+            yield buf
 
     reader.read_spans(0, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3,
                       bounce=counted)
-    assert 1 <= len(seen) <= 3  # one buffer per thread that read, each reused
+    assert 1 <= len(seen) <= 3  # at most a buffer per thread, each used again
     assert bounce._pool.allocated_bytes == len(seen) * BLOCK
+    assert bounce._pool.in_flight() == 0  # every block gave its buffer back
     with open(tmp_path / "s.h5", "r+b") as f:
         f.seek(big.offset + 2 * BLOCK + 9)
         b = f.read(1)
@@ -241,11 +246,46 @@ def test_spans_into_another_device_are_read_and_verified_in_page_locked_buffers(
                                          r"in block 2"):
         reader.read_spans(5, str(tmp_path / "s.h5"), size, [span], block=BLOCK, threads=3,
                           bounce=bounce)
-    taken = [weakref.ref(t) for t in bounce._taken.buffers]
+    assert bounce._pool.in_flight() == 0  # also where a block failed
+    taken = [weakref.ref(t) for t in bounce._pool._allocated]
     bounce.close()
     assert bounce._pool.allocated_bytes == 0
     gc.collect()
-    assert taken and not any(t() is not None for t in taken), "a thread still holds its buffer"
+    assert taken and not any(t() is not None for t in taken), "a buffer outlived close()"
+
+
+def test_a_one_block_file_read_on_the_calling_thread_then_many_blocks_never_wait_forever(
+        tmp_path, tensors):
+    """A file of one block is read on the calling thread (one task), the next on all the I/O
+    threads: one more thread than the Bounce has buffers. Each block gives its buffer back,
+    so the last thread waits for one at most (a buffer kept per thread hung here)."""
+    from mpickpt.restore.device_room import Bounce
+
+    records, size = write(tmp_path / "s.h5", tensors)
+    big = next(r for r in records if r.name == "big")
+    one = reader.Span(big, 0, BLOCK, torch.empty(BLOCK, dtype=torch.uint8, device="meta"))
+    many = reader.Span(big, 0, big.nbytes, torch.empty(big.nbytes, dtype=torch.uint8,
+                                                       device="meta"))
+    bounce = Bounce(BLOCK, 2, pin=False)
+    pool, stuck = bounce._pool, threading.Event()
+
+    def unstick() -> None:  # had a block waited forever: every buffer back, so that it ends
+        stuck.set()
+        for buf in [b for b in pool._allocated if not any(b is f for f in pool._free)]:
+            pool.release(buf)
+
+    timer = threading.Timer(20, unstick)
+    timer.start()
+    try:
+        reader.read_spans(0, str(tmp_path / "s.h5"), size, [one], block=BLOCK, threads=2,
+                          bounce=bounce)
+        reader.read_spans(0, str(tmp_path / "s.h5"), size, [many], block=BLOCK, threads=2,
+                          bounce=bounce)
+    finally:
+        timer.cancel()
+    assert not stuck.is_set(), "a block waited for a buffer that no thread would give back"
+    assert pool.in_flight() == 0 and pool.allocated_bytes <= 2 * BLOCK
+    bounce.close()
 
 
 # ------------------------------------------------------------- hostile records and files

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,14 +82,14 @@ def read_spans(
     block: int = checksum.DEFAULT_BLOCK,
     threads: int = 4,
     on_block: Callable[[], None] | None = None,
-    bounce: Callable[[], torch.Tensor] | None = None,
+    bounce: Callable[[], AbstractContextManager[torch.Tensor]] | None = None,
 ) -> None:
     """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
     on one or at the record's end) into its ``dest``, verifying every block
     (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place);
     :class:`ShardError` naming the file, tensor and block at the first mismatch. A ``dest``
-    in GPU memory takes each block, once verified, from ``bounce()``: the calling thread's
-    page-locked host buffer of at least a block, which the block is read into.
+    in GPU memory takes each block, once verified, from ``with bounce() as buf``: a
+    page-locked host buffer of at least a block, the block's while it is read and copied.
 
     The file is opened without following symbolic links and must be exactly ``file_bytes`` long;
     the records must have passed :func:`check_records`."""
@@ -115,9 +116,9 @@ def read_spans(
                 f.read_block(s.record, (s.lo + at) // block, view[at : at + block])
             else:  # verified in the page-locked buffer, then copied (and waited for)
                 assert bounce is not None
-                buf = bounce()
-                n = f.read_block(s.record, (s.lo + at) // block, byte_view(buf)[:block])
-                s.dest[at : at + n].copy_(buf[:n])
+                with bounce() as buf:
+                    n = f.read_block(s.record, (s.lo + at) // block, byte_view(buf)[:block])
+                    s.dest[at : at + n].copy_(buf[:n])
             if on_block is not None:
                 on_block()
 

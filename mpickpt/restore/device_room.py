@@ -14,10 +14,11 @@ of the state changes before that vote, as before. A restart on the same nodes (e
 own rank's, nothing over MPI) takes the second way too: its copy into the GPU then runs from
 the page-locked mapping before the vote, where it ran from pageable memory after it.
 
-A restore from ROOT reads each block into one of a few page-locked buffers, one per I/O thread
-(:class:`Bounce`), verifies it there and copies it into the room: no host buffer as large as
-the state to fault in and page-lock first (0.3-0.4 s for 5.84 GB on an H200 host, though the
-buffer was the saves' and faulted in already), and the state takes its bytes from GPU memory.
+A restore from ROOT reads each block into one of a few page-locked buffers, no more than it
+has I/O threads (:class:`Bounce`), verifies it there and copies it into the room: no host
+buffer as large as the state to fault in and page-lock first (0.3-0.4 s for 5.84 GB on an H200
+host, though the buffer was the saves' and faulted in already), and the state takes its bytes
+from GPU memory.
 
 Used only where the GPU has the room free (with :data:`HEADROOM` to spare), a target's bytes
 are uncompressed, and ``MPICKPT_RESTORE_GPU_ROOM`` is not 0; otherwise the restore goes through
@@ -26,10 +27,11 @@ host memory as it did.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,7 +39,7 @@ from .. import knobs
 from ..format.iothreads import run_tasks
 from ..format.reader import MappedSpans
 from ..local.ring import Ring, pinned_ring
-from ..save.pinned_pool import HostPool, Taken
+from ..save.pinned_pool import HostPool
 
 HEADROOM = 1 << 30  # bytes of the GPU left free, at least, when room is set aside
 PIECE = 64 << 20  # bytes per copy into the GPU on the I/O threads
@@ -106,27 +108,29 @@ class DeviceRoom:
 
 
 class Bounce:
-    """One page-locked host buffer of ``size`` bytes per I/O thread, taken at the thread's first
-    call (at most ``threads`` of them), through which the blocks a restore reads from files
-    reach their room on the GPU (:func:`mpickpt.format.reader.read_spans`): a copy into the GPU
-    from page-locked memory, without a host buffer as large as the state."""
+    """Page-locked host buffers of ``size`` bytes, at most ``threads`` of them, through which
+    the blocks a restore reads from files reach their room on the GPU
+    (:func:`mpickpt.format.reader.read_spans`): a copy into the GPU from page-locked memory,
+    without a host buffer as large as the state. Each block holds one while it is read,
+    verified and copied (``with bounce() as buf``), then gives it back: whichever threads
+    read (the I/O threads, or the caller, for a file of one block), a block waits at most for
+    another to finish."""
 
     def __init__(self, size: int, threads: int, pin: bool) -> None:
         self.size = size
         self._pool = HostPool(size * threads, slots=threads, pin=pin)
-        self._mine = threading.local()
-        self._taken = Taken(self._pool)
 
-    def __call__(self) -> torch.Tensor:
-        buf = getattr(self._mine, "buf", None)
-        if buf is None:
-            buf = self._mine.buf = self._taken.take(self.size, lock=True)
-        return buf
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[torch.Tensor]:
+        buf = self._pool.acquire(self.size)
+        try:
+            self._pool.lock(buf)  # once per buffer (it stays locked until close)
+            yield buf
+        finally:
+            self._pool.release(buf)
 
     def close(self) -> None:
-        """Every buffer back, unlocked (each thread's reads over)."""
-        self._taken.release()
-        self._mine = threading.local()  # the threads' references to them too
+        """Every buffer unlocked and let go (every block's read over)."""
         self._pool.close()
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -295,8 +296,8 @@ class Staged:
     mapped: dict[str, Source] = field(default_factory=dict)
     # a mapped target -> its room on the GPU, where it is copied once verified (device_room)
     device_out: dict[str, torch.Tensor] = field(default_factory=dict)
-    # spans read into GPU memory come through this thread's page-locked buffer (device_room)
-    bounce: Callable[[], torch.Tensor] | None = None
+    # spans read into GPU memory come through page-locked buffers, one per block (device_room)
+    bounce: Callable[[], AbstractContextManager[torch.Tensor]] | None = None
 
     def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
              on_block: Callable[[], None] | None = None) -> None:
@@ -358,7 +359,12 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
         gpu, at_gpu = set(), {}
     offsets, pos = _layout(p, set(p.targets) - set(mapped) - gpu)
     to_gpu = any(p.devices[n].type == "cuda" for n in offsets if n in p.devices)
-    buf = buffer(pos, to_gpu) if pos else torch.empty(0, dtype=torch.uint8)
+    try:
+        buf = buffer(pos, to_gpu) if pos else torch.empty(0, dtype=torch.uint8)
+    except BaseException:
+        if room is not None:  # the GPU memory it set aside: back now (the caller never gets it)
+            room.close()
+        raise
     out = {n: (on_gpu if n in gpu else buf)[at: at + p.targets[n].nbytes]
            .view(dtypes.torch_dtype(p.targets[n].dtype)).view(p.targets[n].shape)
            for n, at in (offsets | at_gpu).items()}

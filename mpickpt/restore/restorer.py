@@ -233,7 +233,7 @@ class Restorer:
         from, which names a damaged copy), or, where ``served`` names the lost rank itself,
         rebuilt by its XOR team straight into its restore (``land``,
         :meth:`~mpickpt.local.recovery.LocalRecovery.land`)."""
-        served = served or {}
+        served, self.phases = served or {}, {}  # (no phases of an earlier try, if this fails)
         manifest, reason = self._open(path, step, known)
         if manifest is None:
             return reason, {}

@@ -53,7 +53,11 @@ def test_a_new_checkpointer_restores_from_root_through_gpu_room_bit_exact(tmp_pa
     live = gpu_bytes(m, opt)  # what the room takes: the targets live on the GPU
     state_bytes = sum(t.numel() * t.element_size() for t in ref)
     with mpickpt.Checkpointer(tmp_path) as ck:
+        before = torch.cuda.memory_allocated()
         assert ck.restore({"model": m, "optim": opt}) == 0
+        # the room given back: what stays is the state's own (a fresh optimizer's, new)
+        grown = torch.cuda.memory_allocated() - before
+        assert grown <= gpu_bytes(m, opt) - live + (1 << 20), (grown, live)
         info = ck.restore_info
         if room == "1":
             assert live - 4096 <= info.room_bytes <= live + 4096 * len(ref), (info, live)
@@ -72,10 +76,20 @@ def test_a_new_checkpointer_restores_from_root_through_gpu_room_bit_exact(tmp_pa
 
 
 @pytest.mark.quick
-def test_a_damaged_block_read_into_gpu_room_never_reaches_the_state(tmp_path):
-    """The newest step's shard damaged: the room takes its blocks until the bad one, the state
-    is untouched, the restore falls back to the older step; with no older step, the state is
-    still the job's own."""
+def test_a_damaged_block_read_into_gpu_room_never_reaches_the_state(tmp_path, monkeypatch):
+    """The newest step's shard damaged: its blocks go through the room's page-locked buffers
+    until the bad one, the restore falls back to the older step (every block of which comes
+    the same way); with no older step, the state is still the job's own."""
+    from mpickpt.restore import device_room
+
+    calls: list[int] = []
+    real = device_room.Bounce.__call__
+
+    def counting(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(device_room.Bounce, "__call__", counting)
     refs = saved(tmp_path, 2)
     _, tensor = flip_data_byte(tmp_path, 1, rank=0)
     m, opt = model_and_opt(1)
@@ -86,6 +100,8 @@ def test_a_damaged_block_read_into_gpu_room_never_reaches_the_state(tmp_path):
         assert ck.restore_info.room_bytes >= gpu_bytes(m, opt) - 4096
         (skipped, why), = ck.restore_info.skipped
         assert skipped == 1 and "checksum mismatch" in why and tensor in why, why
+    blocks = sum(-(-t.numel() * t.element_size() // (64 << 20)) for t in refs[0] if t.is_cuda)
+    assert len(calls) > blocks, (len(calls), blocks)  # step 0's, and some of step 1's
     for a, b in zip(values(m, opt), refs[0], strict=True):
         assert torch.equal(a, b)
     flip_data_byte(tmp_path, 0, rank=0)
