@@ -251,25 +251,21 @@ class HostPool:
 
 
 class Taken:
-    """The buffers one reader takes from ``pool`` (a restore's, or its threads'), each
-    page-locked where asked, all given back at once by :meth:`release`."""
+    """The buffers one restore takes from ``pool`` on its own thread, each page-locked where
+    asked, all given back at once by :meth:`release`."""
 
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
         self.buffers: list[torch.Tensor] = []
-        self._lock = threading.Lock()
 
     def take(self, nbytes: int, lock: bool) -> torch.Tensor:
         """A buffer of at least ``nbytes``; page-locked if ``lock`` (and the pool pins)."""
-        buf = self.pool.acquire(nbytes)
-        with self._lock:
-            self.buffers.append(buf)
+        self.buffers.append(self.pool.acquire(nbytes))  # (given back even if locking fails)
         if lock:
-            self.pool.lock(buf)
-        return buf
+            self.pool.lock(self.buffers[-1])
+        return self.buffers[-1]
 
     def release(self) -> None:
-        with self._lock:
-            for buf in self.buffers:
-                self.pool.release(buf)
-            self.buffers.clear()
+        for buf in self.buffers:
+            self.pool.release(buf)
+        self.buffers.clear()
