@@ -140,16 +140,18 @@ def median(xs: list[float]) -> float:
 class Job:
     """The reference training job on one device (a GPU, or the CPU)."""
 
-    def __init__(self, layers: int, width: int, batch: int, device: torch.device) -> None:
+    def __init__(self, layers: int, width: int, batch: int, device: torch.device,
+                 stepped: bool = True) -> None:
         torch.manual_seed(RANK)
-        self.device = device
+        self.device, self.shape = device, (layers, width, batch)
         mods: list[torch.nn.Module] = []
         for _ in range(layers):
             mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
         self.model = torch.nn.Sequential(*mods).to(device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5)
         self.x = torch.randn(batch, width, device=device)
-        self.step()  # Adam state exists from here on
+        if stepped:
+            self.step()  # Adam state exists from here on
 
     def step(self) -> float:
         loss = self.model(self.x).square().mean()
@@ -494,6 +496,31 @@ def main() -> None:
     write(res, args)
 
 
+def restart_timed(job: Job, ref: list[torch.Tensor], name: str,
+                  new_ck: Callable[[], mpickpt.Checkpointer]) -> dict[str, Any]:
+    """A restarted job's restore, the newest checkpoint into a new model and an optimizer that
+    has no state yet (what a job brings back after a failure), by a new Checkpointer (built
+    before the clock starts), page cache dropped, all ranks together; checked against ``ref``."""
+    fresh = Job(*job.shape, job.device, stepped=False)
+    ck = new_ck()
+    try:
+        dropped = drop_caches()
+        COMM.Barrier()
+        t = time.perf_counter()
+        ck.restore({"model": fresh.model, "optim": fresh.opt})
+        fresh.sync()
+        s = time.perf_counter() - t
+        fresh.verify(ref, f"{name} (restart)")
+        return {"restart_s": s, "restart_cache_dropped": dropped,
+                "restart_room_bytes": ck.restore_info.room_bytes,
+                "restart_phases": dict(ck.restore_info.phases)}
+    finally:
+        ck.close()
+        del fresh
+        if job.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[torch.Tensor]
                  ) -> dict[str, Any]:
     """Checkpoint ``args.reps`` times in a training window, then save and restore once: this
@@ -598,6 +625,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
             restore["pinned_pool_bytes"] = ck.pinned_bytes
             restore["stats"] = last.stats
             restore["restore_phases"] = dict(ck.restore_info.phases)  # where its time went
+            restore |= restart_timed(job, ref, m, new_ck)
             size = tree_bytes(last.path) if RANK == 0 else 0  # all ranks' shards
             ck.close()
             ck = None
@@ -688,6 +716,11 @@ def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | Non
     if par_write and par_read:  # the bounds of the disk read and written in parallel
         out["persist_of_parallel"] = out["persist_aggregate_GBps"] / par_write
         out["restore_of_parallel"] = out["restore_aggregate_GBps"] / par_read
+    if "restart_s" in per_rank[0]:  # a restarted job's restore (a fresh optimizer)
+        out["restart_s_max"] = max(r["restart_s"] for r in per_rank)
+        out["restart_aggregate_GBps"] = total / out["restart_s_max"] / 1e9
+        if par_read:
+            out["restart_of_parallel"] = out["restart_aggregate_GBps"] / par_read
     if par_kinds and "persist_recycled_all" in per_rank[0]:
         out.update(persist_by_file(per_rank, total, par_kinds))
     out["per_rank"] = per_rank
@@ -785,6 +818,15 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
                 print(f"  saves into {name} files ({mp[f'persist_{name}_saves']}): {ratio:.0%} "
                       f"of the parallel bound of {bound} (goal >= 90%: "
                       f"{'met' if ratio >= 0.9 else 'missed'})")
+    if "restart_s_max" in mp:
+        of = (f", {mp['restart_of_parallel']:.0%} of the disk's parallel bound (goal >= 90%: "
+              f"{'met' if mp['restart_of_parallel'] >= 0.9 else 'missed'})"
+              if "restart_of_parallel" in mp else "")
+        r0 = mp["per_rank"][0]
+        print(f"mpickpt's restart (a new model, an optimizer without state yet): "
+              f"{mp['restart_s_max']:.2f} s{of}; rank 0 through GPU room "
+              f"{r0['restart_room_bytes'] / 1e9:.2f} GB, phases (s): " + ", ".join(
+                  f"{k} {v:.3f}" for k, v in r0["restart_phases"].items()))
     if "restore_phases" in mp.get("per_rank", [{}])[0]:
         print("mpickpt's restore, rank 0's phases (s): " + ", ".join(
             f"{k} {v:.3f}" for k, v in mp["per_rank"][0]["restore_phases"].items()))

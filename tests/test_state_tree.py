@@ -67,6 +67,24 @@ def test_module_optimizer_and_scheduler_restore():
     assert torch.equal(ma, b["o"].state_dict()["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.quick
+def test_arrays_the_state_lacks_go_onto_the_device_named_and_kept_ones_are_not_copied():
+    """A restore's arrays live in a reused buffer (``borrowed``): one the state does not hold
+    yet is copied out, onto the device ``onto`` names for it (here the meta device, which any
+    machine has), or kept as it is where ``keep`` names it (memory of its own); the saved
+    tree says which device each tensor came from."""
+    tree, arrays = state_tree.flatten({"a": torch.arange(4.0), "b": torch.ones(3),
+                                       "c": torch.zeros(2), "g": torch.Generator()})
+    assert state_tree.arrays_of(tree) == {"a": "cpu", "b": "cpu", "c": "cpu", "g": ""}
+    live: dict = {}
+    state_tree.apply(tree, live, arrays, borrowed=True, keep={"b"},
+                     onto={"a": torch.device("meta"), "b": torch.device("cpu")})
+    assert live["a"].device.type == "meta" and live["a"].shape == (4,)
+    assert live["b"] is arrays["b"]  # kept: already on its device, in memory of its own
+    assert live["c"] is not arrays["c"] and torch.equal(live["c"], arrays["c"])
+    assert live["c"].untyped_storage().data_ptr() != arrays["c"].untyped_storage().data_ptr()
+
+
 def test_rng_state_restores_future_draws():
     rng = RNGState()
     saved = {"rng": rng}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,10 +239,13 @@ class _Applier:
     :class:`ArraySpec` in a dry run."""
 
     def __init__(self, arrays: Mapping[str, torch.Tensor | ArraySpec], dry_run: bool,
-                 borrowed: bool) -> None:
+                 borrowed: bool, keep: Collection[str] = (),
+                 onto: Mapping[str, torch.device] | None = None) -> None:
         self.arrays = arrays
         self.dry = dry_run
         self.borrowed = borrowed  # arrays live in a reused buffer: copy what the state keeps
+        self.keep = keep  # (but these, in memory of their own)
+        self.onto = onto or {}  # the device of each array the state does not hold yet
         # Keys present in the state but absent from the checkpoint are an error, except inside the
         # state dict of a stateful object that is not a Module (an optimizer's state may be empty
         # before its first step; its load_state_dict() replaces it whole).
@@ -327,7 +330,12 @@ class _Applier:
                 with torch.no_grad():
                     target.copy_(src, non_blocking=True)
             return live
-        return src.clone() if self.borrowed and not self.dry else src
+        if self.dry:
+            return src
+        onto = self.onto.get(node.get("name", ""))
+        if onto is not None and src.device != onto:
+            return src.to(onto, non_blocking=True)  # (a tensor of its own)
+        return src if not self.borrowed or node.get("name") in self.keep else src.clone()
 
     def n_ndarray(self, node: Mapping[str, Any], live: Any, path: tuple[Any, ...]) -> Any:
         src = self.array(node, path)
@@ -395,6 +403,23 @@ class _Applier:
         return live
 
 
+def arrays_of(tree: Any, out: dict[str, str] | None = None) -> dict[str, str]:
+    """The arrays a stored tree references, in tree order: name -> the device a tensor was
+    saved from ("" where not recorded)."""
+    out = {} if out is None else out
+    if isinstance(tree, dict):
+        if tree.get("type") in ("tensor", "ndarray", "torch_generator") and isinstance(
+                tree.get("name"), str):
+            out.setdefault(tree["name"], str(tree.get("device", ""))
+                           if tree["type"] == "tensor" else "")
+        for v in tree.values():
+            arrays_of(v, out)
+    elif isinstance(tree, list):
+        for v in tree:
+            arrays_of(v, out)
+    return out
+
+
 def _spec(t: torch.Tensor) -> ArraySpec:
     return ArraySpec(dtypes.name_of(t.dtype), tuple(t.shape))
 
@@ -406,15 +431,18 @@ def apply(
     *,
     dry_run: bool = False,
     borrowed: bool = False,
+    keep: Collection[str] = (),
+    onto: Mapping[str, torch.device] | None = None,
 ) -> Any:
     """Restore ``tree`` into ``state`` in place, taking arrays by name from ``arrays``.
 
     With ``dry_run`` nothing changes and ``arrays`` may hold :class:`ArraySpec` s: every mismatch
     that the real pass would hit is raised as :class:`StateMismatchError` naming the key path.
     ``borrowed`` arrays live in a buffer that will be reused: values the state keeps (rather than
-    copies into its own tensors) are copied out. Copies to CUDA tensors are queued without
-    waiting; synchronize before reusing the arrays.
+    copies into its own tensors) are copied out, but for those named in ``keep``. An array the
+    state does not hold yet goes onto the device ``onto`` names for it, if any. Copies to CUDA
+    tensors are queued without waiting; synchronize before reusing the arrays.
     """
     if not isinstance(state, dict):
         raise StateMismatchError(f"the state to restore into must be a dict, not {type(state)}")
-    return _Applier(arrays, dry_run, borrowed).node(tree, state, ())
+    return _Applier(arrays, dry_run, borrowed, keep, onto).node(tree, state, ())

@@ -20,6 +20,10 @@ buffer as large as the state to fault in and page-lock first (0.3-0.4 s for 5.84
 host, though the buffer was the saves' and faulted in already), and the state takes its bytes
 from GPU memory.
 
+A tensor the state does not hold yet (a restarted job's fresh optimizer state), saved from a
+GPU, gets room of its own (:meth:`DeviceRoom.buffers`), which the state keeps as it is: no
+host buffer, no second copy on the GPU (``Plan.fresh``, ``Staged.owned``).
+
 Used only where the GPU has the room free (with :data:`HEADROOM` to spare), a target's bytes
 are uncompressed, and ``MPICKPT_RESTORE_GPU_ROOM`` is not 0; otherwise the restore goes through
 host memory as it did.
@@ -68,19 +72,20 @@ class DeviceRoom:
             return None
         return cls(cuda.most_common(1)[0][0], fetched)
 
-    def buffer(self, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` of GPU memory, or None where the GPU does not have them free."""
+    def buffers(self, sizes: list[int]) -> list[torch.Tensor] | None:
+        """GPU memory of each of ``sizes`` bytes, or None where the GPU does not have them all
+        free."""
         free, _ = torch.cuda.mem_get_info(self.device)
-        if nbytes + HEADROOM > free:
+        if sum(sizes) + HEADROOM > free:
             log.debug("restore: %d bytes of %s free, %d wanted: through host memory", free,
-                      self.device, nbytes)
+                      self.device, sum(sizes))
             return None
         try:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
         except torch.cuda.OutOfMemoryError:
             return None
-        self.held.append(buf)
-        return buf
+        self.held += bufs
+        return bufs
 
     def take_ring(self, block: int, pin: bool) -> None:
         """A ring for the bytes received into the room (checksum blocks of ``block`` bytes;

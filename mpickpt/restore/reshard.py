@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class Plan:
     # those records, from the manifest's replicated part)
     entries: dict[int, RankEntry] = field(default_factory=dict)
     devices: dict[str, torch.device] = field(default_factory=dict)  # where the state has each
+    fresh: set[str] = field(default_factory=set)  # of them, those the state does not hold yet
 
     def specs(self) -> dict[str, ArraySpec]:
         return {n: ArraySpec(t.dtype, t.shape) for n, t in self.targets.items()}
@@ -121,20 +123,6 @@ class Plan:
     @property
     def bytes_to_read(self) -> int:
         return sum(r.nbytes for ranges in self.spans.values() for r in ranges)
-
-
-def _array_names(node: Any, out: list[str]) -> list[str]:
-    """Names of the arrays a stored tree references, in tree order."""
-    if isinstance(node, dict):
-        if node.get("type") in ("tensor", "ndarray", "torch_generator") and isinstance(
-                node.get("name"), str):
-            out.append(node["name"])
-        for v in node.values():
-            _array_names(v, out)
-    elif isinstance(node, list):
-        for v in node:
-            _array_names(v, out)
-    return out
 
 
 def _elements(rec: TensorRecord, off: tuple[int, ...], shape: tuple[int, ...]
@@ -169,7 +157,7 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     # a state without some replicated tensors (an optimizer before its first step) gets them
     # from the checkpoint: not a typo here (the save checks the key paths)
     _, live, placements = state_tree.flatten_placed(state, replicated, world, strict=False)
-    names = list(dict.fromkeys(_array_names(entry.tree, [])))
+    names = state_tree.arrays_of(entry.tree)
     if manifest.world_size == world:
         # the same ranks: this rank's pieces are in its own entry, and the replicated ones in
         # their writers' (those every rank holds: all in the manifest's replicated part, when
@@ -187,7 +175,7 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
                  placements, where)
 
 
-def _plan(manifest: Manifest, source: int, names: list[str], own: dict[str, TensorRecord],
+def _plan(manifest: Manifest, source: int, names: dict[str, str], own: dict[str, TensorRecord],
           entries: dict[int, RankEntry], live: dict[str, torch.Tensor],
           placements: dict[str, sharding.Placement], where: str) -> Plan:
     """:func:`plan` with the stored pieces of ``entries``' records."""
@@ -212,8 +200,14 @@ def _plan(manifest: Manifest, source: int, names: list[str], own: dict[str, Tens
     spans = {k: _merge(v) for k, v in wanted.items()}
     devices = {n: t.device for n, t in live.items()
                if n in targets and isinstance(t, torch.Tensor)}
+    # a tensor saved from a GPU that the state does not hold yet (a new optimizer's state)
+    # goes onto the GPU holding most of the state, where its load_state_dict would move it
+    fresh: set[str] = set()
+    if gpu := Counter(d for d in devices.values() if d.type == "cuda").most_common(1):
+        fresh = {n for n, d in names.items() if n not in devices and d.startswith("cuda")}
+        devices |= dict.fromkeys(fresh, gpu[0][0])
     return Plan(source, entry.tree, targets, spans,
-                {k.rank: entries[k.rank] for k in spans}, devices)
+                {k.rank: entries[k.rank] for k in spans}, devices, fresh)
 
 
 def _target(name: str, own: dict[str, TensorRecord],
@@ -296,6 +290,8 @@ class Staged:
     mapped: dict[str, Source] = field(default_factory=dict)
     # a mapped target -> its room on the GPU, where it is copied once verified (device_room)
     device_out: dict[str, torch.Tensor] = field(default_factory=dict)
+    # targets in GPU memory of their own, for the state to keep as they are (Plan.fresh)
+    owned: set[str] = field(default_factory=set)
     # spans read into GPU memory come through page-locked buffers, one per block (device_room)
     bounce: Callable[[], AbstractContextManager[torch.Tensor]] | None = None
 
@@ -353,10 +349,14 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
         n for n, t in p.targets.items() if p.devices.get(n) == room.device
         and all(s.record.codec is None and (n in mapped or room.fetched(s.rank))
                 for s in t.sources)}
-    at_gpu, gpu_pos = _layout(p, gpu)
-    on_gpu = room.buffer(gpu_pos) if gpu and room is not None else None
-    if on_gpu is None:
-        gpu, at_gpu = set(), {}
+    alone = sorted(gpu & p.fresh)  # the state keeps these as they are: memory of their own
+    at_gpu, gpu_pos = _layout(p, gpu - p.fresh)
+    held = room.buffers([gpu_pos, *(p.targets[n].nbytes for n in alone)]) \
+        if gpu and room is not None else None
+    if held is None:
+        gpu, at_gpu, alone = set(), {}, []
+    base = {n: held[0] for n in at_gpu} | {n: held[i + 1] for i, n in enumerate(alone)}
+    at_gpu |= dict.fromkeys(alone, 0)
     offsets, pos = _layout(p, set(p.targets) - set(mapped) - gpu)
     to_gpu = any(p.devices[n].type == "cuda" for n in offsets if n in p.devices)
     try:
@@ -365,7 +365,7 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
         if room is not None:  # the GPU memory it set aside: back now (the caller never gets it)
             room.close()
         raise
-    out = {n: (on_gpu if n in gpu else buf)[at: at + p.targets[n].nbytes]
+    out = {n: (base[n] if n in gpu else buf)[at: at + p.targets[n].nbytes]
            .view(dtypes.torch_dtype(p.targets[n].dtype)).view(p.targets[n].shape)
            for n, at in (offsets | at_gpu).items()}
     device_out = {n: out.pop(n) for n in gpu & set(mapped)}
@@ -394,7 +394,7 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
                 spans.append(Span(src.record, r.lo, r.hi, dest))
             by_rank.setdefault(key.rank, []).extend(spans)
             staged[key] = spans
-    return Staged(p, out, by_rank, direct, staged, mapped, device_out)
+    return Staged(p, out, by_rank, direct, staged, mapped, device_out, set(alone))
 
 
 def _layout(p: Plan, names: set[str]) -> tuple[dict[str, int], int]:

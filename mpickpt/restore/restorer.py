@@ -286,8 +286,8 @@ class Restorer:
             arrays = staged.finish()
         clock.lap("read")
         try:
-            tree = plan.tree if plan is not None else {}
-            return self._agree_and_apply(path, manifest, tree, state, arrays, verdict, err)
+            return self._agree_and_apply(path, manifest, plan, staged, state, arrays, verdict,
+                                         err)
         finally:
             clock.lap("apply")
             arrays.clear()
@@ -360,9 +360,10 @@ class Restorer:
             room.take_ring(block, self.pool.pin)  # the received bytes' way into the room
         return staged, here, remote, room
 
-    def _agree_and_apply(self, path: str, manifest: Manifest, tree: dict[str, Any],
-                         state: dict[str, Any], arrays: dict[str, torch.Tensor], verdict: int,
-                         err: str | None) -> tuple[str | None, dict[str, Any]]:
+    def _agree_and_apply(self, path: str, manifest: Manifest, plan: reshard.Plan | None,
+                         staged: reshard.Staged | None, state: dict[str, Any],
+                         arrays: dict[str, torch.Tensor], verdict: int, err: str | None
+                         ) -> tuple[str | None, dict[str, Any]]:
         verdict = self.proto.max(verdict, "verify")
         if verdict != _OK:
             reasons = "; ".join(filter(None, self.proto.allgather(err, "verify-report")))
@@ -372,7 +373,9 @@ class Restorer:
             return reasons, {}
         err = None
         try:
-            state_tree.apply(tree, state, arrays, borrowed=True)
+            assert plan is not None and staged is not None  # (verified: both there)
+            state_tree.apply(plan.tree, state, arrays, borrowed=True, keep=staged.owned,
+                             onto={n: plan.devices[n] for n in plan.fresh})
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the host->device copies read the reused buffer
         except Exception as e:

@@ -206,9 +206,9 @@ def _host_room(block: int) -> None:
         def find(cls, devices: Any, fetched: Any) -> device_room.DeviceRoom:
             return cls(torch.device("cpu"), fetched)
 
-        def buffer(self, nbytes: int) -> torch.Tensor:
-            self.held.append(torch.empty(nbytes, dtype=torch.uint8))
-            return self.held[-1]
+        def buffers(self, sizes: list[int]) -> list[torch.Tensor]:
+            self.held += [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            return self.held[-len(sizes):]
 
     restorer.DeviceRoom = HostRoom  # type: ignore[misc]
     ring.SLOT = 2 * block
