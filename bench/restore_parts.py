@@ -24,6 +24,7 @@ PARTS = [("mpickpt.mpi.protocol", q) for q in (
     ("mpickpt.restore.restorer", "Restorer._read_here"),
     ("mpickpt.restore.device_room", "DeviceRoom.buffers"),
     ("mpickpt.restore.device_room", "DeviceRoom.take_ring"),
+    ("mpickpt.restore.device_room", "DeviceRoom.close"),
     ("mpickpt.local.xorteam", "xor_land"), ("mpickpt.local.xorteam", "xor_rebuild"),
     ("mpickpt.local.xorlanding", "XorLanding.finish"),
     ("mpickpt.local.filemap", "FileMap.__enter__"), ("mpickpt.local.filemap", "FileMap.__exit__"),
