@@ -125,7 +125,7 @@ CHECK_PIECES_RANKS = Knob("MPICKPT_CHECK_PIECES_RANKS", 64, _count, "a number of
 RESTORE_GPU_ROOM = Knob("MPICKPT_RESTORE_GPU_ROOM", True, _flag, "0 or 1",
                         "0: a restore into a state on a GPU takes the bytes through host "
                         "memory, not GPU memory set aside while they come (read from ROOT, "
-                        "over MPI, or mapped from the node's own shards; used where the GPU "
+                        "over MPI, or from the node's own shards in memory; used where the GPU "
                         "has the bytes and 1 GiB free)")
 XOR_LAND_BY_ROUNDS = Knob("MPICKPT_XOR_LAND_BY_ROUNDS", True, _flag, "0 or 1",
                           "0: an XOR save's snapshot on a GPU lands in host memory in address "

@@ -1,24 +1,22 @@
-"""GPU memory set aside for a restore: filled while the bytes come over MPI, from a rank's own
-shard mapped where it lies once its checksums pass (the node-local level), or block by block
-as they are read from ROOT's files and verified; taken by the state device to device once every
-rank has verified what it holds.
+"""GPU memory set aside for a restore: filled while the bytes come over MPI, or block by block
+as they are read from files (ROOT's, or a node's own shards in memory) and verified; taken by
+the state device to device once every rank has verified what it holds.
 
 A restore from the node-local level after a lost node waits for the lost shard's bytes from
 its partner. Through host memory, the state can take them only after they are all in and
-verified, and then at the speed of a copy to the GPU from pageable memory (the serving rank's
-own shard, mapped where it lies) or after page-locking a buffer as large as the shard (the
-receiving rank's). With room on the GPU, both copies run while the bytes move: the received
-ones through a small ring of page-locked slots (:mod:`mpickpt.local.ring`), a rank's own mapped
-shard once its checksums pass; after the verify vote the state copies from GPU memory. Nothing
-of the state changes before that vote, as before. A restart on the same nodes (every shard its
-own rank's, nothing over MPI) takes the second way too: its copy into the GPU then runs from
-the page-locked mapping before the vote, where it ran from pageable memory after it.
+verified, and then after page-locking a buffer as large as the shard. With room on the GPU,
+the received bytes go through a small ring of page-locked slots (:mod:`mpickpt.local.ring`),
+verified there and copied into the room while the next ones move; after the verify vote the
+state copies from GPU memory. Nothing of the state changes before that vote, as before.
 
-A restore from ROOT reads each block into one of a few page-locked buffers, no more than it
-has I/O threads (:class:`Bounce`), verifies it there and copies it into the room: no host
-buffer as large as the state to fault in and page-lock first (0.3-0.4 s for 5.84 GB on an H200
-host, though the buffer was the saves' and faulted in already), and the state takes its bytes
-from GPU memory.
+Files are read block by block into one of a few page-locked buffers, no more than there are
+I/O threads (:class:`Bounce`), verified there and copied into the room: no host buffer as
+large as the state to fault in and page-lock first (0.3-0.4 s for 5.84 GB on an H200 host,
+though the buffer was the saves' and faulted in already). A node's own shard in memory takes
+the same way rather than being mapped where it lies: mapped, its pages were faulted into the
+process one by one by the verify's threads and page-locked once more for the copy, beside the
+serving of a lost node's copy out of another mapping; on one H200 host that read took 1.4 s
+for 3 GB (``docs/performance.md``). (Without the room, it is still used where it lies.)
 
 A tensor the state does not hold yet (a restarted job's fresh optimizer state), saved from a
 GPU, gets room of its own (:meth:`DeviceRoom.buffers`), which the state keeps as it is: no
@@ -33,21 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .. import knobs
-from ..format.iothreads import run_tasks
-from ..format.reader import MappedSpans
 from ..local.ring import Ring, pinned_ring
 from ..save.pinned_pool import HostPool
 
 HEADROOM = 1 << 30  # bytes of the GPU left free, at least, when room is set aside
-PIECE = 64 << 20  # bytes per copy into the GPU on the I/O threads
-READ_ONLY = 8  # cudaHostRegisterReadOnly: the file is mapped read-only
 
 log = logging.getLogger("mpickpt")
 
@@ -137,48 +130,3 @@ class Bounce:
     def close(self) -> None:
         """Every buffer unlocked and let go (every block's read over)."""
         self._pool.close()
-
-
-def to_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
-    """Copy each ``(GPU destination, host source)`` of the same shape, in pieces of at most
-    :data:`PIECE` bytes on ``threads`` (copies from pageable memory go faster side by side)."""
-    flat = [(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
-            for d, s in pairs]
-    tasks = [(i, a) for i, (d, _) in enumerate(flat) for a in range(0, d.numel(), PIECE)]
-
-    def task(i: int, a: int) -> None:
-        d, s = flat[i]
-        d[a:a + PIECE].copy_(s[a:a + PIECE])
-
-    run_tasks(tasks, task, threads)
-
-
-def verify_into(mapped: MappedSpans, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                threads: int) -> None:
-    """Every block of ``mapped`` verified where it lies, then each ``(GPU destination, tensor
-    over one of its views)`` copied. Meanwhile, on a thread of its own, the mapped file's pages
-    are page-locked where CUDA can (``cudaHostRegister``, read-only): a copy into the GPU from
-    locked pages runs at the bus's speed, from pageable ones at a fraction of it (0.40 s
-    against 0.055 s for 3 GB on an H100 host). They are unlocked once copied."""
-    base = mapped.address() if pairs and torch.cuda.is_available() else None
-    locked: list[bool] = []
-    locker = threading.Thread(target=lambda: locked.append(_lock(*base)), daemon=True,
-                              name="mpickpt-lock-map") if base is not None else None
-    if locker is not None:
-        locker.start()
-    try:
-        mapped.verify(threads)
-        if locker is not None:
-            locker.join()
-        to_device(pairs, threads)
-    finally:
-        if locker is not None:
-            locker.join()
-            if locked and locked[0]:
-                torch.cuda.cudart().cudaHostUnregister(base[0])
-
-
-def _lock(ptr: int, nbytes: int) -> bool:
-    """Page-lock ``nbytes`` mapped at ``ptr`` for the GPU's copies; whether it could (its
-    error, if any, stays this thread's)."""
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, READ_ONLY)) == 0

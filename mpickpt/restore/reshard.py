@@ -32,7 +32,7 @@ from ..format.reader import MappedSpans, Span, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
 from ..format.state_tree import ArraySpec
-from .device_room import DeviceRoom, verify_into
+from .device_room import DeviceRoom
 
 # a record used where it lies in its file must start on such a boundary (a tensor's elements
 # aligned; tensors of 1 MiB and more start on 1 MiB): a smaller one goes through the buffer
@@ -288,8 +288,6 @@ class Staged:
     staged: dict[RecordKey, list[Span]]  # stored record -> its spans, in byte order
     # target -> the one whole record it is, used where it lies in its file (mapped, verified)
     mapped: dict[str, Source] = field(default_factory=dict)
-    # a mapped target -> its room on the GPU, where it is copied once verified (device_room)
-    device_out: dict[str, torch.Tensor] = field(default_factory=dict)
     # targets in GPU memory of their own, for the state to keep as they are (Plan.fresh)
     owned: set[str] = field(default_factory=set)
     # spans read into GPU memory come through page-locked buffers, one per block (device_room)
@@ -316,9 +314,7 @@ class Staged:
                                                              for _, src in whole], block=block)
                 for (n, src), view in zip(whole, mapped.views, strict=True):
                     self.out[n] = _over(view, src.record)
-                moved = [n for n, _ in whole if n in self.device_out]  # (their room: GPU)
-                verify_into(mapped, [(self.device_out[n], self.out[n]) for n in moved], threads)
-                self.out |= {n: self.device_out[n] for n in moved}
+                mapped.verify(threads)
                 if on_block is not None:
                     on_block()
 
@@ -340,8 +336,9 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
     that is one whole record, uncompressed and in the shard of a rank that ``mappable`` accepts
     (a file in memory: the node-local level's own shards), takes no room in the buffer: it is
     used where it lies in its file (:attr:`Staged.mapped`). With ``room``, the targets the
-    state has on its GPU whose uncompressed bytes come from other ranks or are mapped get
-    their room there instead, if it has it (:mod:`mpickpt.restore.device_room`)."""
+    state has on its GPU whose uncompressed bytes come from other ranks or could be mapped
+    get their room there instead, if it has it, and are read into it rather than mapped
+    (:mod:`mpickpt.restore.device_room`)."""
     mapped = {n: t.sources[0] for n, t in p.targets.items()
               if mappable is not None and len(t.sources) == 1 and _whole(t, t.sources[0])
               and mappable(t.sources[0].rank)}
@@ -356,6 +353,9 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
     if held is None:
         gpu, at_gpu, alone = set(), {}, []
     base = {n: held[0] for n in at_gpu} | {n: held[i + 1] for i, n in enumerate(alone)}
+    # one with room there is read into it through the page-locked buffers, even from a file in
+    # memory: mapped, its pages would be faulted into this process one by one
+    mapped = {n: src for n, src in mapped.items() if n not in gpu}
     at_gpu |= dict.fromkeys(alone, 0)
     offsets, pos = _layout(p, set(p.targets) - set(mapped) - gpu)
     to_gpu = any(p.devices[n].type == "cuda" for n in offsets if n in p.devices)
@@ -368,7 +368,6 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
     out = {n: (base[n] if n in gpu else buf)[at: at + p.targets[n].nbytes]
            .view(dtypes.torch_dtype(p.targets[n].dtype)).view(p.targets[n].shape)
            for n, at in (offsets | at_gpu).items()}
-    device_out = {n: out.pop(n) for n in gpu & set(mapped)}
     direct: dict[RecordKey, int] = {}
     for t in p.targets.values():
         for src in t.sources:
@@ -394,7 +393,7 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
                 spans.append(Span(src.record, r.lo, r.hi, dest))
             by_rank.setdefault(key.rank, []).extend(spans)
             staged[key] = spans
-    return Staged(p, out, by_rank, direct, staged, mapped, device_out, set(alone))
+    return Staged(p, out, by_rank, direct, staged, mapped, set(alone))
 
 
 def _layout(p: Plan, names: set[str]) -> tuple[dict[str, int], int]:

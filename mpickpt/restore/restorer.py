@@ -343,15 +343,15 @@ class Restorer:
         _check_files(plan, {r for r in needed if on_node(r)}, path)
         # the node-local level in memory: this node's shards are used where they lie
         in_memory = nodes is not None and rootdir.in_memory(path)
-        # bytes moving over MPI (a lost node's, or shares of other nodes' ranks), this node's
-        # own shards mapped where they lie, or (ROOT) read here through page-locked buffers:
-        # into GPU memory, where it has the room, as they come or once verified
+        # bytes over MPI (a lost node's, shares of other nodes' ranks) and those read here
+        # (ROOT's, own shards) through page-locked buffers: into GPU memory where it has the
+        # room, verified as they come (without it, own shards in memory are mapped)
         moving = bool(served) or not all(map(on_node, needed))
         room = DeviceRoom.find(plan.devices, lambda r: nodes is None or not on_node(r)) \
             if nodes is None or moving or in_memory else None
         staged = reshard.stage(plan, buffer, mappable=on_node if in_memory else None,
                                room=room)
-        if nodes is None and room is not None and room.held:
+        if room is not None and room.held:  # (its buffers taken as the reads need them)
             staged.bounce = room.take_bounce(block, self.io_threads, self.pool.pin)
         here = sorted({r for r in staged.by_rank if on_node(r)}
                       | {src.rank for src in staged.mapped.values()})
