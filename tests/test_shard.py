@@ -384,3 +384,39 @@ def test_attributes_are_what_h5py_writes(tmp_path):
         assert ds.attrs.get_id("shape").get_type() == d.attrs.get_id("shape").get_type()
         assert len(ds.attrs["xxh3_64"].split(",")) == 1
         assert f.attrs["mpickpt_version"] >= 1
+
+
+@pytest.mark.quick
+def test_a_tensor_the_state_lacks_goes_onto_the_gpu_it_was_saved_from_if_the_state_uses_it():
+    """A restarted job's fresh optimizer has no tensors to say where its state goes: each
+    one saved from a GPU goes onto that GPU where the state has tensors on it, else onto the
+    GPU holding most of the state; one saved from the CPU stays there. (Fake CUDA tensors:
+    no GPU needed to plan.)"""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mpickpt.format.records import TensorRecord
+    from mpickpt.restore import reshard
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        live = {"model/a": torch.empty(4, device="cuda:0"),
+                "model/b": torch.empty(4, device="cuda:0"),
+                "model/big": torch.empty(1 << 10, device="cuda:1")}
+    names = {n: str(t.device) for n, t in live.items()}
+    names |= {"optim/state/2/exp_avg": "cuda:1", "optim/state/0/exp_avg": "cuda:0",
+              "ema/shadow": "cuda:3", "optim/state/0/step": "cpu"}
+    own, off = {}, 0
+    for n in names:
+        k = live[n].numel() if n in live else 1 << 10
+        own[n] = TensorRecord(n, "float32", [k], off, 4 * k)
+        off += 4 * k
+    entry = SimpleNamespace(tree={}, tensors=[])
+    manifest = SimpleNamespace(ranks=[entry], checksum_block=1 << 20)
+    p = reshard._plan(manifest, 0, names, own, {0: entry}, live, {}, "here")
+    assert p.fresh == {"optim/state/2/exp_avg", "optim/state/0/exp_avg", "ema/shadow"}
+    assert p.devices["optim/state/2/exp_avg"] == torch.device("cuda:1")
+    assert p.devices["optim/state/0/exp_avg"] == torch.device("cuda:0")
+    assert p.devices["ema/shadow"] == torch.device("cuda:0")  # (no tensor of the state there)
+    assert "optim/state/0/step" not in p.devices
+

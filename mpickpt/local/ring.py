@@ -11,6 +11,7 @@ that last used its slot is done with it (:meth:`Ring.wait_free`, on the transfer
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,6 +19,8 @@ from concurrent.futures import Future
 import torch
 
 from ..save.pinned_pool import HostPool
+
+log = logging.getLogger("mpickpt")
 
 SLOT = 64 << 20  # bytes per slot, at least (a whole number of checksum blocks)
 SLOTS = 6  # the groups posted ahead (remote's transfer posts 4) and two being used
@@ -43,12 +46,15 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
         for i, slot in enumerate(made):
             try:
                 buf = pool.acquire(size)
-                pool.lock(buf)
-                slot.set_result(buf)
-            except BaseException as e:
+            except BaseException as e:  # (no memory: the transfer fails)
                 for rest in made[i:]:
                     rest.set_exception(e)
                 return
+            try:  # a slot that cannot be page-locked is used as it is: slower copies, and
+                pool.lock(buf)  # the receives already posted into the others still land
+            except Exception as e:
+                log.warning("restore: a ring slot stays pageable: %s", e)
+            slot.set_result(buf)
 
     threading.Thread(target=make, daemon=True, name="mpickpt-ring").start()
 

@@ -47,7 +47,8 @@ log = logging.getLogger("mpickpt")
 
 class DeviceRoom:
     """Room on ``device`` for the targets whose bytes come from other ranks (``fetched(rank)``)
-    or are mapped where they lie."""
+    or are read from files (ROOT's, or the node's own shards in memory, which are then not
+    mapped)."""
 
     def __init__(self, device: torch.device, fetched: Callable[[int], bool]) -> None:
         self.device, self.fetched = device, fetched

@@ -201,11 +201,12 @@ def _plan(manifest: Manifest, source: int, names: dict[str, str], own: dict[str,
     devices = {n: t.device for n, t in live.items()
                if n in targets and isinstance(t, torch.Tensor)}
     # a tensor saved from a GPU that the state does not hold yet (a new optimizer's state)
-    # goes onto the GPU holding most of the state, where its load_state_dict would move it
-    fresh: set[str] = set()
-    if gpu := Counter(d for d in devices.values() if d.type == "cuda").most_common(1):
-        fresh = {n for n, d in names.items() if n not in devices and d.startswith("cuda")}
-        devices |= dict.fromkeys(fresh, gpu[0][0])
+    # goes onto that GPU where the state has tensors there, else onto the one holding most
+    cuda = Counter(d for d in devices.values() if d.type == "cuda")
+    fresh = {n for n, d in names.items() if cuda and n not in devices and d.startswith("cuda")}
+    for n in fresh:
+        saved = torch.device(names[n])
+        devices[n] = saved if saved in cuda else cuda.most_common(1)[0][0]
     return Plan(source, entry.tree, targets, spans,
                 {k.rank: entries[k.rank] for k in spans}, devices, fresh)
 

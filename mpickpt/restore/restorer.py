@@ -292,7 +292,7 @@ class Restorer:
             clock.lap("apply")
             arrays.clear()
             held.release()
-            staged = remote = None  # (views of the room on the GPU)
+            staged = remote = reading = None  # (views of the room; a failed read's too)
             if room is not None:
                 self.room_bytes = sum(b.numel() for b in room.held)
                 room.close()
@@ -341,7 +341,7 @@ class Restorer:
 
         # the node-local level: other nodes' shards are their ranks' to check and send
         _check_files(plan, {r for r in needed if on_node(r)}, path)
-        # the node-local level in memory: this node's shards are used where they lie
+        # the node-local level in memory: this node's shards are mapped (without GPU room)
         in_memory = nodes is not None and rootdir.in_memory(path)
         # bytes over MPI (a lost node's, shares of other nodes' ranks) and those read here
         # (ROOT's, own shards) through page-locked buffers: into GPU memory where it has the

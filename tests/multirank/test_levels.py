@@ -414,7 +414,7 @@ def test_a_lost_nodes_bytes_go_through_the_ring_into_room_set_aside(
     local/ring.py), run in host memory with 4 KiB checksum blocks, so that each shard moves in
     many groups through the ring's six slots: node 1 lost, its shards come from node 0's
     partner copies through the ring into the room (a replicated model: every rank's shares
-    of other nodes too), node 0's own mapped tensors are copied there once verified, and the
+    of other nodes too), node 0's own tensors are read into it through its buffers, and the
     run ends bit-identical. Rank 2's copy out of the first group's slot is held up a second
     (a fault point): the groups that come meanwhile wait for it rather than land in a slot in
     use."""
@@ -426,7 +426,7 @@ def test_a_lost_nodes_bytes_go_through_the_ring_into_room_set_aside(
                       outcome(reports, 4, CRASH, finals), done.output[-2000:])
     restored = node_1_back_from_partners(done, reports)
     for r in range(4):  # the model staged in the room: all of it that came over MPI; of a
-        # survivor's own, the tensors mapped where they lie (those of a block or more, aligned)
+        # survivor's own, the tensors that lie whole in its shard (a block or more, aligned)
         least = restored[r]["model_bytes"] - (0 if r >= 2 or replicated else ROOM_BLOCK)
         assert restored[r]["room_bytes"] >= least > 0, (r, str(restored[r]))
     for r in (2, 3):  # the lost shard: many groups, so every slot of the ring used again
