@@ -14,7 +14,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..errors import ShardError
@@ -156,12 +155,6 @@ class MappedSpans:
         self.rank, self.path, self.block = rank, path, block
         self._spans = spans
         self.views = [whole[r.offset + lo:r.offset + hi] for r, lo, hi in spans]
-
-    def address(self) -> tuple[int, int] | None:
-        """(where the file is mapped, its bytes), or None for an empty file."""
-        if self._map is None:
-            return None
-        return np.frombuffer(self._map, dtype=np.uint8).ctypes.data, len(self._map)
 
     def populate(self, threads: int = 4) -> None:
         """Map the spans' pages in ahead of their use (``MADV_POPULATE_READ``, in pieces on
