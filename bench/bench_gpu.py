@@ -502,21 +502,16 @@ def restart_timed(job: Job, ref: list[torch.Tensor], name: str,
     has no state yet (what a job brings back after a failure), by a new Checkpointer (built
     before the clock starts), page cache dropped, all ranks together; checked against ``ref``."""
     fresh = Job(*job.shape, job.device, stepped=False)
+    state = {"model": fresh.model, "optim": fresh.opt}
     ck = new_ck()
     try:
-        dropped = drop_caches()
-        COMM.Barrier()
-        t = time.perf_counter()
-        ck.restore({"model": fresh.model, "optim": fresh.opt})
-        fresh.sync()
-        s = time.perf_counter() - t
-        fresh.verify(ref, f"{name} (restart)")
-        return {"restart_s": s, "restart_cache_dropped": dropped,
+        r = restore_timed(fresh, ref, f"{name} (restart)", functools.partial(ck.restore, state))
+        return {"restart_s": r["restore_s"], "restart_cache_dropped": r["cache_dropped"],
                 "restart_room_bytes": ck.restore_info.room_bytes,
                 "restart_phases": dict(ck.restore_info.phases)}
     finally:
         ck.close()
-        del fresh
+        del fresh, state
         if job.device.type == "cuda":
             torch.cuda.empty_cache()
 
