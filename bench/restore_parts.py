@@ -29,6 +29,12 @@ PARTS = [("mpickpt.mpi.protocol", q) for q in (
     ("mpickpt.local.xorlanding", "XorLanding.finish"),
     ("mpickpt.local.filemap", "FileMap.__enter__"), ("mpickpt.local.filemap", "FileMap.__exit__"),
     ("mpickpt.local.filemap", "FileMap.populate")]
+# called once per block of an XOR rebuild: summed per rank (calls, total, first start -> last
+# end) rather than listed one by one
+SUMMED = [("mpickpt.local.xorring", q) for q in (
+    "xor_into", "_Flow.send_done", "_Flow.post", "_Flow.composed")] + [
+    ("mpickpt.local.xorlanding", q) for q in ("XorLanding.into", "XorLanding._use")] + [
+    ("mpickpt.local.parity", "file_parts")]
 EVENTS: list[tuple[str, float, float]] = []
 
 
@@ -61,7 +67,7 @@ def wrap(module: str, qualname: str) -> None:
 def install() -> None:
     """Wrap every part of :data:`PARTS` that the package has (an older one, timed beside the
     current, may lack some)."""
-    for module, qualname in PARTS:
+    for module, qualname in PARTS + SUMMED:
         try:
             wrap(module, qualname)
         except AttributeError:
@@ -69,6 +75,14 @@ def install() -> None:
 
 
 def lines(t0: float) -> list[str]:
-    """The calls recorded since ``t0``, in ms from it."""
-    return [f"  {q:28s} {1e3 * (s - t0):8.1f} -> {1e3 * (e - t0):8.1f}  ({1e3 * (e - s):7.1f} ms)"
-            for q, s, e in EVENTS if s >= t0]
+    """The calls recorded since ``t0``, in ms from it; those of :data:`SUMMED` summed."""
+    summed = {q for _, q in SUMMED}
+    out = [f"  {q:28s} {1e3 * (s - t0):8.1f} -> {1e3 * (e - t0):8.1f}  ({1e3 * (e - s):7.1f} ms)"
+           for q, s, e in EVENTS if s >= t0 and q not in summed]
+    for q in sorted(summed):
+        calls = [(s, e) for name, s, e in EVENTS if name == q and s >= t0]
+        if calls:
+            out.append(f"  {q:28s} {1e3 * (calls[0][0] - t0):8.1f} -> "
+                       f"{1e3 * (calls[-1][1] - t0):8.1f}  ({len(calls)} calls, "
+                       f"{1e3 * sum(e - s for s, e in calls):.1f} ms in all)")
+    return out
