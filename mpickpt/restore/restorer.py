@@ -24,25 +24,16 @@ from typing import Any
 import torch
 
 from .. import faults
-from ..errors import (
-    CheckpointError,
-    ManifestError,
-    ShardError,
-    StateMismatchError,
-    WorldSizeMismatchError,
-)
+from ..errors import CheckpointError, ShardError, StateMismatchError
 from ..format import rootdir, state_tree
-from ..format.entry import RankEntry
 from ..format.iothreads import pool
-from ..format.manifest import NAME as MANIFEST
-from ..format.manifest import Manifest, read_bytes
+from ..format.manifest import Manifest
 from ..format.reader import Span
-from ..format.records import check_file, check_records
 from ..local.recovery import Clock, LocalRecovery
 from ..local.remote import fetch as remote_fetch
 from ..mpi.protocol import Protocol
 from ..save.pinned_pool import HostPool, Taken
-from . import provenance, reshard
+from . import opening, provenance, reshard
 from .device_room import DeviceRoom
 
 # a lost rank's spans, rebuilt by its XOR team through page-locked slots or not: its error
@@ -184,43 +175,6 @@ class Restorer:
                     verdict, loaded = load()
         return (None if verdict is None else f"from the local level: {verdict}"), loaded
 
-    def _open(self, path: str, step: int, known: Manifest | None = None
-              ) -> tuple[Manifest | None, str | None]:
-        """Collective: the manifest of step ``step`` at ``path`` as rank 0 reads it (or
-        ``known``, the one every rank parsed already), checked against this job (another number
-        of ranks: refused, or said and resharded), or why it cannot be loaded."""
-        if known is not None:
-            manifest = known
-        else:
-            text, reason = self.proto.bcast(
-                _read_manifest(path) if self.rank == 0 else None, "manifest")
-            if text is None:
-                return None, reason
-            try:
-                manifest = Manifest.from_json(text, os.path.join(path, MANIFEST))
-            except ManifestError as e:
-                return None, str(e)
-        if manifest.step != step:
-            return None, (f"{os.path.join(path, MANIFEST)} is the manifest of step "
-                          f"{manifest.step}, not of step {step}: it was copied or moved here")
-        if manifest.world_size != self.world_size:
-            if self.world_change == "fail":
-                raise WorldSizeMismatchError(
-                    f"{path} was written by {manifest.world_size} ranks, this job has "
-                    f"{self.world_size}; restore it with the same number of ranks, or with "
-                    "world_change='reshard'")
-            if self.rank == 0:
-                # the same on N >= 2 stored ranks: in effect global state, any copy will do
-                # (not looked at through index parts: that would read every rank's)
-                same = (manifest.world_size > 1 and not manifest.split
-                        and not _per_rank_state_differs(manifest))
-                (self.log.info if same else self.log.warning)(
-                    "%s was written by %d ranks, this job has %d: sharded and replicated tensors "
-                    "are resharded; rank r takes the per-rank state (other tensors and values) "
-                    "of stored rank r mod %d%s", path, manifest.world_size, self.world_size,
-                    manifest.world_size, " (it is the same on every stored rank)" if same else "")
-        return manifest, None
-
     def _try(self, state: dict[str, Any], step: int, path: str,
              nodes: Sequence[str] | None = None, served: dict[int, int] | None = None,
              known: Manifest | None = None, served_from: Callable[[int], str] | None = None,
@@ -234,7 +188,8 @@ class Restorer:
         rebuilt by its XOR team straight into its restore (``land``,
         :meth:`~mpickpt.local.recovery.LocalRecovery.land`)."""
         served, self.phases = served or {}, {}  # (no phases of an earlier try, if this fails)
-        manifest, reason = self._open(path, step, known)
+        manifest, reason = opening.open_manifest(
+            self.proto, path, step, self.world_size, self.world_change, self.log, known)
         if manifest is None:
             return reason, {}
         self._written_by = manifest.world_size
@@ -251,12 +206,12 @@ class Restorer:
             # records that cannot be are damage (fall back), before they are compared with the
             # state (a mismatch stops the restore) or anything is allocated for them
             source = self.rank % manifest.world_size
-            _check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
+            opening.check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
             plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
             where = os.path.join(path, manifest.ranks[source].file)
             state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
-            _check_records(plan, needed - {source}, path, manifest.checksum_block)
+            opening.check_entries(plan, needed - {source}, path, manifest.checksum_block)
             # (a host buffer page-locked where GPU targets take their bytes from it)
             staged, here, remote, room = self._stage(plan, path, needed, served, nodes,
                                                      held.take, manifest.checksum_block)
@@ -340,7 +295,7 @@ class Restorer:
             return r not in served and (nodes is None or nodes[r] == nodes[self.rank])
 
         # the node-local level: other nodes' shards are their ranks' to check and send
-        _check_files(plan, {r for r in needed if on_node(r)}, path)
+        opening.check_files(plan, {r for r in needed if on_node(r)}, path)
         # the node-local level in memory: this node's shards are mapped (without GPU room)
         in_memory = nodes is not None and rootdir.in_memory(path)
         # bytes over MPI (a lost node's, shares of other nodes' ranks) and those read here
@@ -396,50 +351,3 @@ def _verdict(rank: int, e: Exception, where: str, manifest: Manifest, path: str
     if isinstance(e, ShardError):
         return _CORRUPT, str(e) + provenance.explain(e.rank, e.path, manifest, path)
     return _CORRUPT, f"rank {rank}: {where}: {type(e).__name__}: {e}"
-
-
-def _read_manifest(path: str) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason)."""
-    try:
-        return read_bytes(path).decode("utf-8", errors="replace"), None
-    except ManifestError as e:
-        return None, str(e)
-
-
-def _per_rank_state_differs(manifest: Manifest) -> bool:
-    """Whether the stored ranks' per-rank state differs (values in the trees, or the checksums of
-    per-rank tensors), i.e. whether the ``r mod N`` rule matters; device names are ignored."""
-
-    def strip(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k != "device"}
-        if isinstance(node, list):
-            return [strip(v) for v in node]
-        return node
-
-    def signature(e: RankEntry) -> tuple[Any, ...]:
-        own = [(r.name, r.dtype, r.shape, r.checksums) for r in e.tensors if r.global_shape is None]
-        return strip(e.tree), own
-
-    first = signature(manifest.ranks[0])
-    return any(signature(e) != first for e in manifest.ranks[1:])
-
-
-def _check_entry(rank: int, entry: RankEntry, directory: str, block: int) -> None:
-    """The records of ``entry`` fit the sizes of the files they lie in, as the manifest gives
-    them (:class:`ShardError` otherwise); before anything is allocated for them."""
-    for f in entry.files(directory):  # incremental: older shards too
-        check_records(rank, f.path, f.records, f.bytes, block)
-
-
-def _check_records(plan: reshard.Plan, ranks: set[int], directory: str, block: int) -> None:
-    for src in sorted(ranks):
-        _check_entry(src, plan.entries[src], directory, block)
-
-
-def _check_files(plan: reshard.Plan, ranks: set[int], directory: str) -> None:
-    """Each of these ranks' shards is a regular file of the size its manifest gives
-    (:class:`ShardError` otherwise); before anything is allocated for it."""
-    for src in sorted(ranks):
-        for f in plan.entries[src].files(directory):
-            check_file(src, f.path, f.bytes)
