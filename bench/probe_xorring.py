@@ -15,7 +15,10 @@ either way; every parity is checked against numpy's). ``--files DIR``
 (a tmpfs, as ``/dev/shm``): the same through the level's own functions on real files, as a save
 and a restore do (``parity.from_files``, by direct transfers, out of each shard file's map
 into a parity file;
-``parity.xor_rebuild`` of member 1's shard into a new file), the files made before the timing.
+``parity.xor_rebuild`` of member 1's shard into a new file), the files made before the timing;
+with ``--land`` as well, member 1's shard is received into memory touched before instead of a
+new file, as a restore lands it (:class:`~mpickpt.local.xorlanding.XorLanding`), so that only
+the survivors' side goes through files.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true",
                     help="the parity by direct transfers (local/xordirect.py), not the ring")
     ap.add_argument("--files", help="through files in this directory (a tmpfs)")
+    ap.add_argument("--land", action="store_true", help="with --files: the rebuilt shard into "
+                    "memory touched before, not a new file")
     args = ap.parse_args()
+    if args.land and not args.files:
+        ap.error("--land goes with --files")
     if args.files:
         files(args)
         return
@@ -125,6 +132,7 @@ def files(args: argparse.Namespace) -> None:
     dst = np.memmap(par, np.uint8, "r+", shape=(chunk,))  # kept mapped, as the level's are
     dst[:] = 0
     lost, times = 1, []
+    landed = np.zeros((n - 1) * chunk if args.land and me == lost else 0, np.uint8)
     try:
         peer, src = np.zeros(size, np.uint8), np.fromfile(own, np.uint8)
         out = os.path.join(args.files, f"probe-xor-rebuilt-{me}.bin")
@@ -135,11 +143,15 @@ def files(args: argparse.Namespace) -> None:
                 proto, own, size, chunk, lambda b: dst[b.off:b.off + b.n], buffer,
                 xorring.BLOCK, lambda: None))
             dst.flush()
+            landed[:] = 0
             tr = timed(proto, "rebuild", lambda: parity.xor_rebuild(
                 proto, lost, chunk, [size] * n, own if me != lost else None,
                 par if me != lost else None, out if me == lost else None, None, xorring.BLOCK,
-                buffer, parity_too=False))
-            if me == lost:
+                buffer, parity_too=False,
+                land=(lambda at, k: landed[at:at + k]) if args.land else None))
+            if me == lost and args.land:
+                assert (landed[:size] == me + 1).all(), "the rebuilt shard differs"
+            elif me == lost:
                 got = np.fromfile(out, np.uint8)
                 assert got.nbytes == size and (got == me + 1).all(), "the rebuilt shard differs"
                 os.unlink(out)
@@ -149,7 +161,9 @@ def files(args: argparse.Namespace) -> None:
             os.unlink(path)
     if me == 0:
         bound, p, r = (statistics.median(x) for x in zip(*times, strict=True))
-        print(f"{n} ranks, {size / 1e6:.0f} MB shards, files in {args.files}: bound {bound:.3f} s"
+        into = ", rebuilt into memory" if args.land else ""
+        print(f"{n} ranks, {size / 1e6:.0f} MB shards, files in {args.files}{into}: "
+              f"bound {bound:.3f} s"
               f"  parity {p:.3f} s ({p / bound:.2f}x)  rebuild {r:.3f} s ({r / bound:.2f}x)",
               flush=True)
 
