@@ -2,7 +2,9 @@
 rank 0 sends ``--mb`` MB in 32 MiB messages, rank 1 receives them into memory touched before
 (what the bench's transfer bound measures), into new pages, and into new pages that a helper
 thread maps in ahead of the receive (``MADV_POPULATE_WRITE``, Linux 5.14; it changes no byte,
-so it may run beside MPI's copy). Alternating, ``--reps`` times; the slowest rank's time.
+so it may run beside MPI's copy); and, into memory touched before, sent out of a file in
+``--shm`` mapped and its pages mapped in first, as the level serves a partner copy and an XOR
+team's survivors send their blocks. Alternating, ``--reps`` times; the slowest rank's time.
 
     mpiexec -n 2 python bench/probe_fresh_recv.py [--mb 252] [--reps 3] [--json out.json]
 """
@@ -13,6 +15,7 @@ import argparse
 import ctypes
 import json
 import mmap
+import os
 import statistics
 import threading
 import time
@@ -20,10 +23,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpickpt.local.filemap import FileMap
+
 COMM = MPI.COMM_WORLD
 MESSAGE = 32 << 20
 MADV_POPULATE_WRITE = 23
-KINDS = ("touched", "new pages", "new pages, populated beside")
+KINDS = ("touched", "new pages", "new pages, populated beside", "touched, sent from a mapped file")
 
 
 def populate(m: mmap.mmap, size: int) -> None:
@@ -36,16 +41,18 @@ def populate(m: mmap.mmap, size: int) -> None:
             raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
 
 
-def once(kind: str, size: int, src: np.ndarray, touched: np.ndarray) -> float:
-    """One transfer into ``kind`` of memory: seconds, the slowest rank's."""
+def once(kind: str, size: int, src: np.ndarray, touched: np.ndarray,
+         mapped: np.ndarray | None) -> float:
+    """One transfer of ``kind``: seconds, the slowest rank's."""
     COMM.Barrier()
     t = time.perf_counter()
     if COMM.rank == 0:
-        MPI.Request.Waitall([COMM.Isend([src[a:a + MESSAGE], MPI.BYTE], 1)
+        out = mapped if kind == KINDS[3] and mapped is not None else src
+        MPI.Request.Waitall([COMM.Isend([out[a:a + MESSAGE], MPI.BYTE], 1)
                              for a in range(0, size, MESSAGE)])
     elif COMM.rank == 1:
         m, helper = None, None
-        if kind == KINDS[0]:
+        if kind in (KINDS[0], KINDS[3]):
             dst = touched
         else:
             m = mmap.mmap(-1, size)
@@ -68,24 +75,38 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=252, help="MB received (default 252)")
     ap.add_argument("--reps", type=int, default=3, help="rounds, each kind once (default 3)")
     ap.add_argument("--json", help="write the times here")
+    ap.add_argument("--shm", default="/dev/shm", help="where the mapped file goes (/dev/shm)")
     args = ap.parse_args()
     if COMM.size != 2:
         raise SystemExit("run with 2 ranks: mpiexec -n 2 python bench/probe_fresh_recv.py")
     size = args.mb << 20
     src = np.ones(size, np.uint8)
     touched = np.zeros(size, np.uint8)
-    once(KINDS[0], size, src, touched)  # warm-up: the touched buffer's pages come in here
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
-    for _ in range(args.reps):
-        for kind in KINDS:
-            times[kind].append(once(kind, size, src, touched))
+    path = os.path.join(args.shm, f"probe-fresh-recv-{os.getpid()}.bin")
+    fmap, mapped = None, None
+    if COMM.rank == 0:
+        src.tofile(path)
+        fmap = FileMap(path, size).__enter__()
+        fmap.populate()
+        mapped = fmap.view(0, size)
+    try:
+        once(KINDS[0], size, src, touched, mapped)  # warm-up: the touched pages come in here
+        times: dict[str, list[float]] = {k: [] for k in KINDS}
+        for _ in range(args.reps):
+            for kind in KINDS:
+                times[kind].append(once(kind, size, src, touched, mapped))
+    finally:
+        if fmap is not None:
+            mapped = None
+            fmap.__exit__(None, None, None)
+            os.unlink(path)
     if COMM.rank == 0:
         print(f"{args.mb} MB in {MESSAGE >> 20} MiB messages, {args.reps} rounds")
-        print(f"{'into':30s} {'median ms':>9s} {'each ms':>24s} {'GB/s':>6s}")
+        print(f"{'into':34s} {'median ms':>9s} {'each ms':>24s} {'GB/s':>6s}")
         for kind, ts in times.items():
             med = statistics.median(ts)
             each = ", ".join(f"{1e3 * x:.1f}" for x in ts)
-            print(f"{kind:30s} {1e3 * med:9.1f} {each:>24s} {size / med / 1e9:6.2f}")
+            print(f"{kind:34s} {1e3 * med:9.1f} {each:>24s} {size / med / 1e9:6.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"bytes": size, "seconds": times}, f, indent=1)
