@@ -3,8 +3,9 @@ rank 0 sends ``--mb`` MB in 32 MiB messages, rank 1 receives them into memory to
 (what the bench's transfer bound measures), into new pages, and into new pages that a helper
 thread maps in ahead of the receive (``MADV_POPULATE_WRITE``, Linux 5.14; it changes no byte,
 so it may run beside MPI's copy); and, into memory touched before, sent out of a file in
-``--shm`` mapped and its pages mapped in first, as the level serves a partner copy and an XOR
-team's survivors send their blocks. Alternating, ``--reps`` times; the slowest rank's time.
+``--shm`` mapped (its pages mapped in by a warm-up transfer), as the level serves a partner
+copy and an XOR team's survivors send their blocks. Alternating, ``--reps`` times; the
+slowest rank's time.
 
     mpiexec -n 2 python bench/probe_fresh_recv.py [--mb 252] [--reps 3] [--json out.json]
 """
@@ -12,7 +13,7 @@ team's survivors send their blocks. Alternating, ``--reps`` times; the slowest r
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import json
 import mmap
 import os
@@ -23,22 +24,17 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpickpt.local.filemap import FileMap
+from mpickpt.local.filemap import MADV_POPULATE_WRITE, FileMap
 
 COMM = MPI.COMM_WORLD
 MESSAGE = 32 << 20
-MADV_POPULATE_WRITE = 23
 KINDS = ("touched", "new pages", "new pages, populated beside", "touched, sent from a mapped file")
 
 
 def populate(m: mmap.mmap, size: int) -> None:
     """Map ``m``'s pages in, a message at a time, in the receive's order."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
     for a in range(0, size, MESSAGE):
-        if libc.madvise(ctypes.c_void_p(base + a), ctypes.c_size_t(min(MESSAGE, size - a)),
-                        MADV_POPULATE_WRITE):
-            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+        m.madvise(MADV_POPULATE_WRITE, a, min(MESSAGE, size - a))
 
 
 def once(kind: str, size: int, src: np.ndarray, touched: np.ndarray,
@@ -47,7 +43,7 @@ def once(kind: str, size: int, src: np.ndarray, touched: np.ndarray,
     COMM.Barrier()
     t = time.perf_counter()
     if COMM.rank == 0:
-        out = mapped if kind == KINDS[3] and mapped is not None else src
+        out = mapped if kind == KINDS[3] else src
         MPI.Request.Waitall([COMM.Isend([out[a:a + MESSAGE], MPI.BYTE], 1)
                              for a in range(0, size, MESSAGE)])
     elif COMM.rank == 1:
@@ -83,23 +79,20 @@ def main() -> None:
     src = np.ones(size, np.uint8)
     touched = np.zeros(size, np.uint8)
     path = os.path.join(args.shm, f"probe-fresh-recv-{os.getpid()}.bin")
-    fmap, mapped = None, None
-    if COMM.rank == 0:
-        src.tofile(path)
-        fmap = FileMap(path, size).__enter__()
-        fmap.populate()
-        mapped = fmap.view(0, size)
-    try:
-        once(KINDS[0], size, src, touched, mapped)  # warm-up: the touched pages come in here
+    with contextlib.ExitStack() as files:
+        mapped = None
+        if COMM.rank == 0:
+            src.tofile(path)
+            files.callback(os.unlink, path)
+            mapped = files.enter_context(FileMap(path, size)).view(0, size)
+        # warm-up: the touched buffer's pages, and the mapped file's, come in here
+        for kind in (KINDS[0], KINDS[3]):
+            once(kind, size, src, touched, mapped)
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         for _ in range(args.reps):
             for kind in KINDS:
                 times[kind].append(once(kind, size, src, touched, mapped))
-    finally:
-        if fmap is not None:
-            mapped = None
-            fmap.__exit__(None, None, None)
-            os.unlink(path)
+        del mapped
     if COMM.rank == 0:
         print(f"{args.mb} MB in {MESSAGE >> 20} MiB messages, {args.reps} rounds")
         print(f"{'into':34s} {'median ms':>9s} {'each ms':>24s} {'GB/s':>6s}")
