@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -52,6 +53,10 @@ def feed(landing: XorLanding, data: np.ndarray, pieces: list[int]) -> None:
         landing.arrived()
 
 
+def fresh(n: int) -> list[Callable[[], torch.Tensor]]:
+    return [lambda: torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(n)]
+
+
 def cuts(total: int, seed: int) -> list[int]:
     rng, out = random.Random(seed), []
     while total > 0:
@@ -69,7 +74,8 @@ def test_every_span_lands_whole_through_a_few_buffers(seed: int) -> None:
              Span(recs[1], BLOCK, 3 * BLOCK, torch.zeros(2 * BLOCK, dtype=torch.uint8)),
              Span(recs[2], 0, 5, torch.zeros(5, dtype=torch.uint8))]
     bufs = [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(5)]
-    landing = XorLanding(3, "/x/rank-00003.h5", len(data), spans, BLOCK, lambda: bufs)
+    landing = XorLanding(3, "/x/rank-00003.h5", len(data), spans, BLOCK,
+                         [lambda b=b: b for b in bufs])
     done = threading.Event()
 
     def ring() -> None:
@@ -88,6 +94,43 @@ def test_every_span_lands_whole_through_a_few_buffers(seed: int) -> None:
     assert landing.received == len(data)
 
 
+def test_a_buffer_is_asked_for_only_when_no_used_one_is_free() -> None:
+    """The first block waits for one buffer (they may be page-locked one at a time); one given
+    back is used again before another is asked for."""
+    data, recs = shard([6 * BLOCK])
+    rec = recs[0]
+    asked: list[int] = []
+
+    def buffer(i: int) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            asked.append(i)
+            return torch.empty(2 * BLOCK, dtype=torch.uint8)
+        return make
+
+    dest = torch.zeros(rec.nbytes, dtype=torch.uint8)
+    landing = XorLanding(1, "/n1/rank-00001.h5", len(data), [Span(rec, 0, rec.nbytes, dest)],
+                         BLOCK, [buffer(i) for i in range(4)])
+    view = landing.into(0, BLOCK)
+    assert asked == [0]
+    view[:] = data[:BLOCK]
+    second = landing.into(BLOCK, BLOCK)  # the first still not arrived: a second buffer
+    assert asked == [0, 1]
+    landing.arrived()
+    second[:] = data[BLOCK:2 * BLOCK]
+    landing.arrived()
+    landing._worker.submit(lambda: None).result()  # (both used: their buffers given back)
+    at = 2 * BLOCK
+    while at < len(data):
+        n = min(BLOCK, len(data) - at)
+        landing.into(at, n)[:] = data[at:at + n]
+        landing.arrived()
+        landing._worker.submit(lambda: None).result()
+        at += n
+    assert landing.finish() is None
+    assert asked == [0, 1], "a fresh buffer was asked for while a used one was free"
+    assert bytes(dest.numpy()) == data[rec.offset:rec.offset + rec.nbytes].tobytes()
+
+
 @pytest.mark.parametrize("where", ["first block", "block straddled", "last short block"])
 def test_a_damaged_byte_is_named_by_its_tensor_and_block(where: str) -> None:
     data, recs = shard([6 * BLOCK + 100])
@@ -98,7 +141,7 @@ def test_a_damaged_byte_is_named_by_its_tensor_and_block(where: str) -> None:
     bad[rec.offset + at] ^= 0x40
     dest = torch.zeros(rec.nbytes, dtype=torch.uint8)
     landing = XorLanding(2, "/n1/rank-00002.h5", len(data), [Span(rec, 0, rec.nbytes, dest)],
-                      BLOCK, lambda: [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(6)])
+                      BLOCK, fresh(6))
     feed(landing, bad, cuts(len(bad), 7))
     err = landing.finish()
     assert isinstance(err, ShardError), err
@@ -112,7 +155,7 @@ def test_bytes_that_never_came_are_said() -> None:
     rec = recs[0]
     landing = XorLanding(0, "/n0/rank-00000.h5", len(data),
                       [Span(rec, 0, rec.nbytes, torch.zeros(rec.nbytes, dtype=torch.uint8))],
-                      BLOCK, lambda: [torch.empty(8 * BLOCK, dtype=torch.uint8) for _ in range(6)])
+                      BLOCK, fresh(6))
     feed(landing, data[:rec.offset + 2 * BLOCK], [rec.offset + 2 * BLOCK])
     err = landing.finish()
     assert isinstance(err, ShardError) and f"only {2 * BLOCK} of the {4 * BLOCK}" in str(err)

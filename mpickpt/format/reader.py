@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShardError
-from . import checksum, dtypes
+from . import checksum, dtypes, pages
 from .blocks import BlockFile, align
 from .iothreads import Batch, run_tasks, start_tasks
 from .records import TensorRecord, check_file, check_records, open_shard
@@ -124,7 +124,6 @@ def read_spans(
         run_tasks(tasks, task, threads)
 
 
-MADV_POPULATE_READ = 22  # Linux 5.14 (mmap's module names it from Python 3.13 where defined)
 POPULATE_PIECE = 8 << 20
 
 
@@ -167,13 +166,8 @@ class MappedSpans:
                  for start, end in [((r.offset + lo) // page * page, r.offset + hi)]
                  for a in range(start, end, step)]
 
-        def task(a: int, b: int) -> None:
-            try:
-                self._map.madvise(MADV_POPULATE_READ, a, b - a)
-            except OSError:  # an older kernel: MPI takes the faults
-                return
-
-        run_tasks(tasks, task, threads)
+        base = pages.address(self._map)  # (an older kernel: MPI takes the faults)
+        run_tasks(tasks, lambda a, b: pages.populate(base, a, b - a), threads)
 
     def verify(self, threads: int = 4) -> None:
         """Every block of the spans checked where it lies; :class:`ShardError` naming the

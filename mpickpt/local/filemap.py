@@ -12,11 +12,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..format import rootdir
+from ..format import pages, rootdir
 from ..format.iothreads import pool
 from .xorring import Parts
 
-MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
 POPULATE_PIECE = 64 << 20
 
 
@@ -60,14 +59,12 @@ class FileMap:
         the map is closed only after it (``__exit__``)."""
         if self._map is None:
             return
-        m, advice = self._map, MADV_POPULATE_WRITE if self.create else MADV_POPULATE_READ
+        base, write = pages.address(self._map), self.create
 
-        def run() -> None:
+        def run() -> None:  # (the map stays open until this ends: __exit__ joins it)
             for a in range(0, self.size, POPULATE_PIECE):
-                try:
-                    m.madvise(advice, a, min(POPULATE_PIECE, self.size - a))
-                except (OSError, ValueError):  # an older kernel, or the map gone
-                    return
+                if not pages.populate(base, a, min(POPULATE_PIECE, self.size - a), write):
+                    return  # an older kernel: the pages come in at their first touch
 
         self._populating = threading.Thread(target=run, daemon=True, name="mpickpt-populate")
         self._populating.start()

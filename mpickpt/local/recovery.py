@@ -35,8 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from .. import faults, log
 from ..errors import ManifestError, ShardError
 from ..format import rootdir
@@ -55,6 +53,7 @@ from .exchange import WINDOW, copy_over
 from .level import LocalLevel
 from .lostplan import plan, receivers
 from .nodedir import LEVEL, PARITY_RE
+from .ring import Ring
 from .xorteam import landable, xor_land, xor_team
 
 
@@ -198,15 +197,14 @@ class LocalRecovery:
                 self._pending = ("parity", (step, manifest, xor_lost, layout))
         return why
 
-    def land(self, spans: list[Span], slots: Callable[[], list[torch.Tensor]] | None
-             ) -> str | None:
+    def land(self, spans: list[Span], ring: Ring | None) -> str | None:
         """The XOR teams that lost a member rebuild it straight into its restore
-        (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``slots``).
+        (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``ring``'s slots).
         Collective, after :meth:`prepare` served XOR rebuilds. This rank's error, or None."""
         assert self._xor is not None
         step, manifest, xor_lost, layout = self._xor
         window, buffers = self._transfer()
-        return xor_land(self.proto, self.path(step), manifest, xor_lost, layout, spans, slots,
+        return xor_land(self.proto, self.path(step), manifest, xor_lost, layout, spans, ring,
                         min(window, xorring.BLOCK), buffers)
 
     def _transfer(self) -> tuple[int, Callable[[str, int], memoryview]]:

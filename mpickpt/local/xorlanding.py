@@ -49,9 +49,10 @@ class _Fed:
 
 class XorLanding:
     """Rank ``rank``'s shard (``path`` names it in errors; ``size`` bytes) landing in
-    ``spans`` (uncompressed, whole checksum blocks of ``block`` bytes) through the uint8 CPU
-    tensors ``buffers()`` gives (page-locked where they are to reach a GPU fast; asked for
-    when the first block is to be received: they may still be being page-locked before).
+    ``spans`` (uncompressed, whole checksum blocks of ``block`` bytes) through uint8 CPU
+    tensors used again and again: ``buffers`` gives each, when called (page-locked where they
+    are to reach a GPU fast; each is asked for only when a block finds no used one free, so
+    that the first receive waits for one buffer's page-locking, not for all of them).
 
     The ring calls :meth:`into` for where a block of the file is to be received (it waits for
     a buffer free) and :meth:`arrived` once it is in, in the same order; :meth:`finish` waits for
@@ -59,12 +60,12 @@ class XorLanding:
     bytes that never came."""
 
     def __init__(self, rank: int, path: str, size: int, spans: list[Span], block: int,
-                 buffers: Callable[[], list[torch.Tensor]]) -> None:
+                 buffers: list[Callable[[], torch.Tensor]]) -> None:
         self.rank, self.path, self.size, self.block = rank, path, size, block
         self._fed = sorted((_Fed(s) for s in spans if s.nbytes), key=lambda f: f.start)
         self._first = 0
-        self._buffers = buffers
-        self._free: deque[torch.Tensor] | None = None
+        self._fresh = deque(buffers)
+        self._free: deque[torch.Tensor] = deque()
         self._cond = threading.Condition()
         self._coming: deque[tuple[int, int, torch.Tensor]] = deque()
         self._used: list[Future[None]] = []
@@ -75,11 +76,13 @@ class XorLanding:
     def into(self, at: int, n: int) -> np.ndarray:
         """Where bytes ``[at, at + n)`` of the shard's file are to be received."""
         with self._cond:
-            if self._free is None:
-                self._free = deque(self._buffers())
-            while not self._free:
+            fresh = self._fresh.popleft() if not self._free and self._fresh else None
+            while fresh is None and not self._free:
                 self._cond.wait()
-            buf = self._free.popleft()
+            buf = self._free.popleft() if fresh is None else None
+        if buf is None:  # (outside the lock: a buffer used meanwhile is given back)
+            assert fresh is not None
+            buf = fresh()
         if buf.numel() < n:
             raise ValueError(f"a landing buffer of {buf.numel()} bytes for a block of {n}")
         self._coming.append((at, n, buf))
@@ -100,7 +103,6 @@ class XorLanding:
             self.error = self.error or e
         finally:
             with self._cond:
-                assert self._free is not None
                 self._free.append(buf)
                 self._cond.notify()
 

@@ -19,6 +19,7 @@ from ..format.reader import Span
 from ..mpi.protocol import Protocol
 from .nodedir import parity_name
 from .parity import xor_rebuild
+from .ring import SLOTS, Ring
 from .topology import team_of, xor_chunk_bytes
 from .xorlanding import XorLanding, landable_shard
 
@@ -45,20 +46,21 @@ def landable(proto: Protocol, manifest: Manifest, xor_lost: dict[int, int],
 
 def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, int],
              layout: dict[str, Any], spans: list[Span],
-             slots: Callable[[], list[torch.Tensor]] | None, window: int,
+             ring: Ring | None, window: int,
              buffers: Callable[[str, int], memoryview]) -> str | None:
     """The XOR teams that lost a member rebuild it: a lost rank's shard lands in ``spans``
-    (what its restore reads of it; every byte verified on the way) through ``slots()``
-    (page-locked buffers for the GPU, asked for once the first block comes; else reused host
-    buffers), in blocks of ``window`` bytes. Collective. This rank's error, or None."""
+    (what its restore reads of it; every byte verified on the way) through the slots of
+    ``ring`` (page-locked for the GPU, each used once it is: the first receive waits for the
+    first slot only) or else reused host buffers, in blocks of ``window`` bytes. Collective.
+    This rank's error, or None."""
     me = proto.rank
     landing = None
-
-    def bufs() -> list[torch.Tensor]:
-        return [s[a:a + window] for s in (slots() if slots is not None else [])
-                for a in range(0, s.numel() - window + 1, window)][:LANDING_BUFFERS] or [
-            torch.frombuffer(buffers(f"land{i}", window), dtype=torch.uint8)
-            for i in range(LANDING_BUFFERS)]
+    if ring is not None and ring.size >= window:  # slot by slot, each cut into windows
+        bufs = [(lambda i=i, a=a: ring.slot(i)[a:a + window]) for i in range(SLOTS)
+                for a in range(0, ring.size - window + 1, window)][:LANDING_BUFFERS]
+    else:
+        bufs = [(lambda i=i: torch.frombuffer(buffers(f"land{i}", window), dtype=torch.uint8))
+                for i in range(LANDING_BUFFERS)]
 
     if me in xor_lost.values():
         landing = XorLanding(me, os.path.join(d, shard_name(me)), manifest.ranks[me].bytes,

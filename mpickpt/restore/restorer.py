@@ -31,13 +31,14 @@ from ..format.manifest import Manifest
 from ..format.reader import Span
 from ..local.recovery import Clock, LocalRecovery
 from ..local.remote import fetch as remote_fetch
+from ..local.ring import Ring
 from ..mpi.protocol import Protocol
 from ..save.pinned_pool import HostPool, Taken
 from . import opening, provenance, reshard
 from .device_room import DeviceRoom
 
-# a lost rank's spans, rebuilt by its XOR team through page-locked slots or not: its error
-Land = Callable[[list[Span], Callable[[], list[torch.Tensor]] | None], str | None]
+# a lost rank's spans, rebuilt by its XOR team through a ring's page-locked slots or not: its error
+Land = Callable[[list[Span], Ring | None], str | None]
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
 # verdicts, combined with MAX over ranks
@@ -267,8 +268,7 @@ class Restorer:
                            served_from=served_from, ring=ring)
         if xor:
             assert land is not None
-            why = land([] if failed else remote.get(self.rank, []),
-                       (lambda: ring.slots) if ring is not None else None)
+            why = land([] if failed else remote.get(self.rank, []), ring)
             if why is not None:
                 got = (False, got[1] or why)
         self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
