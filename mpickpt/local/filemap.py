@@ -89,7 +89,7 @@ class FileMap:
 def _unmap(m: mmap.mmap) -> None:
     # MPI may still hold a view of it: then the map goes with its last reference
     with contextlib.suppress(BufferError):
-        m.close()
+        pages.unmap(m)
 
 
 class Keep:

@@ -197,17 +197,15 @@ class LocalRecovery:
                 self._pending = ("parity", (step, manifest, xor_lost, layout))
         return why
 
-    def land(self, spans: list[Span], ring: Ring | None,
-             started: Callable[[], None] = lambda: None) -> str | None:
+    def land(self, spans: list[Span], ring: Ring | None) -> str | None:
         """The XOR teams that lost a member rebuild it straight into its restore
-        (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``ring``'s slots;
-        ``started()`` once this rank's part is under way).
+        (:func:`~mpickpt.local.xorteam.xor_land`: into ``spans`` through ``ring``'s slots).
         Collective, after :meth:`prepare` served XOR rebuilds. This rank's error, or None."""
         assert self._xor is not None
         step, manifest, xor_lost, layout = self._xor
         window, buffers = self._transfer()
         return xor_land(self.proto, self.path(step), manifest, xor_lost, layout, spans, ring,
-                        min(window, xorring.BLOCK), buffers, started)
+                        min(window, xorring.BLOCK), buffers)
 
     def _transfer(self) -> tuple[int, Callable[[str, int], memoryview]]:
         """(The bytes a rebuild moves at a time, its reused buffers): the level's exchange's."""

@@ -62,16 +62,14 @@ def _pieces(t: object) -> list[object]:
 def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, directory: str,
           threads: int, failed: bool, servers: dict[int, int] | None = None,
           served_from: Callable[[int], str] | None = None,
-          ring: Ring | None = None, posted: Callable[[], None] = lambda: None
-          ) -> tuple[bool, str | None]:
+          ring: Ring | None = None) -> tuple[bool, str | None]:
     """Fill the spans of ``wanted`` (shard's rank -> spans of that shard) from the rank that
     serves each shard (its own rank, or in ``servers`` the rank that holds a copy of a lost
     one), verify what came, and serve what others ask of the shards on this rank's node.
     ``failed``: this rank could not plan (it asks for nothing); ``served_from(rank)``: the
     directory that rank serves from (``directory`` if not given), to name a damaged copy;
     ``ring``: the uncompressed spans land in its slots and are copied into place from there
-    (:mod:`mpickpt.local.ring`: for destinations in GPU memory); ``posted()`` is called once
-    this rank's transfers are posted.
+    (:mod:`mpickpt.local.ring`: for destinations in GPU memory).
     (whether every rank's transfer happened and what it received is intact, this rank's
     reason if not); collective."""
     servers = servers or {}
@@ -107,7 +105,6 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
 
     pending = proto.start_grouped(sends, posts, "local-fetch", before_post=before_post,
                                   peers=sorted({server for g in groups for _, server, _ in g}))
-    posted()
     if any(owner != proto.rank for asked in requests for owner, *_ in asked):
         faults.hit("mid-rebuild", proto.rank, manifest.step)  # serving a lost node's shard
     _populate(mapped)  # (a function: no loop variable here keeps a mapping)

@@ -47,14 +47,12 @@ def landable(proto: Protocol, manifest: Manifest, xor_lost: dict[int, int],
 def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, int],
              layout: dict[str, Any], spans: list[Span],
              ring: Ring | None, window: int,
-             buffers: Callable[[str, int], memoryview],
-             started: Callable[[], None] = lambda: None) -> str | None:
+             buffers: Callable[[str, int], memoryview]) -> str | None:
     """The XOR teams that lost a member rebuild it: a lost rank's shard lands in ``spans``
     (what its restore reads of it; every byte verified on the way) through the slots of
     ``ring`` (page-locked for the GPU, each used once it is: the first receive waits for the
-    first slot only) or else reused host buffers, in blocks of ``window`` bytes; ``started()``
-    once this rank's part of the rebuild is under way. Collective. This rank's error, or
-    None."""
+    first slot only) or else reused host buffers, in blocks of ``window`` bytes. Collective.
+    This rank's error, or None."""
     me = proto.rank
     landing = None
     if ring is not None and ring.size >= window:  # slot by slot, each cut into windows
@@ -69,8 +67,7 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
                              spans, manifest.checksum_block, bufs)
     err = None
     try:
-        xor_team(proto, d, d, manifest, xor_lost, layout, "landing", window, buffers, landing,
-                 started)
+        xor_team(proto, d, d, manifest, xor_lost, layout, "landing", window, buffers, landing)
     except OSError as e:
         err = f"rank {me}: the XOR rebuild failed: {e}"
     except BaseException:
@@ -84,14 +81,12 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
 
 def xor_team(proto: Protocol, d: str, out: str, manifest: Manifest, xor_lost: dict[int, int],
              layout: dict[str, Any], parts: str, window: int,
-             buffers: Callable[[str, int], memoryview], landing: XorLanding | None = None,
-             started: Callable[[], None] = lambda: None) -> int:
+             buffers: Callable[[str, int], memoryview], landing: XorLanding | None = None) -> int:
     """This rank's team's XOR rebuild, if it lost a member (``xor_lost``: team index -> rank):
     ``parts`` "both" its shard and parity into ``out``, "shard" or "parity" one of them (a
     parity alone under another name first, renamed once whole), "landing" its shard into the
     lost member's ``landing`` (which every block then :meth:`~XorLanding.arrived` at) and nothing
-    else. The survivors read their files in ``d``; ``started()`` once the ring is about to
-    start, or where this rank's team lost nobody. The bytes this rank received."""
+    else. The survivors read their files in ``d``. The bytes this rank received."""
     teams: list[list[int]] = layout["teams"]
     me = proto.rank
     team = team_of(teams, me)
@@ -99,7 +94,6 @@ def xor_team(proto: Protocol, d: str, out: str, manifest: Manifest, xor_lost: di
     try:
         lost = xor_lost.get(teams.index(team))
         if lost is None:
-            started()
             return 0
         sizes = [manifest.ranks[m].bytes for m in team]
         parity = os.path.join(out, parity_name(me))
@@ -116,7 +110,7 @@ def xor_team(proto: Protocol, d: str, out: str, manifest: Manifest, xor_lost: di
             os.path.join(d, shard_name(me)), os.path.join(d, parity_name(me)),
             os.path.join(out, shard_name(me)), into, window, buffers, on_window,
             shard=parts != "parity", parity_too=parts in ("both", "parity"),
-            land=land.into if land is not None else None, started=started)
+            land=land.into if land is not None else None)
         if parts == "parity" and me == lost:
             os.replace(into, parity)
             rootdir.fsync_path(out)

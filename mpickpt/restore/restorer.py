@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from . import opening, provenance, reshard
 from .device_room import DeviceRoom
 
 # a lost rank's spans, rebuilt by its XOR team through a ring's page-locked slots or not: its error
-Land = Callable[[list[Span], Ring | None, Callable[[], None]], str | None]
+Land = Callable[[list[Span], Ring | None], str | None]
 _MISSING = "cannot open: No such file or directory"  # a shard that is not there
 
 # verdicts, combined with MAX over ranks
@@ -203,7 +202,6 @@ class Restorer:
         self.phases = clock.phases
 
         where, staged, reading, room = path, None, None, None
-        posted = threading.Event()  # this rank's transfers under way
         remote: dict[int, list[Span]] = {}
         try:
             # records that cannot be are damage (fall back), before they are compared with the
@@ -221,22 +219,17 @@ class Restorer:
             clock.lap("stage")
             if nodes is None:
                 self._read_here(staged, manifest, path, here, clock.phases)
-            else:  # this node's shards read while the others' bytes come over MPI below,
-                # once the transfers are posted: they are the restore's longest part, and the
-                # read's page-locking and faults held up their start (0.05 s on an H200 host)
-                reading = pool(1, False).submit(self._read_when, posted, staged, manifest, path,
-                                                here, clock.phases)
+            else:  # this node's shards read while the others' bytes come over MPI below
+                reading = pool(1, False).submit(self._read_here, staged, manifest, path, here,
+                                                clock.phases)
             self.mapped_bytes = sum(src.record.nbytes for src in staged.mapped.values())
             self.bytes_read = self.mapped_bytes + sum(
                 s.nbytes for r in here for s in staged.by_rank.get(r, []))
         except Exception as e:
             verdict, err = _verdict(self.rank, e, where, manifest, path)
         if nodes is not None:  # collective: also where this rank failed
-            try:
-                moved, why = self._fetch(remote, manifest, path, verdict != _OK, served,
-                                         served_from, room, land, posted.set)
-            finally:
-                posted.set()
+            moved, why = self._fetch(remote, manifest, path, verdict != _OK, served,
+                                     served_from, room, land)
             clock.lap("fetch")
             if reading is not None:
                 try:
@@ -262,33 +255,26 @@ class Restorer:
 
     def _fetch(self, remote: dict[int, list[Span]], manifest: Manifest, path: str,
                failed: bool, served: dict[int, int], served_from: Callable[[int], str] | None,
-               room: DeviceRoom | None, land: Land | None = None,
-               posted: Callable[[], None] = lambda: None) -> tuple[bool, str | None]:
+               room: DeviceRoom | None, land: Land | None = None) -> tuple[bool, str | None]:
         """The node-local level's transfer (:func:`mpickpt.local.remote.fetch`), then the XOR
         rebuilds that land in their lost ranks' restores (``land``: the ranks ``served``
         names as their own servers), and the bytes this rank received: of its own lost shard,
-        and the rest (other ranks' shards, replicated shares). ``posted()`` once this rank's
-        transfers are under way."""
+        and the rest (other ranks' shards, replicated shares)."""
         xor = {r for r, s in served.items() if s == r}
         ring = room.ring if room is not None else None
         got = remote_fetch(self.proto, {r: s for r, s in remote.items() if r not in xor},
                            manifest, path, self.io_threads, failed=failed,
                            servers={r: s for r, s in served.items() if r not in xor},
-                           served_from=served_from, ring=ring,
-                           posted=(lambda: None) if xor else posted)
+                           served_from=served_from, ring=ring)
         if xor:
             assert land is not None
-            why = land([] if failed else remote.get(self.rank, []), ring, posted)
+            why = land([] if failed else remote.get(self.rank, []), ring)
             if why is not None:
                 got = (False, got[1] or why)
         self.served_bytes = sum(s.nbytes for s in remote.get(self.rank, []))
         self.fetched_bytes = sum(s.nbytes for r, spans in remote.items() if r != self.rank
                                  for s in spans)
         return got
-
-    def _read_when(self, posted: threading.Event, *args: Any) -> None:
-        posted.wait()
-        self._read_here(*args)
 
     def _read_here(self, staged: reshard.Staged, manifest: Manifest, path: str,
                    here: list[int], phases: dict[str, float]) -> None:
