@@ -7,16 +7,29 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ..format import pages, rootdir
+from ..format import iothreads, pages, rootdir
 from ..format.iothreads import pool
 from .xorring import Parts
 
 POPULATE_PIECE = 64 << 20
+POPULATORS = 4  # the maps populated at once, at most (an XOR rebuild's member: 2)
+_POPULATE: list[ThreadPoolExecutor] = []
+
+
+def _populators() -> ThreadPoolExecutor:
+    if not _POPULATE:
+        _POPULATE.append(ThreadPoolExecutor(POPULATORS, thread_name_prefix="mpickpt-populate"))
+    return _POPULATE[0]
+
+
+def prestart() -> None:
+    """The threads that populate maps made now (:func:`mpickpt.format.iothreads.prestart`)."""
+    iothreads.prestart(_populators(), POPULATORS)
 
 
 class FileMap:
@@ -27,7 +40,7 @@ class FileMap:
         self.path, self.size, self.create = path, size, create
         self._map: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
-        self._populating: threading.Thread | None = None
+        self._populating: Future[None] | None = None
 
     def __enter__(self) -> FileMap:
         if self.create:
@@ -53,7 +66,7 @@ class FileMap:
         return self._arr[off:off + n]
 
     def populate(self) -> None:
-        """Map the file's pages in ahead of their use, on a thread of its own, from the start
+        """Map the file's pages in ahead of their use, on a thread of their own, from the start
         (``MADV_POPULATE_WRITE``/``_READ``, Linux 5.14): MPI's copies into them and the XOR's
         reads then take no page fault at each page. Where the kernel cannot, nothing happens;
         the map is closed only after it (``__exit__``)."""
@@ -66,12 +79,11 @@ class FileMap:
                 if not pages.populate(base, a, min(POPULATE_PIECE, self.size - a), write):
                     return  # an older kernel: the pages come in at their first touch
 
-        self._populating = threading.Thread(target=run, daemon=True, name="mpickpt-populate")
-        self._populating.start()
+        self._populating = _populators().submit(run)
 
     def __exit__(self, *exc: object) -> None:
         if self._populating is not None:
-            self._populating.join()
+            self._populating.result()
         self._arr = None
         if self._map is not None:
             if self.create:

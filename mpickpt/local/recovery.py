@@ -46,9 +46,10 @@ from ..format.reader import Span
 from ..format.records import check_file, check_records
 from ..format.rollback import NAME as ROLLBACK
 from ..format.rollback import Rollback
+from ..mpi import protocol
 from ..mpi.protocol import Protocol, ranks_text
 from ..save.store import discard
-from . import xorring
+from . import filemap, xorring
 from .exchange import WINDOW, copy_over
 from .level import LocalLevel
 from .lostplan import plan, receivers
@@ -180,6 +181,10 @@ class LocalRecovery:
         self.last = Recovered(rebuilt=lost, phases=clock.phases)
         if not lost:
             return None
+        if xor_lost:  # the rebuild's threads made before the restore's reads page-lock
+            xorring.prestart()
+            filemap.prestart()
+            protocol.prestart()
         if serve and (not xor_lost or landable(self.proto, manifest, xor_lost, needs)):
             self.served = {r: dn for dn, r in moves} | {r: r for r in xor_lost.values()}
             self._pending = ("copies", (step, inv[self.rank][0], manifest, text, level_text,

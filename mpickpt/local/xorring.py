@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..format import iothreads
 from ..mpi.protocol import Pending, Protocol
 
 DEPTH = 4  # blocks received ahead
@@ -94,6 +95,11 @@ def _xor(acc: np.ndarray, src: np.ndarray) -> None:
 
 
 _POOL: list[ThreadPoolExecutor] = []
+
+
+def prestart() -> None:
+    """The XOR's threads made now (:func:`mpickpt.format.iothreads.prestart`)."""
+    iothreads.prestart(_xor_pool(), XOR_THREADS)
 
 
 def _xor_pool() -> ThreadPoolExecutor:

@@ -402,6 +402,12 @@ class Failures:
         return "; ".join(str(f) for f in self.records)
 
 
+def prestart() -> None:
+    """The thread that waits on data transfers made now, before it is needed (making a
+    thread waits behind the process's page faults: :func:`mpickpt.format.iothreads.prestart`)."""
+    _waiter().submit(lambda: None).result()
+
+
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:
     """The one thread that waits on data transfers, started once (MPICH keeps a little memory
     for every thread started after MPI_Init); at the training thread's priority
