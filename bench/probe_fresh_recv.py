@@ -24,7 +24,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpickpt.local.filemap import MADV_POPULATE_WRITE, FileMap
+from mpickpt.format import pages
+from mpickpt.local.filemap import FileMap
 
 COMM = MPI.COMM_WORLD
 MESSAGE = 32 << 20
@@ -33,8 +34,9 @@ KINDS = ("touched", "new pages", "new pages, populated beside", "touched, sent f
 
 def populate(m: mmap.mmap, size: int) -> None:
     """Map ``m``'s pages in, a message at a time, in the receive's order."""
+    base = pages.address(m)  # (through ctypes: mmap.madvise would hold the GIL)
     for a in range(0, size, MESSAGE):
-        m.madvise(MADV_POPULATE_WRITE, a, min(MESSAGE, size - a))
+        pages.populate(base, a, min(MESSAGE, size - a), write=True)
 
 
 def once(kind: str, size: int, src: np.ndarray, touched: np.ndarray,
