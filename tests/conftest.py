@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import subprocess
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from guarantees import MAP_ENV, GuaranteeReport, function_of, proved_by
-from harness import WARMSTART, train
+from harness import MPICH_SEGMENTS, WARMSTART, orphan_segments, train
 from warmstart import SOCKET_ENV as WARM_SOCKET
 
 _REPORT = GuaranteeReport()
@@ -44,6 +46,17 @@ def warm_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         server.kill()
         server.wait()
         log.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mpich_segments_left() -> Iterator[None]:
+    """Remove the MPICH shared-memory segments this session's killed ranks left behind
+    (:func:`harness.orphan_segments`), once the session is over."""
+    before = set(glob.glob(MPICH_SEGMENTS))
+    yield
+    for path in orphan_segments(set(glob.glob(MPICH_SEGMENTS)) - before):
+        with contextlib.suppress(OSError):  # (gone meanwhile)
+            os.unlink(path)
 
 
 @pytest.fixture(scope="session")
