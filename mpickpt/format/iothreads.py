@@ -58,28 +58,26 @@ def prestart(executor: ThreadPoolExecutor, threads: int) -> None:
     stack, which waits behind the process's page faults and page-locking: while a restore's
     reads page-locked their buffers, the first XOR of a rebuild on an H200 host waited
     0.1-0.2 s for its threads, and the whole ring with it."""
-    if threads <= 1:
-        executor.submit(lambda: None).result()
-        return
     meet = threading.Barrier(threads)
     for f in [executor.submit(meet.wait, 10) for _ in range(threads)]:
         f.result()
 
 
-_POOLS: dict[tuple[int, bool], ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[str, int, bool], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_POOLS.clear)  # a child has none of the threads
 
 
-def pool(threads: int, background: bool) -> ThreadPoolExecutor:
-    """The I/O threads of one size and priority, started once and reused by every save and
-    restore: MPICH keeps a few hundred bytes of every thread started after MPI_Init, so new
-    threads per save made the soak test's memory grow by 1 MB per 1000 saves."""
+def pool(threads: int, background: bool, name: str = "io") -> ThreadPoolExecutor:
+    """The threads of one use (``name``: the I/O threads, or another pool apart from theirs,
+    such as the XOR's), size and priority, started once and reused by every save and restore:
+    MPICH keeps a few hundred bytes of every thread started after MPI_Init, so new threads per
+    save made the soak test's memory grow by 1 MB per 1000 saves."""
     with _POOLS_LOCK:
-        pool = _POOLS.get((threads, background))
+        pool = _POOLS.get((name, threads, background))
         if pool is None:
             init = lower_priority if background else None
-            pool = _POOLS[threads, background] = ThreadPoolExecutor(
-                threads, thread_name_prefix="mpickpt-io", initializer=init)
+            pool = _POOLS[name, threads, background] = ThreadPoolExecutor(
+                threads, thread_name_prefix=f"mpickpt-{name}", initializer=init)
         return pool

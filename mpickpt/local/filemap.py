@@ -18,13 +18,10 @@ from .xorring import Parts
 
 POPULATE_PIECE = 64 << 20
 POPULATORS = 4  # the maps populated at once, at most (an XOR rebuild's member: 2)
-_POPULATE: list[ThreadPoolExecutor] = []
 
 
 def _populators() -> ThreadPoolExecutor:
-    if not _POPULATE:
-        _POPULATE.append(ThreadPoolExecutor(POPULATORS, thread_name_prefix="mpickpt-populate"))
-    return _POPULATE[0]
+    return pool(POPULATORS, False, "populate")
 
 
 def prestart() -> None:

@@ -94,18 +94,13 @@ def _xor(acc: np.ndarray, src: np.ndarray) -> None:
         np.bitwise_xor(acc, src, out=acc)
 
 
-_POOL: list[ThreadPoolExecutor] = []
-
-
 def prestart() -> None:
     """The XOR's threads made now (:func:`mpickpt.format.iothreads.prestart`)."""
     iothreads.prestart(_xor_pool(), XOR_THREADS)
 
 
 def _xor_pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(XOR_THREADS, thread_name_prefix="mpickpt-xor"))
-    return _POOL[0]
+    return iothreads.pool(XOR_THREADS, False, "xor")
 
 
 def composed(out: np.ndarray, parts: Parts) -> np.ndarray:
