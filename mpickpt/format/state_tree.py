@@ -73,9 +73,7 @@ class _Flattener:
             name, n = f"{base}~{n}", n + 1
         return name
 
-    def tensor(self, t: torch.Tensor, path: tuple[Any, ...], where: str | None = None) -> str:
-        """``where``: ``_path_str(path)``, where the caller has it already."""
-        where = _path_str(path) if where is None else where
+    def tensor(self, t: torch.Tensor, where: str) -> str:
         if t.layout != torch.strided or t.is_meta or t.is_quantized:
             raise StateTreeError(
                 f"state[{where}]: tensor with layout {t.layout} on {t.device} cannot be "
@@ -89,28 +87,30 @@ class _Flattener:
         self.arrays[name] = t.detach()
         return name
 
-    def global_tensor(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+    def global_tensor(self, x: Any, path: tuple[Any, ...], where: str) -> dict[str, Any]:
         """A tensor node; for a sharded or replicated one (DTensor, :class:`Piece`, declared
         replicated) its placement is recorded and the node marked ``sharded``."""
-        where = _path_str(path)
         try:
             placement = sharding.placement_of(x, where, self.is_replicated(where), self.world)
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
         local = sharding.local_tensor(x)
-        node = {"type": "tensor", "name": self.tensor(local, path, where),
+        node = {"type": "tensor", "name": self.tensor(local, where),
                 "device": str(local.device)}
         if placement is not None:
             self.placements[node["name"]] = placement
             node["sharded"] = True
         return node
 
-    def node(self, x: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+    def node(self, x: Any, path: tuple[Any, ...], where: str = "<root>") -> dict[str, Any]:
+        """``where``: ``_path_str(path)``, built a key at a time by the caller."""
         if self.unmatched:
-            self.unmatched.discard(_path_str(path))
+            self.unmatched.discard(where)
         if len(path) > MAX_DEPTH:
             raise StateTreeError(f"state[{_path_str(path[:8])}/...]: nested more than "
                                  f"{MAX_DEPTH} levels deep; a restore would refuse its tree")
+        if isinstance(x, (torch.Tensor, Piece)):  # the most common first
+            return self.global_tensor(x, path, where)
         # bool before int: bool is a subclass of int
         if x is None:
             return {"type": "none"}
@@ -130,31 +130,32 @@ class _Flattener:
                 return {"type": "torch_dtype", "value": dtypes.name_of(x)}
             except ValueError as e:
                 raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
-        if isinstance(x, (torch.Tensor, Piece)):
-            return self.global_tensor(x, path)
         if isinstance(x, np.ndarray):
-            return self.ndarray(x, path)
+            return self.ndarray(x, where)
         if isinstance(x, np.generic):
-            return self.ndarray(np.asarray(x), path) | {"scalar": True}
+            return self.ndarray(np.asarray(x), where) | {"scalar": True}
         if isinstance(x, torch.Generator):
             return {
                 "type": "torch_generator",
-                "name": self.tensor(x.get_state(), path),
+                "name": self.tensor(x.get_state(), where),
                 "device": str(x.device),
             }
         if isinstance(x, np.random.Generator):
-            return {"type": "np_generator", "state": self.node(x.bit_generator.state, path)}
+            return {"type": "np_generator",
+                    "state": self.node(x.bit_generator.state, path, where)}
         if isinstance(x, random.Random):
-            return {"type": "py_random", "state": self.node(py_state(x.getstate()), path)}
+            return {"type": "py_random", "state": self.node(py_state(x.getstate()), path, where)}
+        at = f"{where}/" if path else ""  # a child's where: this and its key
         if isinstance(x, Mapping):
             return {
                 "type": "dict",
-                "items": [[self.key(k, path), self.node(v, (*path, k))] for k, v in x.items()],
+                "items": [[self.key(k, path), self.node(v, (*path, k), f"{at}{_escape(k)}")]
+                          for k, v in x.items()],
             }
         if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
             return {
                 "type": type(x).__name__,
-                "items": [self.node(v, (*path, i)) for i, v in enumerate(x)],
+                "items": [self.node(v, (*path, i), f"{at}{i}") for i, v in enumerate(x)],
             }
         if callable(getattr(x, "state_dict", None)) and callable(
             getattr(x, "load_state_dict", None)
@@ -163,7 +164,7 @@ class _Flattener:
             return {
                 "type": "stateful",
                 "class": f"{cls.__module__}.{cls.__qualname__}",
-                "state": self.node(x.state_dict(), path),
+                "state": self.node(x.state_dict(), path, where),
             }
         raise StateTreeError(
             f"state[{_path_str(path)}]: cannot save an object of type {type(x).__qualname__}; "
@@ -179,16 +180,16 @@ class _Flattener:
             "saved; keys must be str, int, float, bool or None"
         )
 
-    def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> dict[str, Any]:
+    def ndarray(self, a: np.ndarray, where: str) -> dict[str, Any]:
         if not a.dtype.isnative and a.dtype.itemsize > 1:
             a = a.astype(a.dtype.newbyteorder("="))
         try:
             t = torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
         except TypeError:
             raise StateTreeError(
-                f"state[{_path_str(path)}]: numpy array of dtype {a.dtype} cannot be saved"
+                f"state[{where}]: numpy array of dtype {a.dtype} cannot be saved"
             ) from None
-        return {"type": "ndarray", "name": self.tensor(t, path)}
+        return {"type": "ndarray", "name": self.tensor(t, where)}
 
 
 def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
