@@ -28,7 +28,10 @@ def sample() -> Manifest:
 def test_round_trip_and_readable():
     m = sample()
     text = m.to_json()
-    assert '"step": 7' in text and '"created_iso"' in text
+    assert '"step":7' in text and '"created_iso"' in text
+    # one encoding: the canonical form the checksum covers, with the checksum appended
+    body = {k: v for k, v in json.loads(text).items() if k != "manifest_checksum"}
+    assert text.startswith(json.dumps(body, sort_keys=True, separators=(",", ":"))[:-1] + ",")
     back = Manifest.from_json(text, "M")
     assert back == m
     assert back.total_bytes == 16384
@@ -91,7 +94,7 @@ def _nested(depth: int) -> dict:
 
 def test_json_nested_too_deeply_is_a_manifest_error():
     """json.loads raises RecursionError, not ValueError: it escaped restore and the CLI."""
-    text = sample().to_json().replace('"lr": 0.1', '"lr": ' + "[" * 100_000 + "]" * 100_000)
+    text = sample().to_json().replace('"lr":0.1', '"lr":' + "[" * 100_000 + "]" * 100_000)
     with pytest.raises(ManifestError, match="M: nested too deeply"):
         Manifest.from_json(text, "M")
 

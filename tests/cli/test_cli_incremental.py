@@ -85,7 +85,7 @@ def test_a_damaged_step_that_good_ones_refer_to_stays_in_place(root: Path):
     """step 5's manifest damaged: step 5 is no checkpoint any more, but steps 6 to 8 verify and
     need its shards, so it is left in place (not quarantined), and said to be."""
     manifest = root / "step-00000005" / "MANIFEST.json"
-    manifest.write_bytes(manifest.read_bytes().replace(b'"step": 5', b'"step": 6'))
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step":5', b'"step":6'))
     code, doc = cli_json(root, "--verify", "full", restore=True)
     assert code == EXIT_OK and doc["chosen"]["step"] == 8, doc
     assert [a for a in doc["actions"] if a["action"] == "quarantine"] == [], doc["actions"]

@@ -174,7 +174,7 @@ def test_manifest_bit_flip_that_stays_valid_json_falls_back(root, tmp_path, refe
     damaged = step_dir(root, NEWEST) / "MANIFEST.json"
     text = damaged.read_text()
     if target == "shape":
-        i = text.index('"shape": [')
+        i = text.index('"shape":[')
         where = i + next(k for k, c in enumerate(text[i:]) if c.isdigit())
     else:
         where = text.index('"0.weight",') + len('"0.weigh')
