@@ -285,19 +285,23 @@ def retire(path: str, run_id: str, pool: str, keep: Callable[[str], bool]) -> No
     if doomed is None:
         return
     kept = set()
-    for dirpath, _, files in os.walk(doomed):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), doomed)
-            if keep(rel):
-                make_dirs(os.path.dirname(os.path.join(pool, rel)))
-                os.replace(os.path.join(doomed, rel), os.path.join(pool, rel))
-                kept.add(rel)
-    for dirpath, _, files in os.walk(pool):
-        for f in files:
-            if os.path.relpath(os.path.join(dirpath, f), pool) not in kept:
-                with contextlib.suppress(FileNotFoundError):  # a rank took it meanwhile
-                    os.unlink(os.path.join(dirpath, f))
+    for rel in _files(doomed):
+        if keep(rel):
+            make_dirs(os.path.dirname(os.path.join(pool, rel)))
+            os.replace(os.path.join(doomed, rel), os.path.join(pool, rel))
+            kept.add(rel)
+    for rel in _files(pool):
+        if rel not in kept:
+            with contextlib.suppress(FileNotFoundError):  # a rank took it meanwhile
+                os.unlink(os.path.join(pool, rel))
     shutil.rmtree(doomed)
+
+
+def _files(top: str) -> list[str]:
+    """The paths of the files under ``top``, relative to it (without ``os.path.relpath``,
+    whose normalizing was a third of a retirement's CPU)."""
+    n = len(os.path.join(top, ""))
+    return [os.path.join(d[n:], f) for d, _, fs in os.walk(top) for f in fs]
 
 
 def pooled(root: str) -> tuple[int, int]:
