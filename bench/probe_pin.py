@@ -12,8 +12,9 @@ its GPU from page-locked memory, again and again, its buffers made first; page-l
 memory), rank 1 makes and locks ``--slots`` slots, each: a new buffer (huge pages where the
 kernel gives them), zeroed, then ``cudaHostRegister``. Printed: each slot's zeroing and
 locking, in ms. Measured on that host (``results-h200/pin-h200x2-20261129-s60-*.txt``): 1.3-5 ms
-per lock whatever rank 0 did, so the probe does not reproduce the restore's wait (that run's
-``h2d`` row is void: rank 0's copies had not begun, fixed since).
+per lock whatever rank 0 did, its copies to GPU 0 included (``-twogpus-fixed``; the first two
+runs' ``h2d`` rows are void: rank 0's copies had not begun), so the probe does not reproduce the
+restore's wait.
 """
 
 from __future__ import annotations
