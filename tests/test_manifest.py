@@ -37,6 +37,23 @@ def test_round_trip_and_readable():
     assert back.total_bytes == 16384
 
 
+
+def test_a_manifest_in_the_older_layout_still_reads():
+    """Releases before the canonical layout wrote the fields in their own order, spaced, with
+    the checksum among them: the checksum covers the canonical form of the fields, not the
+    text, so such a manifest reads as before; a changed value still fails its checksum."""
+    m = sample()
+    d = json.loads(m.to_json())
+    older = {k: d[k] for k in ["step", "world_size", "run_id", "ranks", "metadata", "created",
+                               "checksum_algorithm", "checksum_block", "format", "version",
+                               "created_iso", "manifest_checksum"]}
+    text = json.dumps(older)
+    assert text != m.to_json() and '"step": 7' in text
+    assert Manifest.from_json(text, "M") == m
+    with pytest.raises(ManifestError, match="checksum mismatch"):
+        Manifest.from_json(text.replace('"step": 7', '"step": 8'), "M")
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d.update(version=99), "version 99"),
     (lambda d: d.update(format="other"), "format"),
