@@ -37,7 +37,6 @@ def test_round_trip_and_readable():
     assert back.total_bytes == 16384
 
 
-
 def test_a_manifest_in_the_older_layout_still_reads():
     """Releases before the canonical layout wrote the fields in their own order, spaced, with
     the checksum among them: the checksum covers the canonical form of the fields, not the

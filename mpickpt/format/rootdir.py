@@ -298,8 +298,9 @@ def retire(path: str, run_id: str, pool: str, keep: Callable[[str], bool]) -> No
 
 
 def _files(top: str) -> list[str]:
-    """The paths of the files under ``top``, relative to it (without ``os.path.relpath``,
-    whose normalizing was a third of a retirement's CPU)."""
+    """The paths of the files under ``top``, relative to it (by slicing: ``os.path.relpath``
+    normalizes both paths each time, and listing a retired step and the pool took 0.058 ms of
+    a retirement's 0.23 ms with it, 0.025 ms without)."""
     n = len(os.path.join(top, ""))
     return [os.path.join(d[n:], f) for d, _, fs in os.walk(top) for f in fs]
 

@@ -129,7 +129,7 @@ class _Flattener:
             try:
                 return {"type": "torch_dtype", "value": dtypes.name_of(x)}
             except ValueError as e:
-                raise StateTreeError(f"state[{_path_str(path)}]: {e}") from None
+                raise StateTreeError(f"state[{where}]: {e}") from None
         if isinstance(x, np.ndarray):
             return self.ndarray(x, where)
         if isinstance(x, np.generic):
@@ -167,7 +167,7 @@ class _Flattener:
                 "state": self.node(x.state_dict(), path, where),
             }
         raise StateTreeError(
-            f"state[{_path_str(path)}]: cannot save an object of type {type(x).__qualname__}; "
+            f"state[{where}]: cannot save an object of type {type(x).__qualname__}; "
             "use tensors, numpy arrays, numbers, strings, None, lists, tuples, dicts, or an "
             "object with state_dict()/load_state_dict()"
         )
