@@ -170,8 +170,7 @@ class _Lazy(Sequence[T]):
 def _posts(groups: list[list[tuple[int, int, Span]]], rings: list[int | None],
            ring: Ring | None) -> tuple[_Lazy[list[torch.Tensor]], _Lazy[list[tuple[object, int]]]]:
     """Where each group lands, and its receives ``(buffer, server)``, each made as it is
-    posted (the ring's memory may still be being page-locked until the first ring group
-    is)."""
+    posted (a ring slot's page-locked twin is taken where it is made by then)."""
     lands = _Lazy(len(groups), lambda k: _landing(groups[k], ring.slot(rings[k]))
                   if ring is not None and rings[k] is not None
                   else [s.dest for _, _, s in groups[k]])

@@ -1,12 +1,19 @@
-"""A ring of page-locked slots through which a restore's received bytes go to the GPU.
+"""A ring of slots through which a restore's received bytes go to the GPU.
 
 A lost node's shard (or any bytes another rank sends a restore) bound for a state on a GPU does
 not need a host buffer as large as itself, faulted in and page-locked before the first byte can
 come (0.5-0.8 s for 2.8 GB on an H100 host): each group of received spans lands in one slot of a
-small page-locked ring, is verified there against the manifest and copied to the GPU memory set
-aside for the restore, both on the I/O threads, and the slot is used again by a later group.
+small ring, is verified there against the manifest and copied to the GPU memory set aside for
+the restore, both on the I/O threads, and the slot is used again by a later group.
 :func:`mpickpt.local.remote.fetch` drives it: a group's receives are posted only once the group
 that last used its slot is done with it (:meth:`Ring.wait_free`, on the transfer thread).
+
+Copies into the GPU are fastest from page-locked memory (52-55 GB/s against 6.4-6.6 GB/s from
+ordinary pages on an H200 host), but page-locking is not always quick: in a lost node's restore
+on a host of two H200s the first 64 MiB slot took 0.33 s to lock, then 34 ms each, while the
+transfer waited (in isolation: 8 ms). So the slots are ordinary memory to begin with, there at
+once, and page-locked slots are made on a thread of their own beside them: a group takes a
+slot's page-locked twin once it is there, else the ordinary slot (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -33,40 +40,50 @@ def slot_bytes(block: int) -> int:
 
 
 def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
-    """A ring for checksum blocks of ``block`` bytes in memory of its own, page-locked where
-    ``pin`` (not a slot of the Checkpointer's pool, which the restore's buffer takes), and
-    what lets it go. Each slot is there as soon as it is locked, the first after about a
-    sixth of the whole ring's time (page-locking 384 MiB took 0.11-0.12 s on an H200 host):
-    the first receives are posted before the last slots are locked."""
+    """A ring for checksum blocks of ``block`` bytes in memory of its own (not a slot of the
+    Checkpointer's pool, which the restore's buffer takes), and what lets it go. Its slots are
+    there at once, in ordinary pages (faulted in as the first bytes land); where ``pin``, a
+    page-locked twin of each is made on a thread of its own, and used from then on
+    (:meth:`Ring.slot`). A twin that cannot be made leaves its slot as it is."""
     size = slot_bytes(block)
-    pool = HostPool(SLOTS * size, slots=SLOTS, pin=pin)
-    made: list[Future[torch.Tensor]] = [Future() for _ in range(SLOTS)]
+    plain = HostPool(SLOTS * size, slots=SLOTS, pin=False)
+    slots = [_done(plain.acquire(size)) for _ in range(SLOTS)]
+    if not pin:
+        return Ring(slots, size), plain.close
+    locked = HostPool(SLOTS * size, slots=SLOTS, pin=True)
+    twins: list[Future[torch.Tensor]] = [Future() for _ in range(SLOTS)]
 
     def make() -> None:  # on a thread of its own: not in the way
-        for i, slot in enumerate(made):
+        for twin in twins:
             try:
-                buf = pool.acquire(size)
-            except BaseException as e:  # (no memory: the transfer fails)
-                for rest in made[i:]:
-                    rest.set_exception(e)
+                buf = locked.acquire(size)
+            except BaseException as e:  # (no memory: the ordinary slots serve)
+                log.warning("restore: the ring's slots stay pageable: %s", e)
+                for rest in twins:
+                    if not rest.done():
+                        rest.set_exception(e)
                 return
-            try:  # a slot that cannot be page-locked is used as it is: slower copies, and
-                pool.lock(buf)  # the receives already posted into the others still land
+            try:
+                locked.lock(buf)
             except Exception as e:
                 log.warning("restore: a ring slot stays pageable: %s", e)
-            slot.set_result(buf)
+                locked.release(buf)
+                twin.set_exception(e)
+                continue
+            twin.set_result(buf)
 
     threading.Thread(target=make, daemon=True, name="mpickpt-ring").start()
 
     def close() -> None:
         try:
-            for slot in made:
-                if slot.exception() is None:  # (waits for it)
-                    pool.release(slot.result())
+            for twin in twins:
+                if twin.exception() is None:  # (waits for it)
+                    locked.release(twin.result())
         finally:
-            pool.close()
+            locked.close()
+            plain.close()
 
-    return Ring(made, size), close
+    return Ring(slots, size, twins), close
 
 
 def _done(t: torch.Tensor) -> Future[torch.Tensor]:
@@ -80,13 +97,16 @@ class RingAbandoned(RuntimeError):
 
 
 class Ring:
-    """:data:`SLOTS` slots of ``size`` bytes in ``buf`` (a page-locked uint8 CPU tensor of at
-    least ``SLOTS * size`` bytes, or a future of each slot: a slot is there once it is). Ring
-    group ``r`` uses slot ``r % SLOTS``, once ring group ``r - SLOTS`` has released it."""
+    """:data:`SLOTS` slots of ``size`` bytes in ``buf`` (a uint8 CPU tensor of at least
+    ``SLOTS * size`` bytes, or a future of each slot: a slot is there once it is), each with
+    a page-locked twin where ``twins`` (futures: used once there). Ring group ``r`` uses slot
+    ``r % SLOTS``, once ring group ``r - SLOTS`` has released it."""
 
-    def __init__(self, buf: torch.Tensor | list[Future[torch.Tensor]], size: int) -> None:
+    def __init__(self, buf: torch.Tensor | list[Future[torch.Tensor]], size: int,
+                 twins: list[Future[torch.Tensor]] | None = None) -> None:
         self.size = size
         self._made = buf if isinstance(buf, list) else [_done(b) for b in self._cut(buf)]
+        self.twins = twins or []  # the page-locked twins, as they are made
         self._done: set[int] = set()
         self._cond = threading.Condition()
         self._abandoned = False
@@ -99,12 +119,19 @@ class Ring:
 
     @property
     def slots(self) -> list[torch.Tensor]:
-        """The slots, once their memory is there (they may still be being page-locked)."""
+        """The slots themselves (not their twins), once their memory is there."""
         return [f.result() for f in self._made]
 
     def slot(self, r: int) -> torch.Tensor:
-        """Ring group ``r``'s slot, once its memory is there."""
-        return self._made[r % SLOTS].result()
+        """Ring group ``r``'s slot, once its memory is there: its page-locked twin where that
+        is made, else the slot itself (the caller lands and reads the group in what this
+        returns, so that a twin made meanwhile changes nothing for it)."""
+        i = r % SLOTS
+        if self.twins:
+            twin = self.twins[i]
+            if twin.done() and twin.exception() is None:
+                return twin.result()
+        return self._made[i].result()
 
     def wait_free(self, r: int) -> None:
         """Until ring group ``r``'s slot may be written; :class:`RingAbandoned` once
