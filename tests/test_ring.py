@@ -84,6 +84,8 @@ def test_a_ring_slot_that_cannot_be_page_locked_is_used_pageable(monkeypatch) ->
     monkeypatch.setattr(HostPool, "lock", lock)
     ring, close = pinned_ring(4096, pin=True)
     try:
+        for r in range(SLOTS):  # every slot used once: the twins are made
+            ring.release_after(r, [])
         concurrent.futures.wait(ring.twins)
         assert len(calls) == SLOTS
         slots = [ring.slot(k) for k in range(SLOTS)]
@@ -97,10 +99,11 @@ def test_a_ring_slot_that_cannot_be_page_locked_is_used_pageable(monkeypatch) ->
 
 @pytest.mark.quick
 def test_the_first_receives_do_not_wait_for_page_locking(monkeypatch) -> None:
-    """While page-locking holds (it took 0.33 s for a first slot in a lost node's restore on
-    a host of two H200s), every slot is there at once in ordinary memory; once a slot's
-    page-locked twin is made, later groups of that slot land in the twin, and a group that
-    already took the ordinary slot keeps it."""
+    """Every slot is there at once in ordinary memory, and nothing is page-locked while the
+    first bytes land in them (page-locking a first slot held the copies out of the others
+    back, on a host of two H200s); once every slot was used, page-locked twins are made,
+    later groups of a slot land in its twin, and a group that already took the ordinary slot
+    keeps it."""
     from mpickpt.save.pinned_pool import HostPool
 
     go = threading.Event()
@@ -117,11 +120,30 @@ def test_the_first_receives_do_not_wait_for_page_locking(monkeypatch) -> None:
         t = time.monotonic()
         first = [ring.slot(k).data_ptr() for k in range(SLOTS)]
         assert time.monotonic() - t < 5, "the slots waited for page-locking"
-        assert first == [s.data_ptr() for s in ring.slots] and not locked
+        assert first == [s.data_ptr() for s in ring.slots]
         go.set()
+        for r in range(SLOTS - 1):
+            ring.release_after(r, [])
+        time.sleep(0.2)
+        assert not locked and not ring.warm.is_set(), "page-locked before every slot was used"
+        ring.release_after(SLOTS - 1, [])
         concurrent.futures.wait(ring.twins)
         assert [ring.slot(SLOTS + k).data_ptr() for k in range(SLOTS)] == locked
         assert not set(locked) & set(first)
     finally:
         go.set()
         close()
+
+
+def test_a_ring_let_go_before_its_slots_were_all_used_page_locks_nothing(monkeypatch) -> None:
+    """A transfer of fewer groups than slots (or an XOR rebuild, which keeps the buffers it
+    took) never needs the twins: closing the ring makes none and does not wait for any."""
+    from mpickpt.save.pinned_pool import HostPool
+
+    calls: list[int] = []
+    monkeypatch.setattr(HostPool, "lock", lambda self, buf: calls.append(1) or True)
+    ring, close = pinned_ring(4096, pin=True)
+    ring.release_after(0, [])
+    close()
+    assert not calls
+    assert all(isinstance(t.exception(1), RingAbandoned) for t in ring.twins)

@@ -12,8 +12,12 @@ Copies into the GPU are fastest from page-locked memory (52-55 GB/s against 6.4-
 ordinary pages on an H200 host), but page-locking is not always quick: in a lost node's restore
 on a host of two H200s the first 64 MiB slot took 0.33 s to lock, then 34 ms each, while the
 transfer waited (in isolation: 8 ms). So the slots are ordinary memory to begin with, there at
-once, and page-locked slots are made on a thread of their own beside them: a group takes a
-slot's page-locked twin once it is there, else the ordinary slot (``docs/performance.md``).
+once. Once each has been used, page-locked twins are made on a thread of their own, and a
+group takes its slot's twin once it is there, else the ordinary slot. Page-locking a first
+twin still held the copies into the GPU back for about 0.2 s (the receives waited for their
+slots meanwhile), so it is left until the first bytes are in, and a transfer of fewer groups
+than slots, or an XOR rebuild, which keeps the buffers it first took, locks nothing
+(``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ def slot_bytes(block: int) -> int:
 def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
     """A ring for checksum blocks of ``block`` bytes in memory of its own (not a slot of the
     Checkpointer's pool, which the restore's buffer takes), and what lets it go. Its slots are
-    there at once, in ordinary pages (faulted in as the first bytes land); where ``pin``, a
-    page-locked twin of each is made on a thread of its own, and used from then on
-    (:meth:`Ring.slot`). A twin that cannot be made leaves its slot as it is."""
+    there at once, in ordinary pages (faulted in as the first bytes land); where ``pin``, once
+    every slot has been used (:attr:`Ring.warm`), a page-locked twin of each is made on a
+    thread of its own and used from then on (:meth:`Ring.slot`). A twin that cannot be made
+    leaves its slot as it is."""
     size = slot_bytes(block)
     plain = HostPool(SLOTS * size, slots=SLOTS, pin=False)
     slots = [_done(plain.acquire(size)) for _ in range(SLOTS)]
@@ -52,9 +57,15 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
         return Ring(slots, size), plain.close
     locked = HostPool(SLOTS * size, slots=SLOTS, pin=True)
     twins: list[Future[torch.Tensor]] = [Future() for _ in range(SLOTS)]
+    ring = Ring(slots, size, twins)
+    closing = threading.Event()
 
     def make() -> None:  # on a thread of its own: not in the way
+        ring.warm.wait()
         for twin in twins:
+            if closing.is_set():  # (the transfer ended first: no twin is needed)
+                twin.set_exception(RingAbandoned("the ring was let go"))
+                continue
             try:
                 buf = locked.acquire(size)
             except BaseException as e:  # (no memory: the ordinary slots serve)
@@ -75,6 +86,8 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
     threading.Thread(target=make, daemon=True, name="mpickpt-ring").start()
 
     def close() -> None:
+        closing.set()
+        ring.warm.set()
         try:
             for twin in twins:
                 if twin.exception() is None:  # (waits for it)
@@ -83,7 +96,7 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
             locked.close()
             plain.close()
 
-    return Ring(slots, size, twins), close
+    return ring, close
 
 
 def _done(t: torch.Tensor) -> Future[torch.Tensor]:
@@ -107,6 +120,7 @@ class Ring:
         self.size = size
         self._made = buf if isinstance(buf, list) else [_done(b) for b in self._cut(buf)]
         self.twins = twins or []  # the page-locked twins, as they are made
+        self.warm = threading.Event()  # set once every slot was used and released
         self._done: set[int] = set()
         self._cond = threading.Condition()
         self._abandoned = False
@@ -164,6 +178,8 @@ class Ring:
     def _release(self, r: int) -> None:
         with self._cond:
             self._done.add(r)
+            if len(self._done) >= SLOTS:
+                self.warm.set()
             self._cond.notify_all()
 
     def abandon(self) -> None:
