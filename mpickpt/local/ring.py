@@ -53,8 +53,14 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
     size = slot_bytes(block)
     plain = HostPool(SLOTS * size, slots=SLOTS, pin=False)
     slots = [_done(plain.acquire(size)) for _ in range(SLOTS)]
+
+    def let_go_plain() -> None:
+        for slot in slots:
+            plain.release(slot.result())
+        plain.close()
+
     if not pin:
-        return Ring(slots, size), plain.close
+        return Ring(slots, size), let_go_plain
     locked = HostPool(SLOTS * size, slots=SLOTS, pin=True)
     twins: list[Future[torch.Tensor]] = [Future() for _ in range(SLOTS)]
     ring = Ring(slots, size, twins)
@@ -94,7 +100,7 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
                     locked.release(twin.result())
         finally:
             locked.close()
-            plain.close()
+            let_go_plain()
 
     return ring, close
 
