@@ -232,7 +232,8 @@ class Workload:
 
 def loop(work: Workload, steps: int, save: Callable[[int], None] | None, every: int
          ) -> dict[str, Any]:
-    """``steps`` steps; ``save(i)`` before step i when i % every == 0 (not before the first)."""
+    """``steps`` steps; ``save(i)`` before step i when i % every == 0 (not before the first).
+    ``steps_s``: each step's time, the slowest rank's (the save before it not included)."""
     barrier()
     times, stalls = [], []
     t0 = time.perf_counter()
@@ -245,8 +246,11 @@ def loop(work: Workload, steps: int, save: Callable[[int], None] | None, every: 
         work.step()
         times.append(time.perf_counter() - t)
     total = time.perf_counter() - t0
+    each = np.empty(len(times))
+    COMM.Allreduce(np.array(times), each, op=MPI.MAX)
     return {"loop_s": slowest(total), "step_s_median": statistics.median(times),
-            "step_s_max": max(times), "stalls_s": [slowest(s) for s in stalls]}
+            "step_s_max": max(times), "stalls_s": [slowest(s) for s in stalls],
+            "steps_s": each.tolist()}
 
 
 # -------------------------------------------------------------------------------------- part 1
@@ -757,7 +761,7 @@ def run(args: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
                           "slowdown_pct": (run_k["loop_s"] / base_k - 1) * 100,
                           "stall_max_s": max(run_k["stalls_s"], default=0.0),
                           "step_s_max": run_k["step_s_max"], "loop_s": run_k["loop_s"],
-                          "baseline_s": base_k})
+                          "baseline_s": base_k, "steps_s": run_k["steps_s"]})
             say(f"  every {k}: slowdown {sweep[-1]['slowdown_pct']:.1f} %")
         doc["part2"]["sweep"] = sweep
 
