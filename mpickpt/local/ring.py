@@ -52,11 +52,11 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
     leaves its slot as it is."""
     size = slot_bytes(block)
     plain = HostPool(SLOTS * size, slots=SLOTS, pin=False)
-    slots = [_done(plain.acquire(size)) for _ in range(SLOTS)]
+    slots = [plain.acquire(size) for _ in range(SLOTS)]
 
     def let_go_plain() -> None:
         for slot in slots:
-            plain.release(slot.result())
+            plain.release(slot)
         plain.close()
 
     if not pin:
@@ -105,26 +105,20 @@ def pinned_ring(block: int, pin: bool) -> tuple[Ring, Callable[[], None]]:
     return ring, close
 
 
-def _done(t: torch.Tensor) -> Future[torch.Tensor]:
-    f: Future[torch.Tensor] = Future()
-    f.set_result(t)
-    return f
-
-
 class RingAbandoned(RuntimeError):
     """The restore's transfer stopped: no slot will be freed."""
 
 
 class Ring:
     """:data:`SLOTS` slots of ``size`` bytes in ``buf`` (a uint8 CPU tensor of at least
-    ``SLOTS * size`` bytes, or a future of each slot: a slot is there once it is), each with
-    a page-locked twin where ``twins`` (futures: used once there). Ring group ``r`` uses slot
-    ``r % SLOTS``, once ring group ``r - SLOTS`` has released it."""
+    ``SLOTS * size`` bytes, or the slots themselves), each with a page-locked twin where
+    ``twins`` (futures: used once there). Ring group ``r`` uses slot ``r % SLOTS``, once ring
+    group ``r - SLOTS`` has released it."""
 
-    def __init__(self, buf: torch.Tensor | list[Future[torch.Tensor]], size: int,
+    def __init__(self, buf: torch.Tensor | list[torch.Tensor], size: int,
                  twins: list[Future[torch.Tensor]] | None = None) -> None:
         self.size = size
-        self._made = buf if isinstance(buf, list) else [_done(b) for b in self._cut(buf)]
+        self._slots = buf if isinstance(buf, list) else self._cut(buf)
         self.twins = twins or []  # the page-locked twins, as they are made
         self.warm = threading.Event()  # set once every slot was used and released
         self._done: set[int] = set()
@@ -139,19 +133,19 @@ class Ring:
 
     @property
     def slots(self) -> list[torch.Tensor]:
-        """The slots themselves (not their twins), once their memory is there."""
-        return [f.result() for f in self._made]
+        """The slots themselves (not their twins)."""
+        return list(self._slots)
 
     def slot(self, r: int) -> torch.Tensor:
-        """Ring group ``r``'s slot, once its memory is there: its page-locked twin where that
-        is made, else the slot itself (the caller lands and reads the group in what this
-        returns, so that a twin made meanwhile changes nothing for it)."""
+        """Ring group ``r``'s slot: its page-locked twin where that is made, else the slot
+        itself (the caller lands and reads the group in what this returns, so that a twin
+        made meanwhile changes nothing for it)."""
         i = r % SLOTS
         if self.twins:
             twin = self.twins[i]
             if twin.done() and twin.exception() is None:
                 return twin.result()
-        return self._made[i].result()
+        return self._slots[i]
 
     def wait_free(self, r: int) -> None:
         """Until ring group ``r``'s slot may be written; :class:`RingAbandoned` once
