@@ -52,6 +52,22 @@ def start_tasks(tasks: list[tuple[int, int]], fn: Callable[[int, int], None], th
     return Batch([pool(threads, background).submit(fn, *t) for t in tasks])
 
 
+def beside(meanwhile: Callable[[], None], work: Callable[[], object]) -> None:
+    """``work()`` on this thread while ``meanwhile()`` runs on a thread of its own, at this
+    process's priority; returns once both are done. ``meanwhile`` fills what ``work`` reads:
+    it is waited for however ``work`` ends, and its error, the first cause, is raised before
+    ``work``'s."""
+    fut = pool(1, False, "beside").submit(meanwhile)
+    try:
+        work()
+    except BaseException as e:
+        first = fut.exception()  # waits for it
+        if first is not None:
+            raise first from e
+        raise
+    fut.result()
+
+
 def prestart(executor: ThreadPoolExecutor, threads: int) -> None:
     """Make sure ``executor`` has ``threads`` threads (at most its size) before they are
     needed. An executor makes a thread when a task finds none idle, and making one maps its

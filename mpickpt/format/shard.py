@@ -27,7 +27,7 @@ from .h5image import MetadataImage, padding, place
 from .h5layout import Layout, let_others_run
 from .h5template import Template
 from .hostcopy import host_copy
-from .iothreads import pool, run_tasks, start_tasks
+from .iothreads import beside, pool, run_tasks, start_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT as FORMAT,
 )
@@ -242,9 +242,17 @@ class ShardWriter:
         tasks = [(index[id(plain[i])], b) for i, b in _io_tasks(plain, block)]
         workers = 1 if small else threads
         compressed = any(r.codec is not None for r in self.records)
-        if meanwhile is not None and (workers <= 1 or compressed):
+        if meanwhile is not None and workers <= 1:
             meanwhile()  # all of it first: nothing writes beside it
             meanwhile = gate = None
+        if compressed and meanwhile is not None:
+            # each block compressed as soon as it has landed (all landed first, the landing of
+            # 5.84 GB made a compressed persist on an H200 0.9 s longer: docs/performance.md),
+            # the few small raw tensors after them, all landed by then
+            beside(meanwhile, lambda: (
+                self._write_compressed(views, block, threads, on_block, known, gate, addrs),
+                run_tasks(tasks, task, workers, background=True)))
+            return
         if meanwhile is None:
             run_tasks(tasks, task, workers, background=True)
         else:
@@ -260,21 +268,29 @@ class ShardWriter:
             self._write_compressed(views, block, threads, on_block, known)
 
     def _write_compressed(self, views: list[memoryview], block: int, threads: int,
-                          on_block: Callable[[], None] | None, known: list[bool]) -> None:
+                          on_block: Callable[[], None] | None, known: list[bool],
+                          gate: Callable[[int, int], None] | None = None,
+                          addrs: list[int] | None = None) -> None:
         """Compress every block of the compressed records on ``threads`` threads (hashing the
-        raw bytes first, unless known) and hand the chunks to HDF5 in order, a few ahead."""
+        raw bytes first, unless known) and hand the chunks to HDF5 in order, a few ahead; with
+        ``gate``, the blocks in the order of their addresses (``addrs``: each record's), each
+        compressed once ``gate(start, end)`` returns."""
         from . import codec
 
         if block != self._block:
             raise ValueError(f"the layout has {self._block}-byte chunks, not {block}")
         jobs = [(i, b) for i, r in enumerate(self.records) if r.codec is not None
                 for b in range(checksum.block_count(r.nbytes, block))]
+        if gate is not None and addrs is not None:
+            jobs.sort(key=lambda j: addrs[j[0]] + j[1] * block)
         sizes = {i: (dtypes.itemsize(r.dtype),
                      codec.chunk_elements(r.nbytes, dtypes.itemsize(r.dtype), block))
                  for i, r in enumerate(self.records) if r.codec is not None}
 
         def compress(i: int, b: int) -> tuple[str | None, bytes]:
             r, raw = self.records[i], views[i][b * block: (b + 1) * block]
+            if gate is not None and addrs is not None:
+                gate(addrs[i] + b * block, addrs[i] + b * block + len(raw))
             item, elems = sizes[i]
             digest = None if known[i] else checksum.digest(raw)
             return digest, codec.compress(r.codec or "", raw, elems * item, item)
