@@ -20,14 +20,14 @@ from typing import Protocol
 
 import torch
 
-from . import checksum, dtypes, rootdir
+from . import checksum, compressed, rootdir
 from .blocks import _open_direct, _pwrite, pwrite_all
-from .framesink import FrameSink, FrameWriter
+from .framesink import FrameSink
 from .h5image import MetadataImage, padding, place
-from .h5layout import Layout, let_others_run
+from .h5layout import Layout
 from .h5template import Template
 from .hostcopy import host_copy
-from .iothreads import beside, pool, run_tasks, start_tasks
+from .iothreads import beside, run_tasks, start_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
     FORMAT as FORMAT,
 )
@@ -246,9 +246,8 @@ class ShardWriter:
             meanwhile()  # all of it first: nothing writes beside it
             meanwhile = gate = None
         if compressed and meanwhile is not None:
-            # each block compressed as soon as it has landed (all landed first, the landing of
-            # 5.84 GB made a compressed persist on an H200 0.9 s longer: docs/performance.md),
-            # the few small raw tensors after them, all landed by then
+            # each block compressed once landed (not all landed first: docs/performance.md),
+            # then the few small raw tensors
             beside(meanwhile, lambda: (
                 self._write_compressed(views, block, threads, on_block, known, gate, addrs),
                 run_tasks(tasks, task, workers, background=True)))
@@ -271,63 +270,13 @@ class ShardWriter:
                           on_block: Callable[[], None] | None, known: list[bool],
                           gate: Callable[[int, int], None] | None = None,
                           addrs: list[int] | None = None) -> None:
-        """Compress every block of the compressed records on ``threads`` threads (hashing the
-        raw bytes first, unless known) and hand the chunks to HDF5 in order, a few ahead; with
-        ``gate``, the blocks in the order of their addresses (``addrs``: each record's), each
-        compressed once ``gate(start, end)`` returns."""
-        from . import codec
-
+        """The compressed records' blocks (:func:`mpickpt.format.compressed.write`)."""
         if block != self._block:
             raise ValueError(f"the layout has {self._block}-byte chunks, not {block}")
-        jobs = [(i, b) for i, r in enumerate(self.records) if r.codec is not None
-                for b in range(checksum.block_count(r.nbytes, block))]
-        if gate is not None and addrs is not None:
-            jobs.sort(key=lambda j: addrs[j[0]] + j[1] * block)
-        sizes = {i: (dtypes.itemsize(r.dtype),
-                     codec.chunk_elements(r.nbytes, dtypes.itemsize(r.dtype), block))
-                 for i, r in enumerate(self.records) if r.codec is not None}
-
-        def compress(i: int, b: int) -> tuple[str | None, bytes]:
-            r, raw = self.records[i], views[i][b * block: (b + 1) * block]
-            if gate is not None and addrs is not None:
-                gate(addrs[i] + b * block, addrs[i] + b * block + len(raw))
-            item, elems = sizes[i]
-            digest = None if known[i] else checksum.digest(raw)
-            return digest, codec.compress(r.codec or "", raw, elems * item, item)
-
         assert self._layout is not None
-        datasets = self._layout.datasets
         sink = self._raw if isinstance(self._raw, FrameSink) else None
-        workers = pool(threads, True) if threads > 1 else None
-        ahead = max(2 * threads, 2)
-        frames = FrameWriter(sink, self._fd, self._dfd, codec.max_frame(block), workers, ahead)
-        pending = [workers.submit(compress, *j) if workers else None for j in jobs[:ahead]]
-        try:
-            for k, (i, b) in enumerate(jobs):
-                fut, pending[k] = pending[k], None  # its frame freed once written, not at the end
-                digest, frame = fut.result() if fut else compress(i, b)
-                if workers and k + ahead < len(jobs):
-                    pending.append(workers.submit(compress, *jobs[k + ahead]))
-                if digest is not None:
-                    self.records[i].checksums[b] = digest
-                frames.put(datasets[i], (b * sizes[i][1],), frame)
-                let_others_run()
-                if on_block is not None:
-                    on_block()
-            frames.finish()
-        except BaseException:
-            for fut in pending:
-                if fut is not None:
-                    fut.cancel()
-            frames.abandon()
-            raise
-        for i, r in enumerate(self.records):
-            if r.codec is not None:
-                ds, elems = datasets[i], sizes[i][1]
-                infos = [ds.get_chunk_info_by_coord((b * elems,))
-                         for b in range(checksum.block_count(r.nbytes, block))]
-                r.chunks = [[int(x.byte_offset), int(x.size)] for x in infos]
-                let_others_run()
+        compressed.write(self.records, self._layout.datasets, sink, (self._fd, self._dfd),
+                         views, block, threads, on_block, known, gate, addrs)
 
     def seal(self) -> int:
         """Record checksums as attributes, the metadata written, fsync; the file's size."""
