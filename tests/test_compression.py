@@ -190,3 +190,32 @@ def test_a_chunk_is_one_checksum_block_or_the_whole_smaller_tensor():
 
     assert codec.chunk_elements(10 * BLOCK, 4, BLOCK) == BLOCK // 4
     assert codec.chunk_elements(100, 4, BLOCK) == 25
+
+
+def test_one_thread_reads_frames_of_every_size_through_its_reused_buffers(tmp_path: Path):
+    """A reading thread keeps its buffers for a file's compressed chunks (a fresh zeroed one per
+    chunk held the GIL: docs/performance.md); frames of very different sizes, read one after
+    another by one thread, each decompress to their own bytes, into the tensor or through a
+    buffer smaller than a block."""
+    from mpickpt.format import blocks, reader
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(0, 256, (9 * BLOCK,), dtype=torch.uint8, generator=g)
+    for b in range(0, 9, 2):  # blocks 0, 2, 4, 6, 8 all zeros: frames of a few bytes between
+        w[b * BLOCK:(b + 1) * BLOCK] = 0  # others of about a block
+    state = {"w": w, "z": torch.zeros(3 * BLOCK, dtype=torch.uint8)}
+    assert save(tmp_path, state, compression="zstd").committed
+    m = manifest(tmp_path)
+    records = m.ranks[0].tensors
+    sizes = [c[1] for r in records if r.name == "w" for c in r.chunks]
+    assert min(sizes) < BLOCK // 100 and max(sizes) > BLOCK // 2, sizes
+    path = str(tmp_path / "step-00000001" / "rank-00000.h5")
+    out = reader.read_shard(0, path, records, m.ranks[0].bytes, block=BLOCK, threads=1)
+    for k, v in state.items():
+        assert same_bits(out[k], v), k
+    blocks.verify_file(0, path, m.ranks[0].bytes, records, BLOCK, threads=1)
+    small = memoryview(bytearray(BLOCK // 4))  # smaller than a block: through the thread's own
+    with blocks.BlockFile(0, path, m.ranks[0].bytes, BLOCK) as f:
+        r = next(r for r in records if r.name == "w")
+        for n in (1, 0, 3, 2):
+            assert f.read_block(r, n, small) == BLOCK

@@ -16,6 +16,7 @@ Torch-, numpy- and h5py-free, so that the operator's tools can verify a checkpoi
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,7 @@ class BlockFile:
     def __init__(self, rank: int, path: str, file_bytes: int, block: int, *,
                  direct: bool = False) -> None:
         self.rank, self.path, self.block = rank, path, block
+        self._scratch = threading.local()  # each reading thread's buffers for compressed chunks
         self.fd = open_shard(rank, path, file_bytes)
         self.dfd = -1
         if direct:
@@ -176,6 +178,17 @@ class BlockFile:
             )
         return size
 
+    def _buffer(self, name: str, n: int, usual: int) -> memoryview:
+        """``n`` bytes of this thread's buffer ``name`` (at least ``usual`` bytes, made once
+        and kept for the file's next blocks). An anonymous map: its pages are faulted in by
+        the read that fills them, outside the GIL; a ``bytearray`` per chunk was zeroed under
+        it and serialised a compressed restore's threads (docs/performance.md)."""
+        have = getattr(self._scratch, name, None)
+        if have is None or len(have) < n:
+            have = mmap.mmap(-1, max(n, usual, 1))
+            setattr(self._scratch, name, have)
+        return memoryview(have)[:n]
+
     def _read_compressed(self, r: TensorRecord, n: int, buf: memoryview, size: int) -> int:
         """:meth:`read_block` of a compressed record: read block ``n``'s chunk, decompress it
         into ``buf`` (through a temporary buffer when ``buf`` is smaller), verify it."""
@@ -183,11 +196,11 @@ class BlockFile:
         from .records import itemsize
 
         where, csize = r.chunks[n] if r.chunks else (0, 0)
-        frame = bytearray(csize)
-        if _pread_all(self.fd, memoryview(frame), where) < csize:
+        frame = self._buffer("frame", csize, codec.max_frame(self.block))
+        if _pread_all(self.fd, frame, where) < csize:
             raise ShardError(self.rank, self.path, "unexpected end of file", tensor=r.name)
         item = itemsize(r.dtype)
-        out = buf[:size] if len(buf) >= size else memoryview(bytearray(size))
+        out = buf[:size] if len(buf) >= size else self._buffer("out", size, self.block)
         try:
             codec.decompress(r.codec or "", frame, out,
                              codec.chunk_elements(r.nbytes, item, self.block) * item, item)
