@@ -43,6 +43,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +73,22 @@ def add_job_args(ap: argparse.ArgumentParser) -> None:
     default (``DEFAULTS["cuda"]``)."""
     for k, v in DEFAULTS["cuda"].items():
         ap.add_argument(f"--{k}", type=int, default=v, help=f"default {v}: the reference job")
+
+
+def add_probe_args(ap: argparse.ArgumentParser, io_threads: int = 8) -> None:
+    """A probe's job (:func:`add_job_args`) and ``--io-threads``, ``--dir``, ``--cpu`` (the job
+    on the CPU) and ``--json``."""
+    add_job_args(ap)
+    ap.add_argument("--io-threads", type=int, default=io_threads, help="mpickpt's I/O threads")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints go")
+    ap.add_argument("--cpu", action="store_true", help="the job on the CPU")
+    ap.add_argument("--json", default=None, help="write the figures here")
+
+
+def probe_job(args: argparse.Namespace) -> tuple[Job, torch.device]:
+    """The job :func:`add_probe_args` describes, on the GPU unless ``--cpu`` or there is none."""
+    dev = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    return Job(args.layers, args.width, args.batch, dev), dev
 
 
 def log(*a: Any) -> None:

@@ -21,11 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job, add_job_args
+from bench_gpu import add_probe_args, probe_job
 from restore_parts import timed
 
 import mpickpt
@@ -97,15 +95,10 @@ def bound_write(frames: list[bytes], path: str, threads: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_job_args(ap)
+    add_probe_args(ap)
     ap.add_argument("--saves", type=int, default=2)
-    ap.add_argument("--io-threads", type=int, default=8)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--cpu", action="store_true", help="the job on the CPU")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    dev = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    job = Job(args.layers, args.width, args.batch, dev)
+    job, dev = probe_job(args)
     nbytes = job.nbytes()
     print(f"state {nbytes / 1e9:.2f} GB on {dev}, {args.io_threads} I/O threads, {args.dir}",
           flush=True)

@@ -20,22 +20,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import Job, add_job_args, drop_caches
+from bench_gpu import add_probe_args, drop_caches, probe_job
 
 import mpickpt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_job_args(ap)
+    add_probe_args(ap)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--io-threads", type=int, default=8)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--cpu", action="store_true", help="the job on the CPU")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    dev = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    job = Job(args.layers, args.width, args.batch, dev)
+    job, dev = probe_job(args)
     state = {"model": job.model, "optim": job.opt}
     out = {"build": mpickpt.__file__, "bytes": job.nbytes(), "restore_s": {}}
     for comp in ("zstd", None):
