@@ -29,7 +29,7 @@ from restore_parts import timed
 import mpickpt
 
 PARTS = [("mpickpt.save.snapshot", "Snapshot.wait"),
-         ("mpickpt.format.shard", "ShardWriter.__init__"), ("mpickpt.format.codec", "compress"),
+         ("mpickpt.format.shard", "ShardWriter.__init__"), ("mpickpt.format.codec", "compress_into"),
          ("mpickpt.format.checksum", "digest"),
          ("mpickpt.format.framesink", "write_frame"),
          ("mpickpt.format.framesink", "FrameWriter.put"),
@@ -58,32 +58,43 @@ def summary(t0: float, t1: float) -> list[str]:
     return out
 
 
-def bound_compress(blocks: list[memoryview], threads: int) -> tuple[float, list[bytes]]:
-    """Seconds to compress every block on ``threads`` threads, nothing else running."""
-    from mpickpt.format import codec
+Frames = list[tuple[Any, int]]  # each block's frame: its aligned buffer, and its length
 
+
+def bound_compress(blocks: list[memoryview], threads: int) -> tuple[float, Frames]:
+    """Seconds to compress every block on ``threads`` threads into buffers made beforehand,
+    nothing else running."""
+    from mpickpt.format import codec
+    from mpickpt.format.framesink import AlignedBuffers
+
+    pool = AlignedBuffers(codec.max_frame(max(len(b) for b in blocks)))
+    bufs = [pool.take() for _ in blocks]
+    for b in bufs:  # faulted in, as mpickpt's kept buffers are after its first save
+        b[::4096] = bytes(len(b[::4096]))
     with ThreadPoolExecutor(threads) as ex:
         t = time.perf_counter()
-        frames = list(ex.map(lambda b: codec.compress("zstd", b, len(b), 4), blocks))
-        return time.perf_counter() - t, frames
+        sizes = list(ex.map(lambda k: codec.compress_into("zstd", blocks[k], len(blocks[k]), 4,
+                                                          memoryview(bufs[k])),
+                            range(len(blocks))))
+        return time.perf_counter() - t, list(zip(bufs, sizes, strict=True))
 
 
-def bound_write(frames: list[bytes], path: str, threads: int) -> float:
-    """Seconds to write ``frames`` back to back into a new file with O_DIRECT on ``threads``
-    threads (each copied into an aligned buffer first, as mpickpt's writer does), and fsync."""
+def bound_write(frames: Frames, path: str, threads: int) -> float:
+    """Seconds to write ``frames`` (each in its aligned buffer, as mpickpt's compressing leaves
+    it) back to back into a new file with O_DIRECT on ``threads`` threads, and fsync."""
     from mpickpt.format.framesink import AlignedBuffers, write_frame
 
     offsets, at = [], 0
-    for f in frames:
+    for _, n in frames:
         offsets.append(at)
-        at += -(-len(f) // 4096) * 4096
+        at += -(-n // 4096) * 4096
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     dfd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-    bufs = AlignedBuffers(max(len(f) for f in frames))
+    pool = AlignedBuffers(len(frames[0][0]))
     try:
         with ThreadPoolExecutor(threads) as ex:
             t = time.perf_counter()
-            list(ex.map(lambda k: write_frame(fd, dfd, frames[k], offsets[k], bufs),
+            list(ex.map(lambda k: write_frame(fd, dfd, *frames[k], offsets[k], pool),
                         range(len(frames))))
             os.fsync(fd)
             return time.perf_counter() - t
@@ -136,7 +147,7 @@ def main() -> None:
         v = memoryview(t.numpy()).cast("B")
         blocks += [v[i: i + (64 << 20)] for i in range(0, len(v), 64 << 20)]
     c_s, frames = bound_compress(blocks, args.io_threads)
-    fb = sum(len(f) for f in frames)
+    fb = sum(n for _, n in frames)
     cores = os.cpu_count() or 1
     if cores != args.io_threads:
         more_s, _ = bound_compress(blocks, cores)

@@ -219,3 +219,44 @@ def test_one_thread_reads_frames_of_every_size_through_its_reused_buffers(tmp_pa
         r = next(r for r in records if r.name == "w")
         for n in (1, 0, 3, 2):
             assert f.read_block(r, n, small) == BLOCK
+
+
+@pytest.fixture(params=["libzstd", "zstandard"])
+def compressor(request, monkeypatch) -> str:
+    """Compression through zstd's own library, or through ``zstandard`` where it is missing."""
+    from mpickpt.format import zstdlib
+
+    if request.param == "libzstd" and zstdlib.lib() is None:
+        pytest.skip("libzstd.so.1 is not on this machine")
+    if request.param == "zstandard":
+        monkeypatch.setattr(zstdlib, "lib", lambda: None)
+    return request.param
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["zstd", "zstd+shuffle"])
+@pytest.mark.parametrize("size", [BLOCK, BLOCK - 4 * 37, 4])
+def test_a_block_compresses_into_the_callers_buffer_as_hdf5_reads_it(compressor, name, size):
+    """A block's frame, written into the caller's buffer by either compressor, is what HDF5's
+    pipeline reads: one zstd frame recording its content size, of the block zero-padded to the
+    chunk (and byte-shuffled); and it decompresses back to the block's own bytes."""
+    import numpy as np
+    import zstandard
+
+    from mpickpt.format import codec
+
+    g = np.random.default_rng(size)
+    raw = g.integers(0, 256, size, dtype=np.uint8)
+    raw[: size // 2] = 0
+    out = memoryview(bytearray(codec.max_frame(BLOCK)))
+    n = codec.compress_into(name, memoryview(raw), BLOCK, 4, out)
+    frame = bytes(out[:n])
+    want = np.concatenate([raw, np.zeros(BLOCK - size, np.uint8)])
+    if name == "zstd+shuffle":
+        want = want.reshape(-1, 4).T.reshape(-1)
+    assert zstandard.ZstdDecompressor().decompress(frame) == want.tobytes()
+    back = memoryview(bytearray(size))
+    codec.decompress(name, frame, back, BLOCK, 4)
+    assert bytes(back) == raw.tobytes()
+    if compressor == "libzstd":
+        assert codec.compress(name, memoryview(raw), BLOCK, 4) == frame

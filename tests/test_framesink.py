@@ -29,6 +29,14 @@ def _state() -> dict[str, torch.Tensor]:
     return {"a": a, "b": b}
 
 
+def _write(fd: int, frame: bytes, at: int) -> None:
+    pool = framesink.AlignedBuffers(len(frame))
+    buf = pool.take()
+    buf[:len(frame)] = frame
+    framesink.write_frame(fd, -1, buf, len(frame), at, pool)
+    assert pool.take() is buf  # given back for the next frame
+
+
 def test_the_expected_frame_is_handed_over_unwritten_and_the_rest_is_written(tmp_path: Path):
     path = tmp_path / "f.h5"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -46,7 +54,7 @@ def test_the_expected_frame_is_handed_over_unwritten_and_the_rest_is_written(tmp
             assert at is not None and at > 0
             assert sink.taken() is None  # once
             assert os.pread(fd, len(frame), at).strip(b"\0") == b""  # HDF5 wrote none of it
-            framesink.write_frame(fd, -1, frame, at, framesink.AlignedBuffers(len(frame)))
+            _write(fd, frame, at)
             # armed for one buffer, another of the same length is written as HDF5 asks
             other = bytes(len(frame))
             sink.expect(frame)
@@ -57,7 +65,7 @@ def test_the_expected_frame_is_handed_over_unwritten_and_the_rest_is_written(tmp
             ds.write_direct_chunk((0,), frame)
             at = sink.taken()
             assert at is not None
-            framesink.write_frame(fd, -1, frame, at, framesink.AlignedBuffers(len(frame)))
+            _write(fd, frame, at)
         with h5py.File(path, "r") as f:
             assert f["x"].id.read_direct_chunk((0,))[1] == frame
     finally:
@@ -86,7 +94,7 @@ def test_a_compressed_shard_written_by_its_threads_reads_back_everywhere(tmp_pat
 def test_a_frame_that_cannot_be_written_fails_the_shard(tmp_path: Path, monkeypatch):
     tensors = _state()
 
-    def refuse(fd, dfd, frame, offset, buffers):
+    def refuse(fd, dfd, buf, n, offset, pool):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(framesink, "write_frame", refuse)
@@ -95,3 +103,20 @@ def test_a_frame_that_cannot_be_written_fails_the_shard(tmp_path: Path, monkeypa
     with pytest.raises(OSError, match="No space left"):
         w.write(tensors, block=BLOCK, threads=3)
     w.close()
+
+
+def test_the_frame_buffers_are_kept_from_one_save_to_the_next(tmp_path: Path):
+    """A compressed save maps its frame buffers once; the next reuses them (a fresh 64 MiB
+    buffer per frame faulted its pages in, and unmapping it held the GIL)."""
+    from mpickpt.format import codec
+
+    tensors = _state()
+    pool = framesink.buffers(codec.max_frame(BLOCK))
+    made = []
+    for k in range(3):
+        w = shard.ShardWriter(str(tmp_path / f"s{k}.h5"), tensors, {"tree": "{}"},
+                              codecs={"a": "zstd", "b": "zstd"}, block=BLOCK)
+        w.write(tensors, block=BLOCK, threads=3)
+        w.seal()
+        made.append(pool.made)
+    assert made[0] > 0 and made[2] == made[1] == made[0], made

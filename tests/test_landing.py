@@ -194,13 +194,13 @@ def test_compressed_blocks_are_compressed_as_they_land_and_hold_the_landed_bytes
 
     landed: list[bool] = []
     seen: list[bool] = []  # per compressed block: had everything landed when it was compressed
-    real_compress = codec.compress
+    real_compress = codec.compress_into
 
     def compress(*a, **k):
         seen.append(bool(landed))
         return real_compress(*a, **k)
 
-    monkeypatch.setattr(codec, "compress", compress)
+    monkeypatch.setattr(codec, "compress_into", compress)
     records, size, want = written_while_landing(tmp_path, codecs={"a": "zstd", "c": "zstd"},
                                                 landed=landed)
     assert seen and not all(seen), "every block was compressed only after all had landed"

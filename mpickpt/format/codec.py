@@ -3,22 +3,27 @@
 A compressed tensor is stored as a one-dimensional chunked HDF5 dataset whose chunk is one
 checksum block of the tensor's bytes, with the filter pipeline ``[shuffle,] zstd`` (HDF5's
 built-in byte shuffle, id 2; the Zstd filter, id 32015, registered by ``hdf5plugin``). mpickpt's
-own threads compress the blocks (``zstandard`` releases the GIL) and HDF5 only places them
-(direct chunk writes), so h5py with ``import hdf5plugin`` reads the dataset as an ordinary one.
+own threads compress the blocks (with zstd's own library into reused buffers, else with
+``zstandard``; both release the GIL) and HDF5 only places them (direct chunk writes), so h5py
+with ``import hdf5plugin`` reads the dataset as an ordinary one.
 A chunk holds exactly what that pipeline makes of the block: the bytes byte-shuffled by element
 size when ``shuffle``, the last one zero-padded to the chunk's size, then one zstd frame.
 
 Codec names: ``"zstd"`` and ``"zstd+shuffle"``, at :data:`LEVEL`. Torch-free; ``zstandard`` is
-imported when a block is first compressed or decompressed (``pip install 'mpickpt[compress]'``).
+imported when a block is first decompressed, or compressed where zstd's library does not load
+(``pip install 'mpickpt[compress]'``).
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from . import zstdlib
 
 CODECS = ("zstd", "zstd+shuffle")
 ZSTD_FILTER = 32015  # the HDF5 Zstd filter's registered id (hdf5plugin.Zstd)
@@ -82,12 +87,51 @@ def chunk_elements(nbytes: int, itemsize: int, block: int) -> int:
 def compress(codec: str, raw: memoryview, chunk_bytes: int, itemsize: int) -> bytes:
     """One block's chunk: ``raw`` (at most ``chunk_bytes``) zero-padded to ``chunk_bytes``,
     byte-shuffled for ``zstd+shuffle``, as one zstd frame."""
+    out = mmap.mmap(-1, max_frame(chunk_bytes), flags=mmap.MAP_PRIVATE)
+    return out[:compress_into(codec, raw, chunk_bytes, itemsize, memoryview(out))]
+
+
+def compress_into(codec: str, raw: memoryview, chunk_bytes: int, itemsize: int,
+                  out: memoryview) -> int:
+    """:func:`compress` written into ``out`` (writable, at least :func:`max_frame` bytes): the
+    frame's length. With zstd's own library (:mod:`mpickpt.format.zstdlib`) nothing is
+    allocated, a short block is padded by zeros that cost no memory, and the GIL is released
+    for the whole compression; else ``zstandard`` makes the frame and it is copied."""
+    shuffle = codec == "zstd+shuffle" and itemsize > 1
+    if zstdlib.lib() is None:
+        frame = _zstandard_frame(raw, chunk_bytes, itemsize, shuffle)
+        np.copyto(np.frombuffer(out, np.uint8)[:len(frame)], np.frombuffer(frame, np.uint8))
+        return len(frame)
+    src = np.frombuffer(raw, np.uint8)
+    if shuffle:  # this thread's buffer: the padded block's bytes, element byte by byte
+        buf = np.frombuffer(_scratch(chunk_bytes), np.uint8)[:chunk_bytes]
+        planes = buf.reshape(itemsize, -1)
+        np.copyto(planes[:, :len(raw) // itemsize], src.reshape(-1, itemsize).T)
+        planes[:, len(raw) // itemsize:] = 0
+        pieces = [(int(buf.ctypes.data), chunk_bytes)]
+    else:
+        pieces = [(int(src.ctypes.data), len(raw))] if len(raw) else []
+        if len(raw) < chunk_bytes:
+            pieces.append((zstdlib.zeros(chunk_bytes - len(raw)), chunk_bytes - len(raw)))
+    dst = np.frombuffer(out, np.uint8)
+    return zstdlib.compress(pieces, int(dst.ctypes.data), len(dst), LEVEL)
+
+
+def _scratch(n: int) -> mmap.mmap:
+    """This thread's shuffle buffer of at least ``n`` bytes, kept for its next block."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+    return buf
+
+
+def _zstandard_frame(raw: memoryview, chunk_bytes: int, itemsize: int, shuffle: bool) -> bytes:
     data: Any = raw
     if len(raw) < chunk_bytes:
         padded = bytearray(chunk_bytes)
         padded[: len(raw)] = raw
         data = padded
-    if codec == "zstd+shuffle" and itemsize > 1:
+    if shuffle:
         data = np.frombuffer(data, np.uint8).reshape(-1, itemsize).T.tobytes()
     c = getattr(_local, "c", None)
     if c is None:

@@ -8,6 +8,7 @@ addresses, each compressed as soon as it has landed.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,27 +37,30 @@ def write(records: Sequence[TensorRecord], datasets: Sequence[Any], sink: FrameS
                  codec.chunk_elements(r.nbytes, dtypes.itemsize(r.dtype), block))
              for i, r in enumerate(records) if r.codec is not None}
 
-    def compress(i: int, b: int) -> tuple[str | None, bytes]:
+    workers = pool(threads, True) if threads > 1 else None
+    ahead = max(2 * threads, 2)
+    frames = FrameWriter(sink, fds[0], fds[1], codec.max_frame(block), workers, max(threads, 1))
+
+    def compress(i: int, b: int) -> tuple[str | None, mmap.mmap, int]:
         r, raw = records[i], views[i][b * block: (b + 1) * block]
         if gate is not None and addrs is not None:
             gate(addrs[i] + b * block, addrs[i] + b * block + len(raw))
         item, elems = sizes[i]
         digest = None if known[i] else checksum.digest(raw)
-        return digest, codec.compress(r.codec or "", raw, elems * item, item)
+        buf = frames.buffers.take()
+        return digest, buf, codec.compress_into(r.codec or "", raw, elems * item, item,
+                                                memoryview(buf))
 
-    workers = pool(threads, True) if threads > 1 else None
-    ahead = max(2 * threads, 2)
-    frames = FrameWriter(sink, fds[0], fds[1], codec.max_frame(block), workers, ahead)
     pending = [workers.submit(compress, *j) if workers else None for j in jobs[:ahead]]
     try:
         for k, (i, b) in enumerate(jobs):
-            fut, pending[k] = pending[k], None  # its frame freed once written, not at the end
-            digest, frame = fut.result() if fut else compress(i, b)
+            fut, pending[k] = pending[k], None  # its frame's buffer reused once written
+            digest, buf, n = fut.result() if fut else compress(i, b)
             if workers and k + ahead < len(jobs):
                 pending.append(workers.submit(compress, *jobs[k + ahead]))
             if digest is not None:
                 records[i].checksums[b] = digest
-            frames.put(datasets[i], (b * sizes[i][1],), frame)
+            frames.put(datasets[i], (b * sizes[i][1],), buf, n)
             let_others_run()
             if on_block is not None:
                 on_block()

@@ -74,32 +74,45 @@ class FrameSink(HDF5File):
 
 class AlignedBuffers:
     """Page-aligned buffers of ``capacity`` bytes, made when none is free and kept for reuse:
-    as many as frames are written at once."""
+    as many as frames are in flight at once (:func:`buffers`)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = align(capacity, DIRECT_ALIGN)
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self.made = 0  # buffers mapped so far
 
     def take(self) -> mmap.mmap:
         try:
             return self._free.get_nowait()
         except queue.Empty:
-            return mmap.mmap(-1, self.capacity)
+            self.made += 1
+            return mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE)
 
     def give(self, buf: mmap.mmap) -> None:
         self._free.put(buf)
 
 
-def write_frame(fd: int, dfd: int, frame: bytes, offset: int, buffers: AlignedBuffers) -> None:
-    """Write ``frame`` at ``offset``: copied into an aligned buffer, whose aligned part goes with
-    ``O_DIRECT`` on ``dfd`` (``-1``: none) and the rest through the page cache on ``fd``."""
-    buf = buffers.take()
-    try:
-        view = memoryview(buf)[:len(frame)]
-        np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(frame, np.uint8))
-        _pwrite(fd, dfd, _address(memoryview(buf)), view, offset)
-    finally:
-        buffers.give(buf)
+_BUFFERS: dict[int, AlignedBuffers] = {}
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_BUFFERS.clear)
+
+
+def buffers(capacity: int) -> AlignedBuffers:
+    """The process's frame buffers of ``capacity`` bytes, kept from one save to the next: a
+    fresh 64 MiB buffer faults its pages in, and unmapping one held the GIL for 3.8 ms on the
+    H200 host (docs/performance.md)."""
+    return _BUFFERS.setdefault(align(capacity, DIRECT_ALIGN), AlignedBuffers(capacity))
+
+
+def write_frame(fd: int, dfd: int, buf: mmap.mmap, n: int, offset: int,
+                pool: AlignedBuffers) -> None:
+    """Write the frame in ``buf``'s first ``n`` bytes at ``offset`` (its aligned part with
+    ``O_DIRECT`` on ``dfd``, ``-1``: none; the rest through the page cache on ``fd``), then give
+    ``buf`` back to ``pool``."""
+    view = memoryview(buf)
+    _pwrite(fd, dfd, _address(view), view[:n], offset)
+    view.release()
+    pool.give(buf)
 
 
 class FrameWriter:
@@ -109,17 +122,22 @@ class FrameWriter:
     def __init__(self, sink: FrameSink | None, fd: int, dfd: int, capacity: int,
                  workers: Executor | None, ahead: int) -> None:
         self.sink, self.fd, self.dfd, self.workers, self.ahead = sink, fd, dfd, workers, ahead
-        self.buffers = AlignedBuffers(capacity)
+        self.buffers = buffers(capacity)
         self._writes: list[Future[None]] = []
 
-    def put(self, dataset: Any, coords: tuple[int, ...], frame: bytes) -> None:
+    def put(self, dataset: Any, coords: tuple[int, ...], buf: mmap.mmap, n: int) -> None:
+        """Hand the frame in ``buf``'s first ``n`` bytes (a buffer of :attr:`buffers`, given
+        back once written) to HDF5, and write it where HDF5 placed it."""
+        frame = memoryview(buf)[:n]
         if self.sink is not None:
             self.sink.expect(frame)
         dataset.write_direct_chunk(coords, frame)
+        frame.release()
         at = self.sink.taken() if self.sink is not None else None
         if at is None:  # HDF5 wrote it
+            self.buffers.give(buf)
             return
-        args = (self.fd, self.dfd, frame, at, self.buffers)
+        args = (self.fd, self.dfd, buf, n, at, self.buffers)
         if self.workers is None:
             write_frame(*args)
             return
