@@ -127,7 +127,35 @@ def test_a_buffer_is_asked_for_only_when_no_used_one_is_free() -> None:
         landing._worker.submit(lambda: None).result()
         at += n
     assert landing.finish() is None
-    assert asked == [0, 1], "a fresh buffer was asked for while a used one was free"
+    assert set(asked) == {0, 1}, "a fresh buffer was asked for while a used one was free"
+    assert bytes(dest.numpy()) == data[rec.offset:rec.offset + rec.nbytes].tobytes()
+
+
+def test_a_buffer_is_swapped_for_its_page_locked_twin_once_there_is_one() -> None:
+    """A lost member's landing starts in ordinary buffers and lands the blocks after in each
+    buffer's twin once the ring has made it (copied into the GPU from ordinary pages, its blocks
+    were used more slowly than the ring brought them); every byte still lands."""
+    data, recs = shard([6 * BLOCK])
+    rec = recs[0]
+    plain = torch.empty(BLOCK, dtype=torch.uint8)
+    twin = torch.empty(BLOCK, dtype=torch.uint8)
+    made = threading.Event()
+    dest = torch.zeros(rec.nbytes, dtype=torch.uint8)
+    landing = XorLanding(1, "/n1/rank-00001.h5", len(data), [Span(rec, 0, rec.nbytes, dest)],
+                         BLOCK, [lambda: twin if made.is_set() else plain])
+    used = []
+    at = 0
+    while at < len(data):
+        n = min(BLOCK, len(data) - at)
+        view = landing.into(at, n)
+        used.append(view.ctypes.data)
+        view[:] = data[at:at + n]
+        landing.arrived()
+        if at >= 2 * BLOCK:
+            made.set()  # the twin made while the third block was used
+        at += n
+    assert landing.finish() is None
+    assert used[:3] == [plain.data_ptr()] * 3 and twin.data_ptr() in used[3:], used
     assert bytes(dest.numpy()) == data[rec.offset:rec.offset + rec.nbytes].tobytes()
 
 

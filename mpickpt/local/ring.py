@@ -16,7 +16,9 @@ once. Once each has been used, page-locked twins are made on a thread of their o
 group takes its slot's twin once it is there, else the ordinary slot. Page-locking a first
 twin still held the copies into the GPU back for about 0.2 s (the receives waited for their
 slots meanwhile), so it is left until the first bytes are in, and a transfer of fewer groups
-than slots, or an XOR rebuild, which keeps the buffers it first took, locks nothing
+than slots locks nothing. An XOR rebuild keeps the buffers it first took, each swapped for its
+twin once made (:meth:`Ring.make_twins`, at its start): copied into the GPU from ordinary
+pages, a lost member's blocks were used more slowly than the ring brought them
 (``docs/performance.md``).
 """
 
@@ -146,6 +148,11 @@ class Ring:
             if twin.done() and twin.exception() is None:
                 return twin.result()
         return self._slots[i]
+
+    def make_twins(self) -> None:
+        """Have the page-locked twins made from now on, without waiting for every slot to be
+        used (:attr:`warm`): for a user that keeps the slots it first took."""
+        self.warm.set()
 
     def wait_free(self, r: int) -> None:
         """Until ring group ``r``'s slot may be written; :class:`RingAbandoned` once

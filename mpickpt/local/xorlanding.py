@@ -50,9 +50,10 @@ class _Fed:
 class XorLanding:
     """Rank ``rank``'s shard (``path`` names it in errors; ``size`` bytes) landing in
     ``spans`` (uncompressed, whole checksum blocks of ``block`` bytes) through uint8 CPU
-    tensors used again and again: ``buffers`` gives each, when called (page-locked where they
-    are to reach a GPU fast; each is asked for only when a block finds no used one free, so
-    that the first receive waits for one buffer's page-locking, not for all of them).
+    tensors used again and again: ``buffers`` gives each, when called (each is asked for only
+    when a block finds no used one free, and again each time it is free after use: where it
+    gives a page-locked twin by then, the twin is used from then on, and the copies into the
+    GPU go at the link's speed instead of through the driver's staging).
 
     The ring calls :meth:`into` for where a block of the file is to be received (it waits for
     a buffer free) and :meth:`arrived` once it is in, in the same order; :meth:`finish` waits for
@@ -64,10 +65,11 @@ class XorLanding:
         self.rank, self.path, self.size, self.block = rank, path, size, block
         self._fed = sorted((_Fed(s) for s in spans if s.nbytes), key=lambda f: f.start)
         self._first = 0
-        self._fresh = deque(buffers)
-        self._free: deque[torch.Tensor] = deque()
+        self._buffers = buffers
+        self._fresh = deque(range(len(buffers)))
+        self._free: deque[tuple[torch.Tensor, int]] = deque()
         self._cond = threading.Condition()
-        self._coming: deque[tuple[int, int, torch.Tensor]] = deque()
+        self._coming: deque[tuple[int, int, torch.Tensor, int]] = deque()
         self._used: list[Future[None]] = []
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-landing")
         self.error: Exception | None = None
@@ -79,31 +81,31 @@ class XorLanding:
             fresh = self._fresh.popleft() if not self._free and self._fresh else None
             while fresh is None and not self._free:
                 self._cond.wait()
-            buf = self._free.popleft() if fresh is None else None
+            buf, k = self._free.popleft() if fresh is None else (None, fresh)
         if buf is None:  # (outside the lock: a buffer used meanwhile is given back)
-            assert fresh is not None
-            buf = fresh()
+            buf = self._buffers[k]()
         if buf.numel() < n:
             raise ValueError(f"a landing buffer of {buf.numel()} bytes for a block of {n}")
-        self._coming.append((at, n, buf))
+        self._coming.append((at, n, buf, k))
         return buf[:n].numpy()
 
     def arrived(self) -> None:
         """The oldest block :meth:`into` gave a buffer for is in: used on the landing's thread,
         its buffer free again after."""
-        at, n, buf = self._coming.popleft()
+        at, n, buf, k = self._coming.popleft()
         self.received += max(0, min(n, self.size - at))
-        self._used.append(self._worker.submit(self._use, at, n, buf))
+        self._used.append(self._worker.submit(self._use, at, n, buf, k))
 
-    def _use(self, at: int, n: int, buf: torch.Tensor) -> None:
+    def _use(self, at: int, n: int, buf: torch.Tensor, k: int) -> None:
         try:
             if self.error is None:
                 self._land(at, min(n, max(0, self.size - at)), buf)
+            buf = self._buffers[k]()  # its page-locked twin, once there is one
         except Exception as e:
             self.error = self.error or e
         finally:
             with self._cond:
-                self._free.append(buf)
+                self._free.append((buf, k))
                 self._cond.notify()
 
     def _land(self, at: int, n: int, buf: torch.Tensor) -> None:

@@ -50,8 +50,8 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
              buffers: Callable[[str, int], memoryview]) -> str | None:
     """The XOR teams that lost a member rebuild it: a lost rank's shard lands in ``spans``
     (what its restore reads of it; every byte verified on the way) through the slots of
-    ``ring`` (page-locked for the GPU, each used once it is: the first receive waits for the
-    first slot only) or else reused host buffers, in blocks of ``window`` bytes. Collective.
+    ``ring`` (ordinary memory, each swapped for its page-locked twin once that is made beside
+    the transfer) or else reused host buffers, in blocks of ``window`` bytes. Collective.
     This rank's error, or None."""
     me = proto.rank
     landing = None
@@ -63,6 +63,8 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
                 for i in range(LANDING_BUFFERS)]
 
     if me in xor_lost.values():
+        if ring is not None:  # its blocks reach the GPU from page-locked twins, once made
+            ring.make_twins()
         landing = XorLanding(me, os.path.join(d, shard_name(me)), manifest.ranks[me].bytes,
                              spans, manifest.checksum_block, bufs)
     err = None
