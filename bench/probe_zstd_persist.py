@@ -29,7 +29,8 @@ from restore_parts import timed
 import mpickpt
 
 PARTS = [("mpickpt.save.snapshot", "Snapshot.wait"),
-         ("mpickpt.format.shard", "ShardWriter.__init__"), ("mpickpt.format.codec", "compress_into"),
+         ("mpickpt.format.shard", "ShardWriter.__init__"),
+         ("mpickpt.format.codec", "compress_into"),
          ("mpickpt.format.checksum", "digest"),
          ("mpickpt.format.framesink", "write_frame"),
          ("mpickpt.format.framesink", "FrameWriter.put"),
