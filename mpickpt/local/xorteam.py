@@ -55,16 +55,17 @@ def xor_land(proto: Protocol, d: str, manifest: Manifest, xor_lost: dict[int, in
     This rank's error, or None."""
     me = proto.rank
     landing = None
-    if ring is not None and ring.size >= window:  # slot by slot, each cut into windows
-        bufs = [(lambda i=i, a=a: ring.slot(i)[a:a + window]) for i in range(SLOTS)
-                for a in range(0, ring.size - window + 1, window)][:LANDING_BUFFERS]
+    slots = ring if ring is not None and ring.size >= window else None
+    if slots is not None:  # slot by slot, each cut into windows
+        bufs = [(lambda i=i, a=a: slots.slot(i)[a:a + window]) for i in range(SLOTS)
+                for a in range(0, slots.size - window + 1, window)][:LANDING_BUFFERS]
     else:
         bufs = [(lambda i=i: torch.frombuffer(buffers(f"land{i}", window), dtype=torch.uint8))
                 for i in range(LANDING_BUFFERS)]
 
     if me in xor_lost.values():
-        if ring is not None:  # its blocks reach the GPU from page-locked twins, once made
-            ring.make_twins()
+        if slots is not None:  # its blocks reach the GPU from page-locked twins, once made
+            slots.make_twins()
         landing = XorLanding(me, os.path.join(d, shard_name(me)), manifest.ranks[me].bytes,
                              spans, manifest.checksum_block, bufs)
     err = None
