@@ -260,3 +260,21 @@ def test_a_block_compresses_into_the_callers_buffer_as_hdf5_reads_it(compressor,
     assert bytes(back) == raw.tobytes()
     if compressor == "libzstd":
         assert codec.compress(name, memoryview(raw), BLOCK, 4) == frame
+
+
+@pytest.mark.quick
+def test_zstds_library_is_found_past_what_is_not_it(monkeypatch):
+    """The loader takes the first candidate that is zstd 1.4 or newer: a library without zstd's
+    functions and a path that does not exist are passed over, and with nothing left the
+    ``zstandard`` API serves (the round-trip tests above run both ways)."""
+    from mpickpt.format import zstdlib
+
+    real = zstdlib.candidates()
+    assert real[-1] == "libzstd.so.1"
+    monkeypatch.setattr(zstdlib, "candidates", lambda: ["libc.so.6", "/nonexistent/libz.so"])
+    assert zstdlib._load() is None
+    monkeypatch.setattr(zstdlib, "candidates", lambda: ["libc.so.6", *real])
+    z = zstdlib._load()
+    if z is None:
+        pytest.skip("neither zstandard's copy of zstd nor libzstd.so.1 loads here")
+    assert z.ZSTD_versionNumber() >= zstdlib.MIN_VERSION
