@@ -37,6 +37,17 @@ def align(n: int, a: int = ALIGN) -> int:
 
 
 
+def kept_buffer(local: threading.local, name: str, n: int, usual: int = 0) -> mmap.mmap:
+    """This thread's buffer ``name`` in ``local``, of at least ``n`` bytes (``usual`` when it is
+    first made), kept for the thread's next call: an anonymous map, whose pages are faulted in
+    by whatever first writes them, outside the GIL (a ``bytearray`` is zeroed under it)."""
+    have = getattr(local, name, None)
+    if have is None or len(have) < n:
+        have = mmap.mmap(-1, max(n, usual, 1), flags=mmap.MAP_PRIVATE)
+        setattr(local, name, have)
+    return have
+
+
 def _open_direct(path: str, flags: int) -> int:
     """An O_DIRECT descriptor of ``path``, or -1 where the platform or file system has none."""
     try:
@@ -179,15 +190,10 @@ class BlockFile:
         return size
 
     def _buffer(self, name: str, n: int, usual: int) -> memoryview:
-        """``n`` bytes of this thread's buffer ``name`` (at least ``usual`` bytes, made once
-        and kept for the file's next blocks). An anonymous map: its pages are faulted in by
-        the read that fills them, outside the GIL; a ``bytearray`` per chunk was zeroed under
-        it and serialised a compressed restore's threads (docs/performance.md)."""
-        have = getattr(self._scratch, name, None)
-        if have is None or len(have) < n:
-            have = mmap.mmap(-1, max(n, usual, 1))
-            setattr(self._scratch, name, have)
-        return memoryview(have)[:n]
+        """``n`` bytes of this thread's buffer ``name`` for this file (:func:`kept_buffer`: a
+        ``bytearray`` per chunk serialised a compressed restore's threads,
+        docs/performance.md)."""
+        return memoryview(kept_buffer(self._scratch, name, n, usual))[:n]
 
     def _read_compressed(self, r: TensorRecord, n: int, buf: memoryview, size: int) -> int:
         """:meth:`read_block` of a compressed record: read block ``n``'s chunk, decompress it

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import zstdlib
+from .blocks import kept_buffer
 
 CODECS = ("zstd", "zstd+shuffle")
 ZSTD_FILTER = 32015  # the HDF5 Zstd filter's registered id (hdf5plugin.Zstd)
@@ -104,7 +105,7 @@ def compress_into(codec: str, raw: memoryview, chunk_bytes: int, itemsize: int,
         return len(frame)
     src = np.frombuffer(raw, np.uint8)
     if shuffle:  # this thread's buffer: the padded block's bytes, element byte by byte
-        buf = np.frombuffer(_scratch(chunk_bytes), np.uint8)[:chunk_bytes]
+        buf = np.frombuffer(kept_buffer(_local, "shuffle", chunk_bytes), np.uint8)[:chunk_bytes]
         planes = buf.reshape(itemsize, -1)
         np.copyto(planes[:, :len(raw) // itemsize], src.reshape(-1, itemsize).T)
         planes[:, len(raw) // itemsize:] = 0
@@ -115,14 +116,6 @@ def compress_into(codec: str, raw: memoryview, chunk_bytes: int, itemsize: int,
             pieces.append((zstdlib.zeros(chunk_bytes - len(raw)), chunk_bytes - len(raw)))
     dst = np.frombuffer(out, np.uint8)
     return zstdlib.compress(pieces, int(dst.ctypes.data), len(dst), LEVEL)
-
-
-def _scratch(n: int) -> mmap.mmap:
-    """This thread's shuffle buffer of at least ``n`` bytes, kept for its next block."""
-    buf = getattr(_local, "scratch", None)
-    if buf is None or len(buf) < n:
-        buf = _local.scratch = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
-    return buf
 
 
 def _zstandard_frame(raw: memoryview, chunk_bytes: int, itemsize: int, shuffle: bool) -> bytes:

@@ -18,15 +18,9 @@ import queue
 from concurrent.futures import Executor, Future, wait
 from typing import Any
 
-import numpy as np
-
 from .blocks import DIRECT_ALIGN, _address, _pwrite, align, pwrite_all
 from .h5image import HDF5File
-
-
-def address(buf: object) -> int:
-    """The address of a bytes-like object's first byte (read-only ones too)."""
-    return int(np.frombuffer(buf, np.uint8).ctypes.data)  # type: ignore[call-overload]
+from .pages import address
 
 
 class FrameSink(HDF5File):

@@ -24,9 +24,10 @@ if _madvise is not None:
     _madvise.restype = ctypes.c_int
 
 
-def address(m: mmap.mmap) -> int:
-    """Where a (non-empty) map starts in memory. Use it only while the map is open."""
-    return int(np.frombuffer(m, dtype=np.uint8, count=1).ctypes.data)
+def address(m: object) -> int:
+    """Where a non-empty map, or any other bytes-like object (read-only ones too), starts in
+    memory. Use it only while the object is alive (a map: open)."""
+    return int(np.frombuffer(m, dtype=np.uint8, count=1).ctypes.data)  # type: ignore[call-overload]
 
 
 def populate(base: int, start: int, n: int, write: bool = False) -> bool:

@@ -19,6 +19,8 @@ import os
 import threading
 from collections.abc import Sequence
 
+from . import pages
+
 _c_void_p, _c_size_t, _c_int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
 MIN_VERSION = 10400  # 1.4.0: the first with ZSTD_compress2 and ZSTD_compressStream2 stable
 _LEVEL, _END, _CONTINUE, _RESET_SESSION = 100, 2, 0, 1  # the zstd.h constants used here
@@ -114,9 +116,7 @@ def zeros(n: int) -> int:
         if not _zeros or len(_zeros[-1]) < n:
             _zeros.append(mmap.mmap(-1, max(n, 1), mmap.MAP_PRIVATE, mmap.PROT_READ))
         m = _zeros[-1]
-    import numpy as np  # only for a read-only map's address
-
-    return int(np.frombuffer(m, np.uint8).ctypes.data)
+    return pages.address(m)
 
 
 def compress(pieces: Sequence[tuple[int, int]], dst: int, capacity: int, level: int) -> int:
