@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import platform
@@ -66,6 +67,21 @@ OPT_IN = ("mpickpt+zstd",)
 DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the reference job, 5.84 GB
             "cpu": {"layers": 16, "width": 2048, "batch": 64}}   # the CPU reference, 0.81 GB
 NAN = float("nan")
+# the interpreter's full collections (seconds each), appended by _full_gc: one takes 0.1-0.2 s
+# with torch loaded and holds the interpreter lock throughout, so one that falls in a window
+# counts in its stall; window() says how many did
+FULL_GC: list[float] = []
+
+
+def _full_gc(phase: str, info: dict[str, int]) -> None:
+    if info["generation"] == 2:
+        if phase == "start":
+            _full_gc.t = time.perf_counter()  # type: ignore[attr-defined]
+        else:
+            FULL_GC.append(time.perf_counter() - _full_gc.t)  # type: ignore[attr-defined]
+
+
+gc.callbacks.append(_full_gc)
 
 
 def add_job_args(ap: argparse.ArgumentParser) -> None:
@@ -233,7 +249,14 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
     The stall is measured against the median of the ``tail_steps`` (or more) steps that ran
     after the checkpoint was durable, in the same window: step times drift over a run on a
     shared machine (by 20% on the 2-core VM), and a baseline taken minutes earlier turned a
-    1 s ``torch.save`` into a negative stall. The stall against ``base`` is kept too."""
+    1 s ``torch.save`` into a negative stall. The stall against ``base`` is kept too.
+
+    A full collection of the interpreter's garbage runs first: the objects that earlier phases
+    (another method's restore, say) left in its oldest generation would otherwise trigger one
+    (0.1-0.2 s) inside whichever window comes next. The full collections inside the window are
+    counted (``full_gc_n``, ``full_gc_s``): those the checkpoint's own objects brought on."""
+    gc.collect()
+    gcs = len(FULL_GC)
     COMM.Barrier()
     t0 = time.perf_counter()
     job.step()
@@ -264,6 +287,8 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
         "steps_during_persist": len(during),
         "step_during_persist_s": statistics.median(during) if during else NAN,
         "slowest_steps": sorted(trace, key=lambda x: -x[1])[:8],  # (start after call, extra s)
+        "full_gc_n": len(FULL_GC) - gcs,
+        "full_gc_s": sum(FULL_GC[gcs:]),
     }
 
 
@@ -661,6 +686,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
                            if isinstance(reps[0][k], (int, float))}
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
+    out["full_gc_s_all"] = [r["full_gc_s"] for r in reps]
     out["persist_s_all"] = [r["persist_s"] for r in reps]
     if handles:  # the first save's and each rep's own figures: where their time went
         out["save_stats_all"] = [{k: v for k, v in h.outcome().stats.items()
@@ -722,6 +748,9 @@ def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | Non
         "restore_aggregate_GBps": total / restore / 1e9,
         "cache_dropped": all(r["cache_dropped"] for r in per_rank),
         "bytes_on_disk": sum(r["bytes_on_disk"] for r in per_rank),
+        # full collections inside the timed windows, all ranks (each counts in its stall)
+        "full_gc_in_windows": sum(len([s for s in r["full_gc_s_all"] if s])
+                                  for r in per_rank),
     }
     if dd_write:
         out["persist_of_dd"] = out["persist_aggregate_GBps"] / dd_write
@@ -846,6 +875,10 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"mpickpt's first checkpoint: stall {fmt(mp['first_stall_s_max'], 3)} s; after "
               f"prepare() before the loop ({fmt(mp['prepare_s_max'], 2)} s) "
               f"{fmt(mp['prepared_first_stall_s_max'], 3)} s")
+    for m, r in res["methods"].items():
+        if r.get("full_gc_in_windows"):
+            print(f"{m}: {r['full_gc_in_windows']} full garbage collection(s) of the "
+                  "interpreter inside its timed windows, counted in the stall")
     for line in errors:
         print(line)
     if res["methods"] and not all(r.get("cache_dropped", True) for r in res["methods"].values()):
