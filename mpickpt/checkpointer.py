@@ -235,11 +235,10 @@ class Checkpointer:
         return self._pipeline.wait()
 
     def wait_snapshot(self) -> None:
-        """Block until the last snapshot no longer reads the state's tensors.
-
-        Optimizer steps and forward passes of modules in the state wait for it by themselves
-        (on the GPU); call this before changing a checkpointed tensor any other way.
-        """
+        """Block until the last snapshot no longer reads the state's tensors. Optimizer steps
+        and forward passes of modules in the state wait for it by themselves (on the GPU), as
+        the current stream does at once for CUDA tensors none guards; call this before changing
+        a checkpointed tensor any other way (another stream, say)."""
         self._capture.snapshotter.wait_snapshot()
 
     @property

@@ -15,7 +15,9 @@ it gets in within 3 ms, and the emptying takes 122 ms instead of 106.
 The next mutation must not race the copies: :meth:`Snapshotter.fence` (called by an optimizer
 pre-step hook and a module forward pre-hook) makes the current stream wait for the copy out of the
 user's tensors to finish, a GPU-side wait that costs the Python thread nothing. The user's tensors
-are kept alive until then.
+are kept alive until then. A state that holds CUDA tensors no such hook guards (``state_dict()``s,
+as the Lightning and Hugging Face integrations save: the next optimizer step changes them, and
+no hook of ours runs first) is fenced by ``take`` itself, at once.
 
 CPU tensors that only an optimizer in the state changes (its parameters and its state) are copied
 lazily, on the snapshot thread, while forward and backward run: the optimizer's step pre-hook
@@ -164,9 +166,12 @@ class Snapshotter:
         self._hook_lock = threading.Lock()
 
     def take(self, tensors: Mapping[str, torch.Tensor],
-             lazy: Mapping[int, int] | None = None) -> Snapshot:
+             lazy: Mapping[int, int] | None = None,
+             guarded: set[int] | frozenset[int] = frozenset()) -> Snapshot:
         """Snapshot ``tensors``; those of CPU whose data pointer ``lazy`` maps to at least their
-        size (an optimizer's, see :meth:`guard`) are copied on the snapshot thread."""
+        size (an optimizer's, see :meth:`guard`) are copied on the snapshot thread. Unless
+        every CUDA tensor's data pointer is in ``guarded`` (:meth:`guard`), the current streams
+        wait for the copies from now on (:meth:`fence`)."""
         t0 = time.perf_counter()
         lazy = lazy or {}
         by_device, order, offsets, ranges, pos = _layout(tensors)
@@ -196,6 +201,9 @@ class Snapshotter:
                     names = by_device[dev]
                     self._copy_cuda(dev, [tensors[n] for n in names], names, offsets, snap,
                                     ranges[dev], staging[dev])
+            if any(tensors[n].data_ptr() not in guarded
+                   for dev in order if dev.type == "cuda" for n in by_device[dev]):
+                self.fence()  # on the GPU: into staging, a few milliseconds for GBs
             held: dict[str, torch.Tensor] = {}
             with torch.no_grad():
                 for n in now:
@@ -318,18 +326,23 @@ class Snapshotter:
         snap.staging_free.set()
         self.pool.release(snap.lease)
 
-    def guard(self, state: Any) -> dict[int, int]:
+    def guard(self, state: Any) -> tuple[dict[int, int], set[int]]:
         """Make the optimizers (and, with CUDA, the modules) in ``state`` wait for the snapshot
         before they change the tensors it copies: an optimizer step pre-hook and a forward
-        pre-hook, registered once per object. Returns the tensors only those optimizers change
-        (data pointer -> bytes): their parameters and state, which :meth:`take` copies lazily."""
+        pre-hook, registered once per object. Returns the CPU tensors only those optimizers
+        change (data pointer -> bytes: their parameters and state, which :meth:`take` copies
+        lazily), and the data pointers of every tensor those hooks guard (the optimizers'
+        parameters and state, the modules' parameters and buffers)."""
         found: list[Any] = []
         _collect(state, found)
         owned: dict[int, int] = {}
+        guarded: set[int] = set()
         with self._hook_lock:
             for obj in found:
                 if isinstance(obj, torch.optim.Optimizer):
-                    _owned_by(obj, owned)
+                    _owned_by(obj, owned, guarded)
+                elif torch.cuda.is_available():
+                    guarded.update(t.data_ptr() for t in (*obj.parameters(), *obj.buffers()))
                 if obj in self._hooked:
                     continue
                 if isinstance(obj, torch.optim.Optimizer):
@@ -339,7 +352,7 @@ class Snapshotter:
                 else:
                     continue
                 self._hooked.add(obj)
-        return owned
+        return owned, guarded
 
     def fence(self) -> None:
         """Make the current stream of each device wait until the last snapshot no longer reads
@@ -369,12 +382,16 @@ class Snapshotter:
         self._wait_reading()
 
 
-def _owned_by(opt: torch.optim.Optimizer, out: dict[int, int]) -> None:
-    """The CPU tensors that ``opt.step()`` changes: its parameters and its state."""
+def _owned_by(opt: torch.optim.Optimizer, out: dict[int, int], guarded: set[int]) -> None:
+    """The tensors that ``opt.step()`` changes, its parameters and its state: the CPU ones into
+    ``out`` (data pointer -> bytes), every one's data pointer into ``guarded``."""
     def add(t: Any) -> None:
         if hasattr(t, "to_local"):  # a DTensor: the shard this rank holds
             t = t.to_local()
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        if not isinstance(t, torch.Tensor):
+            return
+        guarded.add(t.data_ptr())
+        if t.device.type == "cpu":
             out[t.data_ptr()] = max(out.get(t.data_ptr(), 0), _nbytes(t))
     for group in opt.param_groups:
         for p in group["params"]:

@@ -61,6 +61,43 @@ def test_optimizer_step_right_after_save_does_not_race_the_copy(tmp_path, stagin
                 assert a.device == b.device and torch.equal(a, b)  # Adam's step stays on CPU
 
 
+def tensors_of(x) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts and lists, in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, list | tuple) else []
+    return [t for v in items for t in tensors_of(v)]
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_a_state_of_state_dicts_is_safe_from_the_next_step_at_once(tmp_path, staging):
+    """What the Lightning and Hugging Face integrations save: ``state_dict()``s, whose tensors no
+    hook of ours guards. The next optimizer step, and an in-place change of a tensor, right
+    after save() returns, must not reach the snapshot."""
+    m, opt = model_and_opt(0)
+    x = torch.randn(4096, 1024, device="cuda")
+    step(m, opt, x)
+    big = torch.randn(256 << 20, device="cuda")  # 1 GiB: a copy long enough to be raced
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(device_staging=staging)) as ck:
+        for i in range(3):
+            state = {"model": m.state_dict(), "optim": opt.state_dict(), "big": big}
+            expected = [t.clone() for t in tensors_of(state)]
+            h = ck.save(i, state)
+            big.add_(1.0)  # at once, on the current stream
+            for _ in range(2):
+                step(m, opt, x)
+            assert h.wait().committed
+            m2, opt2 = model_and_opt(1)
+            step(m2, opt2, x)  # the same structure, other values
+            fresh = {"model": m2.state_dict(), "optim": opt2.state_dict(),
+                     "big": torch.zeros_like(big)}
+            assert ck.restore(fresh, step=i) == i
+            got = tensors_of(fresh)
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.quick
 def test_save_returns_before_the_copy_finishes(tmp_path):
     m, opt = model_and_opt(0)
