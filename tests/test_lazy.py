@@ -230,3 +230,28 @@ def test_a_cpu_state_page_locks_nothing_and_gives_no_prepare_hint(tmp_path, monk
         assert ck.save(2, state).wait().committed
         assert ck._pool.allocated_bytes > 0 and ck._pool.locked_bytes == 0
     assert "Checkpointer.prepare(state)" not in caplog.text
+
+
+@pytest.mark.quick
+def test_the_owners_of_a_states_tensors_are_found_where_the_state_holds_them():
+    """What the snapshot's hooks guard: the optimizers and modules a state holds (not those
+    inside a module), each optimizer's parameters and state, each module's parameters and
+    buffers; only an optimizer's CPU tensors may be copied lazily, by their size."""
+    from mpickpt.save import owners
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    found: list = []
+    owners.collect({"a": [m, {"o": opt}], "sd": m.state_dict(), "n": 3}, found)
+    assert found == [m, opt]
+    owned: dict[int, int] = {}
+    guarded: set[int] = set()
+    owners.owned_by(opt, owned, guarded)
+    changed = [*m.parameters(), *(v for st in opt.state.values() for v in st.values())]
+    assert guarded == {t.data_ptr() for t in changed}
+    assert owned == {t.data_ptr(): t.numel() * t.element_size() for t in changed}
+    bn = m[1]
+    assert {bn.running_mean.data_ptr(), bn.running_var.data_ptr()} <= set(owners.module_ptrs(m))
+    assert not {bn.running_mean.data_ptr()} & guarded  # a forward changes it, not the step

@@ -51,6 +51,7 @@ import torch
 
 from ..format.blocks import align
 from ..format.hostcopy import copy_into
+from . import owners
 from .landing import Landing, unstage
 from .pinned_pool import HostPool, Lease
 
@@ -334,15 +335,15 @@ class Snapshotter:
         lazily), and the data pointers of every tensor those hooks guard (the optimizers'
         parameters and state, the modules' parameters and buffers)."""
         found: list[Any] = []
-        _collect(state, found)
+        owners.collect(state, found)
         owned: dict[int, int] = {}
         guarded: set[int] = set()
         with self._hook_lock:
             for obj in found:
                 if isinstance(obj, torch.optim.Optimizer):
-                    _owned_by(obj, owned, guarded)
+                    owners.owned_by(obj, owned, guarded)
                 elif torch.cuda.is_available():
-                    guarded.update(t.data_ptr() for t in (*obj.parameters(), *obj.buffers()))
+                    guarded.update(owners.module_ptrs(obj))
                 if obj in self._hooked:
                     continue
                 if isinstance(obj, torch.optim.Optimizer):
@@ -382,25 +383,6 @@ class Snapshotter:
         self._wait_reading()
 
 
-def _owned_by(opt: torch.optim.Optimizer, out: dict[int, int], guarded: set[int]) -> None:
-    """The tensors that ``opt.step()`` changes, its parameters and its state: the CPU ones into
-    ``out`` (data pointer -> bytes), every one's data pointer into ``guarded``."""
-    def add(t: Any) -> None:
-        if hasattr(t, "to_local"):  # a DTensor: the shard this rank holds
-            t = t.to_local()
-        if not isinstance(t, torch.Tensor):
-            return
-        guarded.add(t.data_ptr())
-        if t.device.type == "cpu":
-            out[t.data_ptr()] = max(out.get(t.data_ptr(), 0), _nbytes(t))
-    for group in opt.param_groups:
-        for p in group["params"]:
-            add(p)
-    for st in opt.state.values():
-        for v in st.values():
-            add(v)
-
-
 def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[
         dict[torch.device, list[str]], list[torch.device], dict[str, int],
         dict[torch.device, tuple[int, int]], int]:
@@ -429,18 +411,6 @@ def _nbytes(t: torch.Tensor) -> int:
 def _views(buf: torch.Tensor, offsets: Mapping[str, int],
            tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
-
-
-def _collect(x: Any, out: list[Any]) -> None:
-    """The optimizers and modules in a state (not inside modules)."""
-    if isinstance(x, (torch.optim.Optimizer, torch.nn.Module)):
-        out.append(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _collect(v, out)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _collect(v, out)
 
 
 def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""Which tensors the optimizers and modules in a state change: what the snapshot's hooks guard
+(:meth:`mpickpt.save.snapshot.Snapshotter.guard`), and which CPU tensors it may copy lazily."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def collect(x: Any, out: list[Any]) -> None:
+    """The optimizers and modules in a state (not inside modules)."""
+    if isinstance(x, (torch.optim.Optimizer, torch.nn.Module)):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            collect(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            collect(v, out)
+
+
+def owned_by(opt: torch.optim.Optimizer, out: dict[int, int], guarded: set[int]) -> None:
+    """The tensors that ``opt.step()`` changes, its parameters and its state: the CPU ones into
+    ``out`` (data pointer -> bytes), every one's data pointer into ``guarded``."""
+    def add(t: Any) -> None:
+        t = local(t)
+        if not isinstance(t, torch.Tensor):
+            return
+        guarded.add(t.data_ptr())
+        if t.device.type == "cpu":
+            out[t.data_ptr()] = max(out.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            add(p)
+    for st in opt.state.values():
+        for v in st.values():
+            add(v)
+
+
+def module_ptrs(m: torch.nn.Module) -> Iterator[int]:
+    """The data pointers of a module's parameters and buffers (its submodules' too)."""
+    for t in (*m.parameters(), *m.buffers()):
+        yield local(t).data_ptr()
+
+
+def local(t: Any) -> Any:
+    """A DTensor's shard that this rank holds; anything else as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
