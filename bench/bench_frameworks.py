@@ -75,6 +75,11 @@ def _timed(fn: Callable[..., None], calls: list[float], device: str,
     return timed
 
 
+def _call_sync(args: argparse.Namespace) -> str:
+    """The device ``_timed`` synchronizes around a save call ("cpu": none)."""
+    return args.device if args.sync_calls else "cpu"
+
+
 _GC: list[tuple[float, float]] = []  # (start, seconds) of each full collection of Python's
 
 
@@ -193,7 +198,7 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
                          callbacks=callbacks, plugins=plugins)
     calls: list[float] = []
     starts: list[float] = []
-    trainer.save_checkpoint = _timed(trainer.save_checkpoint, calls, args.device, starts)  # type: ignore[method-assign]
+    trainer.save_checkpoint = _timed(trainer.save_checkpoint, calls, _call_sync(args), starts)  # type: ignore[method-assign]
     model = MLP()
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     t = time.perf_counter()
@@ -238,7 +243,7 @@ def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
     calls: list[float] = []
     starts: list[float] = []
-    trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, args.device, starts)  # type: ignore[method-assign]
+    trainer._save_checkpoint = _timed(trainer._save_checkpoint, calls, _call_sync(args), starts)  # type: ignore[method-assign]
     ends: list[float] = []  # when each training step ended: the last one starts the tail
 
     class Clock(transformers.TrainerCallback):
@@ -286,6 +291,10 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/frameworks.json")
     ap.add_argument("--options", default="{}", help="the Checkpointer's options for the "
                     'mpickpt methods, as JSON (default: keep=2 only), e.g. \'{"io_threads": 4}\'')
+    ap.add_argument("--sync-calls", type=int, choices=[0, 1], default=1,
+                    help="1: time each save call with the GPU synchronized before and after it "
+                    "(its GPU work counted in the call); 0: the call's CPU time only, nothing "
+                    "synchronized (a step then shows what the loop itself would wait for)")
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not 1 <= args.window <= args.every:
@@ -304,7 +313,7 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--method", m,
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("steps", "every", "width", "layers", "gpt_width", "gpt_layers",
-                              "batch", "gpt_batch", "device", "dir", "options")]]
+                              "batch", "gpt_batch", "device", "dir", "options", "sync_calls")]]
             p = subprocess.run(cmd, capture_output=True, text=True,
                                env={**os.environ, "MPICKPT_LOG": "WARNING"})
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
