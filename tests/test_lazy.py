@@ -235,8 +235,9 @@ def test_a_cpu_state_page_locks_nothing_and_gives_no_prepare_hint(tmp_path, monk
 @pytest.mark.quick
 def test_the_owners_of_a_states_tensors_are_found_where_the_state_holds_them():
     """What the snapshot's hooks guard: the optimizers and modules a state holds (not those
-    inside a module), each optimizer's parameters and state, each module's parameters and
-    buffers; only an optimizer's CPU tensors may be copied lazily, by their size."""
+    inside a module), each optimizer's parameters and state, each module's buffers (not its
+    parameters: an optimizer not in the state may change those before the next forward pass);
+    only an optimizer's CPU tensors may be copied lazily, by their size."""
     from mpickpt.save import owners
 
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -253,5 +254,7 @@ def test_the_owners_of_a_states_tensors_are_found_where_the_state_holds_them():
     assert guarded == {t.data_ptr() for t in changed}
     assert owned == {t.data_ptr(): t.numel() * t.element_size() for t in changed}
     bn = m[1]
-    assert {bn.running_mean.data_ptr(), bn.running_var.data_ptr()} <= set(owners.module_ptrs(m))
+    buffers = set(owners.buffer_ptrs(m))
+    assert {bn.running_mean.data_ptr(), bn.running_var.data_ptr()} <= buffers
+    assert not buffers & {p.data_ptr() for p in m.parameters()}
     assert not {bn.running_mean.data_ptr()} & guarded  # a forward changes it, not the step

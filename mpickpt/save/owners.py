@@ -39,9 +39,10 @@ def owned_by(opt: torch.optim.Optimizer, out: dict[int, int], guarded: set[int])
             add(v)
 
 
-def module_ptrs(m: torch.nn.Module) -> Iterator[int]:
-    """The data pointers of a module's parameters and buffers (its submodules' too)."""
-    for t in (*m.parameters(), *m.buffers()):
+def buffer_ptrs(m: torch.nn.Module) -> Iterator[int]:
+    """The data pointers of a module's buffers (its submodules' too): what its forward pass
+    changes. Not its parameters: an optimizer changes those, maybe before the next forward."""
+    for t in m.buffers():
         yield local(t).data_ptr()
 
 

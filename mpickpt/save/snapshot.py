@@ -333,7 +333,7 @@ class Snapshotter:
         pre-hook, registered once per object. Returns the CPU tensors only those optimizers
         change (data pointer -> bytes: their parameters and state, which :meth:`take` copies
         lazily), and the data pointers of every tensor those hooks guard (the optimizers'
-        parameters and state, the modules' parameters and buffers)."""
+        parameters and state, the modules' buffers)."""
         found: list[Any] = []
         owners.collect(state, found)
         owned: dict[int, int] = {}
@@ -343,7 +343,7 @@ class Snapshotter:
                 if isinstance(obj, torch.optim.Optimizer):
                     owners.owned_by(obj, owned, guarded)
                 elif torch.cuda.is_available():
-                    guarded.update(owners.module_ptrs(obj))
+                    guarded.update(owners.buffer_ptrs(obj))
                 if obj in self._hooked:
                     continue
                 if isinstance(obj, torch.optim.Optimizer):

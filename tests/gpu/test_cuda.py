@@ -98,6 +98,31 @@ def test_a_state_of_state_dicts_is_safe_from_the_next_step_at_once(tmp_path, sta
                 assert torch.equal(a.cpu(), b.cpu())
 
 
+@pytest.mark.parametrize("staging", [True, False])
+def test_a_module_saved_without_its_optimizer_is_safe_from_the_step_that_follows(tmp_path,
+                                                                                 staging):
+    """A module in the state guards its buffers (its forward pass waits for the snapshot), not
+    its parameters: saved between backward and the optimizer's step, with the optimizer not in
+    the state, that step must not reach the snapshot."""
+    m, opt = model_and_opt(0)
+    x = torch.randn(4096, 1024, device="cuda")
+    step(m, opt, x)
+    with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(device_staging=staging)) as ck:
+        for i in range(3):
+            m(x).float().square().mean().backward()
+            expected = [t.clone() for t in m.state_dict().values()]
+            h = ck.save(i, {"model": m})
+            opt.step()  # at once: no forward pass of m comes first
+            opt.zero_grad()
+            assert h.wait().committed
+            m2, _ = model_and_opt(1)
+            assert ck.restore({"model": m2}, step=i) == i
+            got = list(m2.state_dict().values())
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a, b)
+
+
 @pytest.mark.quick
 def test_save_returns_before_the_copy_finishes(tmp_path):
     m, opt = model_and_opt(0)
