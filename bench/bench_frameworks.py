@@ -26,7 +26,10 @@ Neither framework fsyncs its files; mpickpt does. On CUDA the models are on the 
     python bench/bench_frameworks.py --device cuda --width 4096 --layers 8 --batch 4096 \
         --gpt-width 1024 --gpt-layers 12 --gpt-batch 32 --steps 160 --every 40  # an H200
 
-Needs ``pip install '.[lightning,hf]'``. JSON to ``--json``.
+Needs ``pip install '.[lightning,hf]'``. JSON to ``--json``: each run's step ends, save starts
+and full GCs, and on CUDA for Lightning ``gpu_steps_ms`` (per step, its stream's time from start
+to end and the GPU's idle gap before it: whether a slower step lost its time on the GPU or on
+the CPU). ``--sync-calls 0`` times the save calls without synchronizing the GPU around them.
 """
 
 from __future__ import annotations
@@ -108,6 +111,19 @@ def _timeline(t0: float, ends: list[float], starts: list[float]) -> dict[str, li
             "full_gc": [[round(a - t0, 4), round(d, 4)] for a, d in _GC if a >= t0]}
 
 
+def _gpu_steps(marks: list[Any]) -> dict[str, list[list[float]]]:
+    """With CUDA events at each step's start and end (after a synchronize): per step, the
+    milliseconds its stream spent from start to end (waits on other streams included) and the
+    idle gap before it (the GPU waiting for the CPU): whether a slower step was slower on the
+    GPU or on the CPU. Empty without events."""
+    if len(marks) < 2:
+        return {}
+    pairs = list(zip(marks[0::2], marks[1::2], strict=False))
+    return {"gpu_steps_ms": [
+        [round(a.elapsed_time(b), 2), round(pairs[i - 1][1].elapsed_time(a), 2) if i else 0.0]
+        for i, (a, b) in enumerate(pairs)]}
+
+
 def _durations(ends: list[float]) -> list[float]:
     return [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)] if ends else []
 
@@ -187,9 +203,19 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
                                      every_n_train_steps=args.every)]
     ends: list[float] = []  # when each training step ended: the last one starts the tail
 
+    marks: list[Any] = []  # CUDA events at each step's start and end, on the current stream
+
     class Clock(pl.Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            if args.device == "cuda":
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+
         def on_train_batch_end(self, *_: Any) -> None:
             ends.append(time.perf_counter())
+            if args.device == "cuda":
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
 
     callbacks.append(Clock())
     trainer = pl.Trainer(accelerator=args.device if args.device == "cuda" else "cpu", devices=1,
@@ -205,7 +231,7 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
     trainer.fit(model, loader)
     _sync(args.device)
     return {"total_s": time.perf_counter() - t, "steps_s": ends[-1] - t, "calls": calls,
-            "state_bytes": state_bytes, **_timeline(t, ends, starts)}
+            "state_bytes": state_bytes, **_timeline(t, ends, starts), **_gpu_steps(marks)}
 
 
 def hf_job(args: argparse.Namespace, how: str, work: str) -> dict[str, Any]:
