@@ -9,9 +9,12 @@ the same run: device->pinned copy GB/s on CUDA (a host memcpy GB/s on CPU) and `
 write (and ``iflag=direct`` read) GB/s on the target directory.
 
 Stall per checkpoint = the extra wall time the training loop sees over a window of steps around
-the checkpoint, compared with the median step time without checkpointing. Persist = bytes over
-the time from the checkpoint call until it is durable (fsynced/committed). Restore = time to load
-into the existing tensors, page cache dropped first where the machine allows it (root).
+the checkpoint, compared with the median step time without checkpointing. Python's garbage is
+collected in full before each window (what earlier phases left would otherwise be collected,
+0.1-0.2 s, in whichever window came next), and the full collections inside a window are
+counted. Persist = bytes over the time from the checkpoint call until it is durable
+(fsynced/committed). Restore = time to load into the existing tensors, page cache dropped first
+where the machine allows it (root).
 
 Under ``mpirun -n N`` every rank runs its own job (a different model, seeded by its rank) and all
 of them checkpoint into the one directory ``--dir``: mpickpt with one shared ROOT
