@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import gc
 import importlib.util
 import io
 import json
@@ -73,6 +74,26 @@ from mpickpt.format.rootdir import fsync_path
 HERE = Path(__file__).resolve().parent
 TAG = "BENCH-WORKER "
 Pair = tuple[torch.nn.Module, torch.optim.Optimizer]
+# (start, seconds) of each full collection of Python's garbage since watch_full_gc()
+FULL_GC: list[tuple[float, float]] = []
+
+
+def watch_full_gc() -> None:
+    """Record in FULL_GC every collection of the oldest generation (once per process): one
+    takes 0.1-0.4 s with torch loaded and holds the interpreter's lock throughout, so a step or
+    window that paid for one is not a save's doing, though a save's objects bring the next one
+    closer."""
+    if _full_gc not in gc.callbacks:
+        gc.callbacks.append(_full_gc)
+
+
+def _full_gc(phase: str, info: dict[str, int]) -> None:
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        _full_gc.began = time.perf_counter()  # type: ignore[attr-defined]
+    else:
+        FULL_GC.append((_full_gc.began, time.perf_counter() - _full_gc.began))  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------- state

@@ -35,7 +35,6 @@ the CPU). ``--sync-calls 0`` times the save calls without synchronizing the GPU 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -50,6 +49,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from bench_cpu import FULL_GC, columns, watch_full_gc  # noqa: E402
 
 METHODS = ("lightning none", "lightning own", "lightning async", "lightning mpickpt",
            "hf none", "hf own", "hf mpickpt")
@@ -83,32 +83,13 @@ def _call_sync(args: argparse.Namespace) -> str:
     return args.device if args.sync_calls else "cpu"
 
 
-_GC: list[tuple[float, float]] = []  # (start, seconds) of each full collection of Python's
-
-
-def _watch_gc() -> None:
-    """Record every collection of the oldest generation: a step that paid for one is not a
-    save's doing, though a save's objects bring the next one closer."""
-    began = [0.0]
-
-    def cb(phase: str, info: dict[str, int]) -> None:
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            _GC.append((began[0], time.perf_counter() - began[0]))
-
-    gc.callbacks.append(cb)
-
-
 def _timeline(t0: float, ends: list[float], starts: list[float]) -> dict[str, list[Any]]:
     """When each step ended and each save call began, and each full collection of Python's
     (start, seconds), in seconds from the run's start: where a run lost its time (the steps
     after each save against the others)."""
     return {"step_ends": [round(e - t0, 4) for e in ends],
             "save_starts": [round(s - t0, 4) for s in starts],
-            "full_gc": [[round(a - t0, 4), round(d, 4)] for a, d in _GC if a >= t0]}
+            "full_gc": [[round(a - t0, 4), round(d, 4)] for a, d in FULL_GC if a >= t0]}
 
 
 def _gpu_steps(marks: list[Any]) -> dict[str, list[list[float]]]:
@@ -289,7 +270,7 @@ def worker(args: argparse.Namespace) -> None:
     framework, how = args.method.split()
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=args.dir, prefix="mpickpt-fw-")
-    _watch_gc()
+    watch_full_gc()
     try:
         job = lightning_job if framework == "lightning" else hf_job
         out = job(args, how, work)
@@ -329,7 +310,6 @@ def main() -> None:
     if args.method:
         worker(args)
         return
-    from bench_cpu import columns
 
     methods = args.methods.split(",")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}

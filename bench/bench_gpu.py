@@ -57,7 +57,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import columns
+from bench_cpu import FULL_GC, columns, watch_full_gc
 
 import mpickpt
 
@@ -70,21 +70,7 @@ OPT_IN = ("mpickpt+zstd",)
 DEFAULTS = {"cuda": {"layers": 29, "width": 4096, "batch": 256},  # the reference job, 5.84 GB
             "cpu": {"layers": 16, "width": 2048, "batch": 64}}   # the CPU reference, 0.81 GB
 NAN = float("nan")
-# the interpreter's full collections (seconds each), appended by _full_gc: one takes 0.1-0.2 s
-# with torch loaded and holds the interpreter lock throughout, so one that falls in a window
-# counts in its stall; window() says how many did
-FULL_GC: list[float] = []
-
-
-def _full_gc(phase: str, info: dict[str, int]) -> None:
-    if info["generation"] == 2:
-        if phase == "start":
-            _full_gc.t = time.perf_counter()  # type: ignore[attr-defined]
-        else:
-            FULL_GC.append(time.perf_counter() - _full_gc.t)  # type: ignore[attr-defined]
-
-
-gc.callbacks.append(_full_gc)
+watch_full_gc()  # window() counts the full collections inside it
 
 
 def add_job_args(ap: argparse.ArgumentParser) -> None:
@@ -291,7 +277,7 @@ def window(job: Job, base: float, call: Callable[[], Callable[[], bool]], min_st
         "step_during_persist_s": statistics.median(during) if during else NAN,
         "slowest_steps": sorted(trace, key=lambda x: -x[1])[:8],  # (start after call, extra s)
         "full_gc_n": len(FULL_GC) - gcs,
-        "full_gc_s": sum(FULL_GC[gcs:]),
+        "full_gc_s": sum(d for _, d in FULL_GC[gcs:]),
     }
 
 
@@ -690,6 +676,7 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
     out["step_s"] = base
     out["stall_s_all"] = [r["stall_s"] for r in reps]
     out["full_gc_s_all"] = [r["full_gc_s"] for r in reps]
+    out["full_gc_n_all"] = [r["full_gc_n"] for r in reps]
     out["persist_s_all"] = [r["persist_s"] for r in reps]
     if handles:  # the first save's and each rep's own figures: where their time went
         out["save_stats_all"] = [{k: v for k, v in h.outcome().stats.items()
@@ -752,8 +739,7 @@ def summarize(per_rank: list[dict[str, Any]], nbytes: int, dd_write: float | Non
         "cache_dropped": all(r["cache_dropped"] for r in per_rank),
         "bytes_on_disk": sum(r["bytes_on_disk"] for r in per_rank),
         # full collections inside the timed windows, all ranks (each counts in its stall)
-        "full_gc_in_windows": sum(len([s for s in r["full_gc_s_all"] if s])
-                                  for r in per_rank),
+        "full_gc_in_windows": sum(sum(r["full_gc_n_all"]) for r in per_rank),
     }
     if dd_write:
         out["persist_of_dd"] = out["persist_aggregate_GBps"] / dd_write
