@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..sharding import local_tensor
+
 
 def collect(x: Any, out: list[Any]) -> None:
     """The optimizers and modules in a state (not inside modules)."""
@@ -25,7 +27,7 @@ def owned_by(opt: torch.optim.Optimizer, out: dict[int, int], guarded: set[int])
     """The tensors that ``opt.step()`` changes, its parameters and its state: the CPU ones into
     ``out`` (data pointer -> bytes), every one's data pointer into ``guarded``."""
     def add(t: Any) -> None:
-        t = local(t)
+        t = local_tensor(t)
         if not isinstance(t, torch.Tensor):
             return
         guarded.add(t.data_ptr())
@@ -43,9 +45,5 @@ def buffer_ptrs(m: torch.nn.Module) -> Iterator[int]:
     """The data pointers of a module's buffers (its submodules' too): what its forward pass
     changes. Not its parameters: an optimizer changes those, maybe before the next forward."""
     for t in m.buffers():
-        yield local(t).data_ptr()
+        yield local_tensor(t).data_ptr()
 
-
-def local(t: Any) -> Any:
-    """A DTensor's shard that this rank holds; anything else as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
