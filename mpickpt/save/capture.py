@@ -40,7 +40,7 @@ class Capture:
         self.pool = pool
         self.skip = skip  # if_busy="skip": no snapshot while every buffer is in flight
         self.snapshotter = Snapshotter(pool, device_staging)
-        self.snapshotter.warm()  # its page-locked ring, if CUDA is in use already
+        self.snapshotter.warm()  # its copy stream and ring, if CUDA is in use already
         self.replicated, self.rank, self.world_size = replicated, rank, world_size
         self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
         self.log = logger
