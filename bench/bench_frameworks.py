@@ -5,7 +5,8 @@ Methods (each a process of its own, one rank; the order rotates every round):
 
   lightning own            Lightning's default CheckpointIO (torch.save, on the training thread)
   lightning async          Lightning's AsyncCheckpointIO (torch.save on a thread)
-  lightning mpickpt        mpickpt.lightning.MpickptIO
+  lightning mpickpt        mpickpt.lightning.MpickptIO, with its Preemption callback (as
+                           lightning.md's lines; its setup makes the Checkpointer)
   lightning none           no checkpoint: the baseline
   hf own                   Trainer's own checkpoint (safetensors + torch.save of optimizer,
                            scheduler and RNG states)
@@ -153,7 +154,7 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
     from torch import nn
 
-    from mpickpt.lightning import MpickptIO
+    from mpickpt.lightning import MpickptIO, Preemption
 
     class MLP(pl.LightningModule):
         def __init__(self) -> None:
@@ -182,6 +183,8 @@ def lightning_job(args: argparse.Namespace, how: str, work: str) -> dict[str, An
     if how != "none":
         callbacks = [ModelCheckpoint(dirpath=os.path.join(work, "ckpt"), save_top_k=-1,
                                      every_n_train_steps=args.every)]
+    if how == "mpickpt":  # as lightning.md's lines: it also makes the Checkpointer at setup
+        callbacks.append(Preemption(plugins[0]))
     ends: list[float] = []  # when each training step ended: the last one starts the tail
 
     marks: list[Any] = []  # CUDA events at each step's start and end, on the current stream

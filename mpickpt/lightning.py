@@ -178,6 +178,13 @@ class Preemption(Callback):
     def __init__(self, io: MpickptIO) -> None:
         self.io = io
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``, make the Checkpointer now, on every rank, with any strategy (one process
+        without :class:`DDPStrategy` included): a misconfiguration fails before a step, and the
+        first save does not pay the Checkpointer's start, nor its copy stream's."""
+        if stage == "fit":
+            self.io.checkpointer  # noqa: B018
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         dump: Callable[[], dict[str, Any]] = lambda: {  # noqa: E731

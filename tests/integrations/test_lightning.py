@@ -112,12 +112,36 @@ def test_lightnings_own_slurm_requeue_next_to_mpickpt_is_refused(tmp_path: Path)
 
 @pytest.mark.quick
 def test_a_misconfigured_checkpointer_is_refused_at_setup_before_a_step(tmp_path: Path):
-    """``keep=0`` (no checkpoint would be kept): ``fit`` fails on every rank in the strategy's
-    setup, naming it, before a training step (the Checkpointer is made there, not at the first
-    save), and ROOT holds no checkpoint."""
+    """``keep=0`` (no checkpoint would be kept): ``fit`` fails on every rank at setup (the
+    Preemption callback's, or the strategy's), naming it, before a training step (the
+    Checkpointer is made there, not at the first save), and ROOT holds no checkpoint."""
     job = train(N, tmp_path / "root", tmp_path / "out", "--epochs", "1", "--keep", "0")
     assert job.returncode != 0, job.output
     assert "keep must be at least 1, not 0" in job.output, job.output
     assert "in setup" in job.output, job.output
     assert "training_step" not in job.output and "save_checkpoint" not in job.output, job.output
     assert committed_steps(tmp_path / "root") == []
+
+
+@pytest.mark.quick
+def test_one_process_with_lightnings_own_strategy_makes_the_checkpointer_at_setup(
+        tmp_path: Path):
+    """MpickptIO as a plugin of one process, Lightning's own strategy: Preemption's setup makes
+    the Checkpointer, so ``keep=0`` fails there before a step; with a good ``keep``, the job
+    saves each epoch and a rerun resumes from the last one."""
+    bad = train(1, tmp_path / "bad", tmp_path / "out0", "--epochs", "1", "--keep", "0",
+                "--single")
+    assert bad.returncode != 0, bad.output
+    assert "keep must be at least 1, not 0" in bad.output, bad.output
+    assert "in setup" in bad.output, bad.output
+    assert "training_step" not in bad.output and "save_checkpoint" not in bad.output, \
+        bad.output
+    root = tmp_path / "root"
+    first = train(1, root, tmp_path / "one", "--epochs", "2", "--single")
+    assert first.returncode == 0, first.output
+    assert committed_steps(root) == [4, 8]
+    again = train(1, root, tmp_path / "two", "--epochs", "3", "--single")
+    assert again.returncode == 0, again.output
+    assert report(tmp_path / "two", 0)["resumed_from"] == str(root)
+    assert report(tmp_path / "two", 0)["global_step"] == 12
+    assert committed_steps(root)[-1] == 12

@@ -2,7 +2,7 @@
 through mpickpt.lightning; it resumes from ROOT when a checkpoint is there.
 
 Usage: lightning_train.py ROOT OUT --epochs E [--batches B] [--no-checkpoint] [--signal-at S]
-                          [--top-k K] [--resume root|last]
+                          [--top-k K] [--resume root|last] [--keep K] [--single]
 
 A regression MLP on a fixed synthetic dataset: ``B`` batches per rank per epoch, no shuffling,
 so a run is deterministic; ``ModelCheckpoint(every_n_epochs=1, save_last=True)`` saves at each
@@ -11,6 +11,7 @@ OUT/rank-R.json (the step it started from). ``--signal-at S``: rank 1 sends itse
 the end of step S (a preemption). ``--top-k K``: ``ModelCheckpoint(monitor="train_loss",
 save_top_k=K)`` and ``MpickptIO(keep=Retention(1, best=("train_loss", "min"), keep_best=K))``.
 ``--resume last``: ``fit(ckpt_path="last")`` (the pointer ``last.ckpt``) instead of ROOT.
+``--single``: one process with Lightning's own strategy, ``MpickptIO`` given as a plugin.
 
 Run by tests/integrations/test_lightning.py.
 """
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--resume", choices=["root", "last"], default="root")
     ap.add_argument("--keep", type=int, default=None, help="MpickptIO's keep")
+    ap.add_argument("--single", action="store_true",
+                    help="one process, Lightning's own strategy: MpickptIO as a plugin")
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -88,7 +91,8 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, max_epochs=args.epochs, logger=False,
         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-        strategy=DDPStrategy(checkpoint_io=io, process_group_backend="gloo"),
+        **({"plugins": [] if io is None else [io]} if args.single else
+           {"strategy": DDPStrategy(checkpoint_io=io, process_group_backend="gloo")}),
         enable_checkpointing=io is not None,
         callbacks=[] if io is None else [
             ModelCheckpoint(dirpath=os.path.join(args.root, "lightning"), every_n_epochs=1,
