@@ -30,7 +30,9 @@ Neither framework fsyncs its files; mpickpt does. On CUDA the models are on the 
 Needs ``pip install '.[lightning,hf]'``. JSON to ``--json``: each run's step ends, save starts
 and full GCs, and on CUDA for Lightning ``gpu_steps_ms`` (per step, its stream's time from start
 to end and the GPU's idle gap before it: whether a slower step lost its time on the GPU or on
-the CPU). ``--sync-calls 0`` times the save calls without synchronizing the GPU around them.
+the CPU). The save calls are timed without synchronizing the GPU around them (a synchronize
+drains the step in flight, up to a step's GPU time that no training loop would lose);
+``--sync-calls 1`` synchronizes, to count the call's GPU work in the call.
 """
 
 from __future__ import annotations
@@ -301,10 +303,12 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/frameworks.json")
     ap.add_argument("--options", default="{}", help="the Checkpointer's options for the "
                     'mpickpt methods, as JSON (default: keep=2 only), e.g. \'{"io_threads": 4}\'')
-    ap.add_argument("--sync-calls", type=int, choices=[0, 1], default=1,
-                    help="1: time each save call with the GPU synchronized before and after it "
-                    "(its GPU work counted in the call); 0: the call's CPU time only, nothing "
-                    "synchronized (a step then shows what the loop itself would wait for)")
+    ap.add_argument("--sync-calls", type=int, choices=[0, 1], default=0,
+                    help="0 (the default): the call's CPU time only, nothing synchronized (a "
+                    "step then shows what the loop itself would wait for); 1: the GPU "
+                    "synchronized before and after each call (its GPU work counted in the call, "
+                    "but the first synchronize drains the step in flight, which a training loop "
+                    "would not: up to a step's GPU time lands in the steps lost)")
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not 1 <= args.window <= args.every:
