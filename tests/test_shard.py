@@ -108,6 +108,62 @@ def test_received_spans_are_verified_where_they_landed(tmp_path, tensors):
         reader.verify_spans(3, str(tmp_path / "s.h5"), [odd], block=BLOCK)
 
 
+def _maps_of(path: str) -> int:
+    """How many of this process's memory maps are of ``path``."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(" " + real) for line in f)
+
+
+def _unmappers_done() -> None:
+    for t in threading.enumerate():
+        if t.name == "mpickpt-unmap":
+            t.join(10)
+            assert not t.is_alive()
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+def test_a_mapped_shard_is_let_go_behind_the_caller_unless_a_view_is_held(tmp_path, tensors,
+                                                                          monkeypatch):
+    """let_go_behind (the end of a restore from a node's own shards in memory): the views
+    handed to it dropped and the map closed, its pages let go piece by piece, on a thread of
+    its own; the file is no longer mapped. A view held elsewhere keeps its map, which goes
+    with it."""
+    from mpickpt.format import pages
+
+    records, size = write(tmp_path / "s.h5", tensors)
+    path = str(tmp_path / "s.h5")
+    big = next(r for r in records if r.name == "big")
+    unmapped_on: list[str] = []
+    real = pages.unmap
+
+    def spy(m, *a):
+        unmapped_on.append(threading.current_thread().name)
+        real(m, *a)
+
+    monkeypatch.setattr(pages, "unmap", spy)
+    m = reader.MappedSpans(3, path, size, [(big, 0, big.nbytes)], block=BLOCK)
+    m.verify(threads=2)
+    got = torch.frombuffer(m.views[0], dtype=torch.float32)
+    assert torch.equal(got, tensors["big"])
+    assert _maps_of(path) == 1
+    reader.let_go_behind([got], [m])
+    del got
+    _unmappers_done()
+    assert unmapped_on == ["mpickpt-unmap"]
+    assert _maps_of(path) == 0
+
+    m = reader.MappedSpans(3, path, size, [(big, 0, big.nbytes)], block=BLOCK)
+    kept = torch.frombuffer(m.views[0], dtype=torch.float32)
+    reader.let_go_behind([], [m])
+    del m
+    _unmappers_done()
+    assert _maps_of(path) == 1 and torch.equal(kept, tensors["big"])
+    del kept
+    gc.collect()
+    assert _maps_of(path) == 0
+
+
 def test_truncated_file_is_refused_by_size(tmp_path, tensors):
     records, size = write(tmp_path / "s.h5", tensors)
     with open(tmp_path / "s.h5", "r+b") as f:

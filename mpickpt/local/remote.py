@@ -39,7 +39,7 @@ from .. import faults
 from ..errors import ShardError
 from ..format.iothreads import Batch, start_tasks
 from ..format.manifest import Manifest
-from ..format.reader import MappedSpans, Span, read_spans, start_verify_spans
+from ..format.reader import MappedSpans, Span, let_go_behind, read_spans, start_verify_spans
 from ..format.records import TensorRecord
 from ..mpi.protocol import Protocol
 from .ring import Ring
@@ -131,12 +131,11 @@ def fetch(proto: Protocol, wanted: dict[int, list[Span]], manifest: Manifest, di
             c.wait()
         except Exception as e:
             why = why or failure(e)
-    # the served copies' mappings go with the last reference to them (their views, the sends'
-    # requests): on a thread of its own, since unmapping GBs of pages mapped in takes tens of
-    # ms (about 60 for 2.8 GB on an H200 host), and the ranks wait for this one at the vote
-    held: list[object] = [mapped, sends, pending]
-    del mapped, sends, pending
-    threading.Thread(target=held.clear, daemon=True, name="mpickpt-unmap").start()
+    # the served copies' maps let go behind the vote, which the ranks would wait at for this
+    # one (the sends' requests and buffers first: views of them)
+    held: list[object] = [sends, pending]
+    del sends, pending
+    let_go_behind(held, mapped)
     return why is None, why
 
 

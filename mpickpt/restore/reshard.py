@@ -293,6 +293,8 @@ class Staged:
     owned: set[str] = field(default_factory=set)
     # spans read into GPU memory come through page-locked buffers, one per block (device_room)
     bounce: Callable[[], AbstractContextManager[torch.Tensor]] | None = None
+    # the files the mapped targets are views of (closed by whoever lets the targets go)
+    maps: list[MappedSpans] = field(default_factory=list)
 
     def read(self, manifest: Manifest, directory: str, ranks: Iterable[int], *, threads: int,
              on_block: Callable[[], None] | None = None) -> None:
@@ -313,6 +315,7 @@ class Staged:
                 path, size = os.path.join(directory, entry.file), entry.bytes
                 mapped = MappedSpans(src_rank, path, size, [(src.record, 0, src.record.nbytes)
                                                              for _, src in whole], block=block)
+                self.maps.append(mapped)
                 for (n, src), view in zip(whole, mapped.views, strict=True):
                     self.out[n] = _over(view, src.record)
                 mapped.verify(threads)

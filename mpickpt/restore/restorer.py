@@ -28,7 +28,7 @@ from ..errors import CheckpointError, ShardError, StateMismatchError
 from ..format import rootdir, state_tree
 from ..format.iothreads import pool
 from ..format.manifest import Manifest
-from ..format.reader import Span
+from ..format.reader import Span, let_go_behind
 from ..local.recovery import Clock, LocalRecovery
 from ..local.remote import fetch as remote_fetch
 from ..local.ring import Ring
@@ -246,6 +246,10 @@ class Restorer:
                                          err)
         finally:
             clock.lap("apply")
+            if staged is not None and staged.maps:  # views of this node's files, let go behind
+                let_go_behind([staged.out.pop(n) for n in staged.mapped if n in staged.out],
+                              staged.maps)
+                staged.maps = []
             arrays.clear()
             held.release()
             staged = remote = reading = None  # (views of the room; a failed read's too)
