@@ -46,4 +46,3 @@ def buffer_ptrs(m: torch.nn.Module) -> Iterator[int]:
     changes. Not its parameters: an optimizer changes those, maybe before the next forward."""
     for t in m.buffers():
         yield local_tensor(t).data_ptr()
-
