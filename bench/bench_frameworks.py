@@ -20,7 +20,11 @@ loop sees directly: Lightning's ``trainer.save_checkpoint``, the Trainer's ``_sa
 and the slowdown of the whole run per checkpoint against the baseline (the stall plus what
 background writing takes from the training steps, and the wait for the last save at the end);
 then the tail (from the end of the last training step to the end of the run: the wait for the
-last save) and the slowdown per checkpoint up to the end of the last step, the tail apart.
+last save) and the slowdown per checkpoint up to the end of the last step, the tail apart; and
+the whole process's slowdown per checkpoint (imports, MPI's start and building the job too).
+A run is the framework's ``fit``/``train`` call. ``--mpi-first 1`` starts MPI in every method's
+process before its job, as ``mpickpt.run`` does under ``mpirun`` or ``srun`` (the documented
+launch); by default a process starts MPI only when mpickpt's Checkpointer is made, in the run.
 Neither framework fsyncs its files; mpickpt does. On CUDA the models are on the GPU.
 
     python bench/bench_frameworks.py                  # ~6 minutes on 2 cores
@@ -142,6 +146,12 @@ def steps_lost(run: dict[str, Any], at: list[int], window: int) -> list[float]:
         out.append(sum(d[i] - med for i in w)
                    - sum(g for a, g in run.get("full_gc") or [] if lo <= a < hi))
     return out
+
+
+def _steps_less_gc(run: dict[str, Any]) -> float:
+    """A run's time to the end of its last training step, less the full collections in it."""
+    steps = run.get("steps_s", run.get("total_s", 0.0))
+    return steps - sum(g for a, g in run.get("full_gc") or [] if a < steps)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,9 +286,16 @@ def worker(args: argparse.Namespace) -> None:
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=args.dir, prefix="mpickpt-fw-")
     watch_full_gc()
+    started: dict[str, float] = {}
+    if args.mpi_first:  # as under mpirun with mpickpt.run: MPI is up before the job's code
+        t = time.perf_counter()
+        from mpickpt.run import init_mpi
+
+        init_mpi()
+        started["mpi_start_s"] = time.perf_counter() - t
     try:
         job = lightning_job if framework == "lightning" else hf_job
-        out = job(args, how, work)
+        out = {**job(args, how, work), **started}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("RESULT " + json.dumps({"method": args.method, **out}), flush=True)
@@ -309,6 +326,12 @@ def main() -> None:
                     "synchronized before and after each call (its GPU work counted in the call, "
                     "but the first synchronize drains the step in flight, which a training loop "
                     "would not: up to a step's GPU time lands in the steps lost)")
+    ap.add_argument("--mpi-first", type=int, choices=[0, 1], default=0,
+                    help="1: every method's process starts MPI (MPI_THREAD_MULTIPLE, as "
+                    "mpickpt.run does under mpirun or srun) before it builds its job, so that "
+                    "MPI's start (shown apart) falls outside the run; 0 (the default): a "
+                    "process that has not started MPI, whose mpickpt run starts it in the "
+                    "Checkpointer's construction, inside the run")
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not 1 <= args.window <= args.every:
@@ -326,15 +349,21 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--method", m,
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("steps", "every", "width", "layers", "gpt_width", "gpt_layers",
-                              "batch", "gpt_batch", "device", "dir", "options", "sync_calls")]]
+                              "batch", "gpt_batch", "device", "dir", "options", "sync_calls",
+                              "window", "mpi_first")]]
+            t = time.perf_counter()
             p = subprocess.run(cmd, capture_output=True, text=True,
                                env={**os.environ, "MPICKPT_LOG": "WARNING"})
+            process_s = time.perf_counter() - t
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode != 0 or not line:
                 sys.exit(f"{m} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-            runs[m].append(json.loads(line[-1][7:]))
+            runs[m].append({**json.loads(line[-1][7:]), "process_s": process_s})
             gcs = runs[m][-1].get("full_gc") or []
-            print(f"round {r + 1}: {m}: total {runs[m][-1]['total_s']:.2f} s, save calls "
+            mpi = runs[m][-1].get("mpi_start_s")
+            print(f"round {r + 1}: {m}: total {runs[m][-1]['total_s']:.2f} s (process "
+                  f"{process_s:.2f} s{f', MPI start {mpi:.2f} s' if mpi is not None else ''}), "
+                  "save calls "
                   f"{[round(c, 3) for c in runs[m][-1]['calls']]}, {len(gcs)} full GC "
                   f"({sum(d for _, d in gcs):.2f} s)", flush=True)
     rows, out = [], []
@@ -350,8 +379,17 @@ def main() -> None:
         saves = len(runs[m][0]["calls"])
         stall = statistics.median(calls) if calls else 0.0
         slow = (total - base) / saves if saves else 0.0
+        # the whole process (imports, MPI's start, building the job): what a user waits for
+        proc = statistics.median(x["process_s"] for x in runs[m])
+        proc_base = statistics.median(x.get("process_s", 0.0) for x in base_runs)
+        proc_slow = (proc - proc_base) / saves if saves else 0.0
         # to the end of the last training step: the tail (the wait for the last save) apart
         rest = (steps - base_steps) / saves if saves else 0.0
+        # and less the full collections in those steps (how many a run gets varies: 1-5 in
+        # Lightning's runs without checkpoints on an H200, 0.2-0.4 s each)
+        no_gc = (statistics.median(_steps_less_gc(x) for x in runs[m])
+                 - statistics.median(_steps_less_gc(x) for x in base_runs))
+        rest_no_gc = no_gc / saves if saves else 0.0
         nones = runs.get(f"{fw} none") or []
         lost, noise = [], []
         for i, run in enumerate(runs[m]):
@@ -363,17 +401,23 @@ def main() -> None:
         out.append({"method": m, "state_bytes": runs[m][0]["state_bytes"], "saves": saves,
                     "save_call_s": stall, "total_s": total, "slowdown_per_save_s": slow,
                     "tail_s": tail, "slowdown_per_save_less_tail_s": rest,
+                    "slowdown_per_save_less_tail_and_full_gc_s": rest_no_gc,
+                    "process_s": proc, "process_slowdown_per_save_s": proc_slow,
                     "steps_lost_per_save_s": lost, "steps_lost_per_save_median_s": lost_med,
                     "steps_lost_without_checkpoints_s": noise,
                     "runs": runs[m]})
         rows.append((m, f"{runs[m][0]['state_bytes'] / 1e6:.0f}", str(saves),
                      f"{stall:.3f}", f"{total:.2f}", f"{slow:.3f}" if saves else "-",
                      f"{tail:.2f}", f"{rest:.3f}" if saves else "-",
+                     f"{rest_no_gc:.3f}" if saves else "-",
+                     f"{proc_slow:.3f}" if saves else "-",
                      f"{lost_med:.3f}" if lost_med is not None else "-",
                      ", ".join(f"{x:.2f}" for x in lost) or "-",
                      ", ".join(f"{x:.2f}" for x in noise) or "-"))
     print(columns(("method", "state MB", "saves", "save call s (median)", "run s",
                    "slowdown per save s", "tail s", "per save less the tail s",
+                   "and less full GCs s",
+                   "process: slowdown per save s",
                    "steps lost per save s (median)", "each", "same steps, no checkpoints"),
                   rows))
     print(f"steps lost: the {args.window} steps from each save's (but the last's) over the same "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import tempfile
 import time
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--mpi-first", action="store_true", help="start MPI before the Checkpointer")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
     net = nn.Sequential(*[m for _ in range(args.layers)
                           for m in (nn.Linear(args.width, args.width), nn.ReLU())]).cuda()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
