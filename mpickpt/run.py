@@ -340,7 +340,7 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
     from .mpi.backend import backend, open_comm
 
     try:
-        mpi = backend() == "mpi"
+        mpi = backend() != "torch"  # alone too: MPI is this wrapper's promise
         world = open_comm(init_mpi() if mpi else None)
         rank = world.rank
         preempt.install(term=False)  # an early SIGUSR2 is held for the Checkpointer, not fatal

@@ -1,6 +1,6 @@
-"""Which :class:`~mpickpt.mpi.comm.Comm` a job's protocol takes (MPI or gloo), the job's own
-communicator on it, this process's rank, and the end of the whole job. Imports neither MPI nor
-torch until a job needs one of them."""
+"""Which :class:`~mpickpt.mpi.comm.Comm` a job's protocol takes (MPI, gloo, or none for a
+process alone), the job's own communicator on it, this process's rank, and the end of the whole
+job. Imports neither MPI nor torch until a job needs one of them."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from .. import knobs
 from .comm import Comm
 
 # set by the MPI launchers we know (Open MPI, MPICH's hydra, PMI-2/PMIx under srun --mpi=,
-# MVAPICH, Intel MPI): a job started by one of them speaks MPI
-MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
-                     "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
+# MVAPICH, Intel MPI, HPE Cray's PALS and ALPS): a job started by one of them speaks MPI
+MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "PMI_FD",
+                     "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD",
+                     "PALS_RANKID", "ALPS_APP_PE")
 TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# any of them: some launcher placed this process among others
+PEER_VARS = (*TORCH_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 def _mpi_initialized() -> bool:
@@ -23,12 +26,25 @@ def _mpi_initialized() -> bool:
     return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
 
 
+def alone(env: dict[str, str]) -> bool:
+    """Whether nothing says this process has peers: no launcher's variables (MPI's, torch's)
+    and no Slurm step of several tasks (``srun`` without ``--mpi=``: MPI would not see the
+    others either, but MPI is what such a job means)."""
+    if any(v in env for v in (*MPI_LAUNCHER_VARS, *PEER_VARS)):
+        return False
+    try:
+        return int(env.get("SLURM_STEP_NUM_TASKS") or 1) <= 1
+    except ValueError:
+        return False
+
+
 def backend(env: dict[str, str] | None = None) -> str:
-    """"mpi" or "torch": ``$MPICKPT_BACKEND`` when not "auto"; else MPI under an MPI launcher
-    or where mpi4py is already initialised; else torch under torchrun (or any launcher that sets
-    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: mpi4py initialised there sees one rank);
-    else (one process) MPI where mpi4py's MPI loads, torch where it cannot (no mpi4py, or its
-    wheel without an MPI library)."""
+    """"mpi", "torch" or "self": ``$MPICKPT_BACKEND`` when not "auto"; else MPI under an MPI
+    launcher or where mpi4py is already initialised; else torch under torchrun (or any launcher
+    that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: mpi4py initialised there sees one
+    rank); else, for a process :func:`alone`, "self" (:mod:`~mpickpt.mpi.selfcomm`: no
+    communication, MPI not started); else MPI where mpi4py's MPI loads, torch where it cannot
+    (no mpi4py, or its wheel without an MPI library)."""
     env = dict(os.environ) if env is None else env
     chosen = knobs.BACKEND.get(env)
     if chosen != "auto":
@@ -41,6 +57,8 @@ def backend(env: dict[str, str] | None = None) -> str:
         return "torch"
     if _mpi_initialized():
         return "mpi"
+    if alone(env):
+        return "self"
     try:
         from mpi4py import MPI  # noqa: F401  (mpi4py's wheel without an MPI library: RuntimeError)
     except (ImportError, RuntimeError):
@@ -53,10 +71,15 @@ def open_comm(comm: Any = None) -> Comm:
     :func:`backend`'s choice. Not a copy: :class:`~mpickpt.mpi.protocol.Protocol` dups it."""
     if comm is not None and hasattr(comm, "node_keys"):
         return comm
-    if comm is not None or backend() == "mpi":
+    chosen = "mpi" if comm is not None else backend()
+    if chosen == "mpi":
         from .mpicomm import MpiComm, world
 
         return MpiComm(comm if comm is not None else world())
+    if chosen == "self":
+        from .selfcomm import world as self_world
+
+        return self_world()
     from .torchcomm import world as torch_world
 
     return torch_world()
@@ -67,9 +90,9 @@ def world_rank() -> int | None:
     not initialised, no torch launcher's RANK)."""
     if _mpi_initialized():
         return int(sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank())
-    from . import torchcomm
+    from . import selfcomm, torchcomm
 
-    return torchcomm.opened_rank()
+    return 0 if selfcomm.opened() else torchcomm.opened_rank()
 
 
 def abort_world(code: int) -> NoReturn:
