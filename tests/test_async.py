@@ -141,16 +141,72 @@ def test_the_users_mistake_is_what_save_raises_also_with_on_error_raise(tmp_path
 def test_a_snapshot_that_fails_gives_its_buffer_back(tmp_path, monkeypatch):
     """A failure after the buffer was taken (a GPU out of memory for staging, say) must not keep
     it: with max_in_flight=1 the next save would wait for it forever."""
-    from mpickpt.save import snapshot
+    from mpickpt.save import layout
 
-    real = snapshot._view
+    real = layout.view
 
     def failing(*args):
         raise RuntimeError("out of memory")
 
     with mpickpt.Checkpointer(tmp_path, snapshots=mpickpt.Snapshots(max_in_flight=1)) as ck:
-        monkeypatch.setattr(snapshot, "_view", failing)
+        monkeypatch.setattr(layout, "view", failing)
         result = ck.save(1, big_state(1)).wait()
         assert not result.committed and "out of memory" in result.error
-        monkeypatch.setattr(snapshot, "_view", real)
+        monkeypatch.setattr(layout, "view", real)
         assert ck.save(2, big_state(1)).wait(timeout=60).committed
+
+
+def test_a_buffer_the_pool_lets_go_takes_its_cached_views_with_it():
+    """The snapshot's views of a pool buffer are kept for the next save of the same layout;
+    when the pool replaces the buffer (the state grew) or closes, they go, and so does the
+    buffer's memory (the views hold it)."""
+    import functools
+    import gc
+    import weakref
+
+    from mpickpt.save import layout
+    from mpickpt.save.pinned_pool import HostPool
+
+    def run(hooked: bool) -> bool:
+        pool = HostPool(1 << 30, slots=1, pin=False)
+        views = layout.Views()
+        if hooked:
+            pool.dropped.append(views.forget)
+        state = {"a": torch.zeros(1000), "b": torch.zeros(3, 7, dtype=torch.float64)}
+        _, _, offsets, _, pos = layout.place(state)
+        key = layout.key(state, offsets)
+        buf = pool.acquire(pos)
+        first = views.get(buf, None, key, functools.partial(layout.views, buf, offsets, state))
+        assert views.get(buf, None, key, lambda: {}) is first  # the same layout: kept
+        other = layout.key({"a": state["a"]}, offsets)
+        assert views.get(buf, None, other, lambda: {"x": 1}) == {"x": 1}  # another: made
+        gone = weakref.ref(buf)
+        pool.release(buf)
+        del buf, first
+        pool.release(pool.acquire(pos * 4))  # no slot left: the small buffer is replaced
+        gc.collect()
+        freed = gone() is None
+        pool.close()
+        return freed
+
+    assert run(hooked=True)
+    assert not run(hooked=False)  # without the pool's word, the views would keep it
+
+
+def test_saves_of_one_layout_and_then_another_are_each_exact(tmp_path):
+    """Saves of the same layout reuse the buffer's views; a changed shape, dtype or set of
+    tensors makes new ones: every step restores exactly what was saved."""
+    states = [{"w": torch.full((64, 64), float(i)), "b": torch.arange(10) + i} for i in range(3)]
+    states.append({"w": torch.full((32, 128), 3.0), "b": torch.arange(10) + 3})  # a shape
+    states.append({"w": torch.full((32, 128), 4.0, dtype=torch.float64),
+                   "b": torch.arange(10) + 4})  # a dtype
+    states.append({"w": torch.full((32, 128), 5.0), "b": torch.arange(10) + 5,
+                   "c": torch.ones(5)})  # one more tensor
+    with mpickpt.Checkpointer(tmp_path, keep=len(states)) as ck:
+        for step, state in enumerate(states):
+            ck.save(step, state).wait()
+        for step, state in enumerate(states):
+            into = {k: torch.empty_like(v) for k, v in state.items()}
+            assert ck.restore(into, step=step) == step
+            for k, v in state.items():
+                assert torch.equal(into[k], v), (step, k)

@@ -22,6 +22,7 @@ import functools
 import mmap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ class HostPool:
         self.pin = torch.cuda.is_available() if pin is None else pin  # lock() page-locks
         self._free: list[torch.Tensor] = []
         self._allocated: list[torch.Tensor] = []
+        # called with each buffer the pool lets go (what keeps views of it forgets them)
+        self.dropped: list[Callable[[torch.Tensor], None]] = []
         self._locked: dict[int, int] = {}  # data pointer -> bytes of each page-locked buffer
         self._reserved: list[Lease] = []  # slots taken whose buffer is not allocated yet
         self._cond = threading.Condition()
@@ -178,9 +181,15 @@ class HostPool:
         """Unlock the free buffers and let them go (every save and restore is over)."""
         with self._cond:
             for buf in self._free:
-                self._unlock(buf)
-                _remove(self._allocated, buf)
+                self._drop(buf)
             self._free.clear()
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        """Let ``buf`` go (out of the free list already): nothing may keep views of it."""
+        for forget in self.dropped:
+            forget(buf)
+        _remove(self._allocated, buf)
+        self._unlock(buf)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; waits for a release when all slots are in flight."""
@@ -214,10 +223,7 @@ class HostPool:
                         self._allocated.append(lease.buffer)
                     break
                 if self._free:  # a free buffer too small: replace it (the state grew)
-                    old = self._free.pop()
-                    _remove(self._allocated, old)
-                    self._unlock(old)
-                    del old
+                    self._drop(self._free.pop())
                     continue
                 self._cond.wait()
         self.waited_s = time.perf_counter() - t0

@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
-from ..format.blocks import align
 from ..format.hostcopy import copy_into
-from . import owners
+from . import layout, owners
 from .landing import Landing, unstage
 from .pinned_pool import HostPool, Lease
 
@@ -165,6 +164,8 @@ class Snapshotter:
         self._last: Snapshot | None = None
         self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._hook_lock = threading.Lock()
+        self._views = layout.Views()  # of the pool's buffers and the staging buffers
+        pool.dropped.append(self._views.forget)
 
     def take(self, tensors: Mapping[str, torch.Tensor],
              lazy: Mapping[int, int] | None = None,
@@ -175,9 +176,10 @@ class Snapshotter:
         wait for the copies from now on (:meth:`fence`)."""
         t0 = time.perf_counter()
         lazy = lazy or {}
-        by_device, order, offsets, ranges, pos = _layout(tensors)
+        by_device, order, offsets, ranges, pos = layout.place(tensors)
+        key = layout.key(tensors, offsets)
         cpu = by_device.get(torch.device("cpu"), [])
-        later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= _nbytes(tensors[n])]
+        later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= layout.nbytes(tensors[n])]
         if pos < LAZY_MIN:
             later = []
         later_set = set(later)
@@ -187,12 +189,12 @@ class Snapshotter:
         staging = {dev: self._staging_buffer(dev, hi - lo) for dev, (lo, hi) in ranges.items()
                    if dev.type == "cuda"}
         defer = (pos >= LAZY_MIN and all(b is not None for b in staging.values())
-                 and sum(_nbytes(tensors[n]) for n in now) <= CLONE_MAX)
+                 and sum(layout.nbytes(tensors[n]) for n in now) <= CLONE_MAX)
         lease = self.pool.reserve(pos, defer=defer)
         snap = Snapshot(pos, len(tensors), lease)
         try:
             if lease.buffer is not None:
-                snap.tensors = _views(lease.buffer, offsets, tensors)
+                snap.tensors = self._host_views(lease.buffer, key, offsets, tensors)
                 if any(b is None for b in staging.values()):
                     self.pool.lock(lease.buffer)  # copied straight from the GPU: page-locked
             if staging:
@@ -201,7 +203,7 @@ class Snapshotter:
                 if dev.type == "cuda":
                     names = by_device[dev]
                     self._copy_cuda(dev, [tensors[n] for n in names], names, offsets, snap,
-                                    ranges[dev], staging[dev])
+                                    ranges[dev], staging[dev], key)
             if any(tensors[n].data_ptr() not in guarded
                    for dev in order if dev.type == "cuda" for n in by_device[dev]):
                 self.fence()  # on the GPU: into staging, a few milliseconds for GBs
@@ -214,7 +216,7 @@ class Snapshotter:
                         held[n] = tensors[n].detach().clone()
             held.update((n, tensors[n]) for n in later)
             if held or lease.buffer is None:
-                snap.ready = self._thread.submit(self._fill, snap, offsets, tensors, held)
+                snap.ready = self._thread.submit(self._fill, snap, key, offsets, tensors, held)
                 if later:
                     self._reading = snap.ready
         except BaseException:  # (a GPU out of memory for staging, say): the buffer goes back
@@ -233,7 +235,7 @@ class Snapshotter:
         and the device staging buffers. Page-locking gigabytes holds the CUDA driver for
         seconds (the training thread would wait behind it from whichever thread it ran); a
         page-locked buffer takes the staging buffer's bytes straight, without the ring."""
-        _, _, _, ranges, pos = _layout(tensors)
+        _, _, _, ranges, pos = layout.place(tensors)
         if self._last is not None:
             self._last.staging_free.wait()
         for dev, (lo, hi) in ranges.items():
@@ -293,13 +295,17 @@ class Snapshotter:
             return None if self.pool.is_locked(lease.buffer) else self._page_locked_ring()
         return ring
 
-    def _fill(self, snap: Snapshot, offsets: dict[str, int],
+    def _host_views(self, buf: torch.Tensor, key: Any, offsets: dict[str, int],
+                    tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._views.get(buf, None, key, lambda: layout.views(buf, offsets, tensors))
+
+    def _fill(self, snap: Snapshot, key: Any, offsets: dict[str, int],
               tensors: Mapping[str, torch.Tensor], held: dict[str, torch.Tensor]) -> None:
         """On the snapshot thread: allocate the buffer if it is not yet, copy ``held`` into it."""
         t0 = time.perf_counter()
         buf = self.pool.fill(snap.lease)
         if not snap.tensors:
-            snap.tensors = _views(buf, offsets, tensors)
+            snap.tensors = self._host_views(buf, key, offsets, tensors)
         with torch.no_grad():
             for n, t in held.items():
                 copy_into(snap.tensors[n], t)
@@ -307,7 +313,7 @@ class Snapshotter:
 
     def _copy_cuda(self, dev: torch.device, srcs: list[torch.Tensor], names: list[str],
                    offsets: dict[str, int], snap: Snapshot, rng: tuple[int, int],
-                   staging: torch.Tensor | None) -> None:
+                   staging: torch.Tensor | None, key: Any) -> None:
         stream = self._stream(dev)
         start = torch.cuda.Event(enable_timing=True)
         start.record(torch.cuda.current_stream(dev))
@@ -317,8 +323,9 @@ class Snapshotter:
         done = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream), torch.no_grad():
             if staging is not None:
-                stage_views = [_view(staging, offsets[n] - lo, s)
-                               for n, s in zip(names, srcs, strict=True)]
+                stage_views = self._views.get(staging, lo, key, lambda: [
+                    layout.view(staging, offsets[n] - lo, s)
+                    for n, s in zip(names, srcs, strict=True)])
                 torch._foreach_copy_(stage_views, srcs, non_blocking=True)
                 snap.unstage.append((stream, staging[: hi - lo], lo, hi))
             else:
@@ -340,6 +347,8 @@ class Snapshotter:
         free, _ = torch.cuda.mem_get_info(dev)
         if nbytes > free * 0.9:
             return None  # not enough GPU memory: copy straight to the host buffer
+        if cur is not None:
+            self._views.forget(cur)
         self._staging[dev] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         return self._staging[dev]
 
@@ -405,40 +414,4 @@ class Snapshotter:
             ev.synchronize()
         self._safe.clear()
         self._wait_reading()
-
-
-def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[
-        dict[torch.device, list[str]], list[torch.device], dict[str, int],
-        dict[torch.device, tuple[int, int]], int]:
-    """Where each tensor goes in a snapshot's buffer: each device's tensors form one contiguous
-    range, CPU last. (names by device, devices in order, offsets, ranges, total bytes)"""
-    by_device: dict[torch.device, list[str]] = {}
-    for name, t in tensors.items():
-        by_device.setdefault(t.device, []).append(name)
-    order = sorted(by_device, key=lambda d: (d.type == "cpu", str(d)))
-    offsets: dict[str, int] = {}
-    ranges: dict[torch.device, tuple[int, int]] = {}
-    pos = 0
-    for dev in order:
-        start = pos
-        for name in by_device[dev]:
-            offsets[name] = pos
-            pos = align(pos + _nbytes(tensors[name]))
-        ranges[dev] = (start, pos)
-    return by_device, order, offsets, ranges, pos
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _views(buf: torch.Tensor, offsets: Mapping[str, int],
-           tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: _view(buf, offsets[name], t) for name, t in tensors.items()}
-
-
-def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``like``'s dtype and shape over ``buf[offset:]``."""
-    n = like.numel() * like.element_size()
-    return buf[offset : offset + n].view(like.dtype).view(like.shape)
 
