@@ -24,7 +24,7 @@ last save) and the slowdown per checkpoint up to the end of the last step, the t
 the whole process's slowdown per checkpoint (imports, MPI's start and building the job too).
 A run is the framework's ``fit``/``train`` call. ``--mpi-first 1`` starts MPI in every method's
 process before its job, as ``mpickpt.run`` does under ``mpirun`` or ``srun`` (the documented
-launch); by default a process starts MPI only when mpickpt's Checkpointer is made, in the run.
+launch); by default no process starts MPI (one that no launcher started runs mpickpt alone).
 Neither framework fsyncs its files; mpickpt does. On CUDA the models are on the GPU.
 
     python bench/bench_frameworks.py                  # ~6 minutes on 2 cores
@@ -330,8 +330,8 @@ def main() -> None:
                     help="1: every method's process starts MPI (MPI_THREAD_MULTIPLE, as "
                     "mpickpt.run does under mpirun or srun) before it builds its job, so that "
                     "MPI's start (shown apart) falls outside the run; 0 (the default): a "
-                    "process that has not started MPI, whose mpickpt run starts it in the "
-                    "Checkpointer's construction, inside the run")
+                    "process no launcher started, where mpickpt starts no MPI (until s66 its "
+                    "Checkpointer's construction started it, inside the run)")
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not 1 <= args.window <= args.every:
