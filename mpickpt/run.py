@@ -337,10 +337,11 @@ def main(fn: Callable[[], object] | None = None) -> NoReturn:
     docstring): it raises ``SystemExit`` with the job's agreed exit code (MPI is then finalized
     at interpreter exit, as mpi4py does), or aborts the job. ``fn``'s return value is ignored.
     """
-    from .mpi.backend import backend, open_comm
+    from .mpi.backend import backend, mpi_loads, open_comm
 
     try:
-        mpi = backend() != "torch"  # alone too: MPI is this wrapper's promise
+        chosen = backend()  # alone too MPI, where it loads: this wrapper's promise
+        mpi = chosen == "mpi" or (chosen == "self" and mpi_loads())
         world = open_comm(init_mpi() if mpi else None)
         rank = world.rank
         preempt.install(term=False)  # an early SIGUSR2 is held for the Checkpointer, not fatal

@@ -97,7 +97,9 @@ def test_a_process_alone_saves_and_restores_without_mpi_and_mpi_reads_it(
     assert out.returncode == 0 and "MPI OK" in out.stdout, out.stdout + out.stderr
 
 
-def test_the_one_rank_communicator_copies_what_it_gives_and_matches_its_own_messages() -> None:
+def test_the_one_rank_communicator_copies_what_it_gives_and_matches_its_own_messages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPICKPT_TIMEOUT", "0.3")  # how long a receive never sent is waited for
     comm = SelfComm().dup()
     entry = {"step": 3, "tensors": [1, 2]}
     got = comm.igather(entry, 0)
@@ -112,10 +114,66 @@ def test_the_one_rank_communicator_copies_what_it_gives_and_matches_its_own_mess
     buf = np.zeros(4, dtype=np.uint8)
     r = comm.irecv(buf, 0, 7)
     assert not r.test()
-    assert comm.waitall([r]) is not None  # never sent: an error, not a hang
+    assert comm.waitall([r]) is not None  # never sent: an error after the timeout
     comm.isend(np.arange(4, dtype=np.uint8), 0, 7)
     assert r.test() and buf.tolist() == [0, 1, 2, 3]
     comm.post({"a": 1}, 0, 5)
     assert comm.take(5) == (0, {"a": 1}) and comm.take(5) is None
     with pytest.raises(ValueError, match="rank 1 in a job of one rank"):
         comm.isend(buf, 1, 7)
+
+
+def test_mpickpt_run_alone_where_mpi_cannot_load_runs_the_program(tmp_path: Path) -> None:
+    """An mpi4py whose MPI cannot load (its wheel without an MPI library): the wrapper, alone,
+    runs the program without MPI instead of dying in MPI's start."""
+    fake = tmp_path / "mpi4py"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("class _RC:\n    initialize = True\nrc = _RC()\n")
+    (fake / "MPI.py").write_text('raise RuntimeError("no MPI library (this test)")\n')
+    env = _clean_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH",
+                                                                                "")]))
+    out = subprocess.run([PY, "-m", "mpickpt.run", "-c", "import mpickpt; print('RAN',"
+                          " mpickpt.backend())"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "RAN self" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_receive_started_before_its_send_completes_when_the_send_comes() -> None:
+    """As MPI's Waitall: a receive this rank waits for in one thread completes once another
+    thread sends it (the protocol starts some receives before their sends)."""
+    import threading
+
+    comm = SelfComm()
+    buf = np.zeros(3, dtype=np.uint8)
+    r = comm.irecv(buf, 0, 9)
+    done: list[str | None] = []
+    waiter = threading.Thread(target=lambda: done.append(comm.waitall([r])))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # still waiting: nothing was sent
+    comm.isend(np.array([7, 8, 9], dtype=np.uint8), 0, 9)
+    waiter.join(30)
+    assert done == [None] and buf.tolist() == [7, 8, 9]
+
+
+def test_a_torch_group_of_several_ranks_already_up_is_not_alone(tmp_path: Path) -> None:
+    """Workers a script spawned itself, in a torch.distributed group of two set up without the
+    launchers' variables: not alone (each would otherwise write as rank 0 of 1)."""
+    code = r"""
+import sys, torch.distributed as dist, torch.multiprocessing as mp
+def work(rank, path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+    from mpickpt.mpi.backend import alone
+    import os
+    print("ALONE", rank, alone(dict(os.environ)), flush=True)
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    mp.spawn(work, args=(sys.argv[1],), nprocs=2)
+"""
+    script = tmp_path / "spawned.py"
+    script.write_text(code)
+    out = subprocess.run([PY, str(script), str(tmp_path / "rendezvous")], env=_clean_env(),
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(x for x in out.stdout.splitlines() if x.startswith("ALONE")) == [
+        "ALONE 0 False", "ALONE 1 False"], out.stdout

@@ -27,15 +27,29 @@ def _mpi_initialized() -> bool:
 
 
 def alone(env: dict[str, str]) -> bool:
-    """Whether nothing says this process has peers: no launcher's variables (MPI's, torch's)
-    and no Slurm step of several tasks (``srun`` without ``--mpi=``: MPI would not see the
-    others either, but MPI is what such a job means)."""
+    """Whether nothing says this process has peers: no launcher's variables (MPI's, torch's),
+    no Slurm step of several tasks (``srun`` without ``--mpi=``: MPI would not see the others
+    either, but MPI is what such a job means), and no ``torch.distributed`` group of several
+    ranks already up (workers a script spawned itself)."""
     if any(v in env for v in (*MPI_LAUNCHER_VARS, *PEER_VARS)):
+        return False
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
         return False
     try:
         return int(env.get("SLURM_STEP_NUM_TASKS") or 1) <= 1
     except ValueError:
         return False
+
+
+def mpi_loads() -> bool:
+    """Whether mpi4py's MPI can be imported here (initialising MPI if it was not)."""
+    try:
+        from mpi4py import MPI  # noqa: F401  (mpi4py's wheel without an MPI library: RuntimeError)
+    except (ImportError, RuntimeError):
+        return False
+    return True
 
 
 def backend(env: dict[str, str] | None = None) -> str:
@@ -59,11 +73,7 @@ def backend(env: dict[str, str] | None = None) -> str:
         return "mpi"
     if alone(env):
         return "self"
-    try:
-        from mpi4py import MPI  # noqa: F401  (mpi4py's wheel without an MPI library: RuntimeError)
-    except (ImportError, RuntimeError):
-        return "torch"
-    return "mpi"
+    return "mpi" if mpi_loads() else "torch"
 
 
 def open_comm(comm: Any = None) -> Comm:

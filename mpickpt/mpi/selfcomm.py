@@ -15,7 +15,10 @@ import collections
 import json
 import pickle
 import socket
+import time
 from typing import Any
+
+from .. import knobs
 
 _OPENED: list[bool] = [False]
 
@@ -106,8 +109,13 @@ class SelfComm:
         return _Recv(self, buf, tag)
 
     def waitall(self, reqs: list[Any]) -> str | None:
-        if not all(r.test() for r in reqs):
-            return "a receive from this rank that it never sent (a job of one rank)"
+        """Block until every request ends, as MPI's would: a receive waits for its send (from
+        another thread of this rank), at most ``$MPICKPT_TIMEOUT`` seconds."""
+        give_up = time.monotonic() + knobs.TIMEOUT.get()
+        while not all(r.test() for r in reqs):
+            if time.monotonic() > give_up:
+                return "a receive from this rank that it never sent (a job of one rank)"
+            time.sleep(0.001)
         return None
 
     def allgather(self, obj: Any) -> list[Any]:

@@ -268,6 +268,8 @@ class Snapshotter:
         if dev in self._streams:
             return
         stream = self._stream(dev)
+        if not self.device_staging:  # its copies are copy_'s, not a kernel of _foreach_copy_
+            return
         one = torch.zeros(1, device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.no_grad():
