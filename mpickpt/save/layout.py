@@ -56,8 +56,7 @@ def views(buf: torch.Tensor, offsets: Mapping[str, int],
 
 def view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     """A tensor of ``like``'s dtype and shape over ``buf[offset:]``."""
-    n = like.numel() * like.element_size()
-    return buf[offset : offset + n].view(like.dtype).view(like.shape)
+    return buf[offset : offset + nbytes(like)].view(like.dtype).view(like.shape)
 
 
 class Views:

@@ -263,8 +263,9 @@ class Snapshotter:
             self._page_locked_ring()
 
     def _warm_device(self, dev: torch.device) -> None:
-        """``dev``'s copy stream made, and a copy of one element run on it (the kernel loaded;
-        waited for, so that no memory of its is reused while the copy could still run)."""
+        """``dev``'s copy stream made, and with device staging a copy of one element run on it
+        (the kernel loaded; waited for, so that no memory of its is reused while the copy could
+        still run)."""
         if dev in self._streams:
             return
         stream = self._stream(dev)
