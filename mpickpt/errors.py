@@ -44,6 +44,10 @@ class RootNotSharedError(CheckpointError):
     """ROOT is not one directory that every rank sees (node-local storage, different paths)."""
 
 
+class RootInUseError(CheckpointError):
+    """Another job is saving into this ROOT now (see :mod:`mpickpt.format.rootlock`)."""
+
+
 class LocalTierFull(CheckpointError):
     """The node-local level cannot hold a checkpoint within its budget or its free space."""
 

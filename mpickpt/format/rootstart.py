@@ -1,14 +1,14 @@
 """ROOT at the start of a job: made ready for saves (created, what earlier runs left half done
-removed) and listed for a restore (its committed steps, the rollback in effect). Both run on
-rank 0; a ROOT that cannot be used is said, not raised, so that a job with a node-local level can
-still restore from the nodes."""
+removed, unless a live job holds ROOT's writer lock) and listed for a restore (its committed
+steps, the rollback in effect). Both run on rank 0; a ROOT that cannot be used is said, not
+raised, so that a job with a node-local level can still restore from the nodes."""
 
 from __future__ import annotations
 
 import logging
 
 from .. import log
-from . import rollback, rootdir
+from . import rollback, rootdir, rootlock
 from .rollback import Rollback
 
 
@@ -20,6 +20,10 @@ def prepare(root: str, run_id: str, logger: logging.Logger) -> str | None:
         doomed = rootdir.leftovers(root, run_id)
     except OSError as e:
         return f"{root}: {type(e).__name__}: {e.strerror or e}"
+    if doomed and not rootlock.free(root):  # a live job's steps in the making: not ours to take
+        logger.info("not removing %d half-written or half-deleted steps in %s: %s is saving "
+                    "into it now", len(doomed), root, rootlock.holder(root))
+        return None
     for path in doomed:
         logger.info("removing %s, left by an earlier run that did not finish its save", path)
         try:

@@ -74,6 +74,7 @@ class Protocol:
         self._roll = RollCall(self.comm, self.grace)
         self._abort_delay = 0.0
         self.collectives = 0  # collective operations this rank has completed (a statistic)
+        self._on_free: list[Callable[[], None]] = []
 
     def local_size(self) -> int:
         """How many ranks of this communicator share this rank's node (collective)."""
@@ -342,8 +343,14 @@ class Protocol:
             raise CheckpointError(f"{phase} failed: {err}")
         return value  # type: ignore[return-value]
 
+    def on_free(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` at :meth:`free` (what the job holds while its communicator lives)."""
+        self._on_free.append(fn)
+
     def free(self) -> None:
         self.comm.free()
+        while self._on_free:
+            self._on_free.pop()()
 
 
 class Pending:

@@ -1,4 +1,5 @@
-"""Proof, before a Checkpointer's first save, that every rank sees ROOT as one directory.
+"""Proof, before a Checkpointer's first save, that every rank sees ROOT as one directory and
+that no other job is saving into it (rank 0 takes ROOT's writer lock, :mod:`..format.rootlock`).
 
 Rank 0 writes a token into ROOT; every rank reads it back through its own path; an allreduce
 decides. A ROOT rank 0 cannot write (the save will fail on it anyway, saying why) is compared by
@@ -16,13 +17,32 @@ import os
 import socket
 import uuid
 
-from ..errors import RootNotSharedError
-from ..format import rootdir
+from ..errors import RootInUseError, RootNotSharedError
+from ..format import rootdir, rootlock
 from ..mpi.protocol import Protocol, ranks_text
 
 
 def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> None:
-    """Collective over ``proto``: return if every rank's ``root`` is rank 0's directory."""
+    """Collective over ``proto``: return if every rank's ``root`` is rank 0's directory and no
+    other job is saving into it. Rank 0 then holds ROOT's writer lock until ``proto`` is freed
+    (:mod:`mpickpt.format.rootlock`)."""
+    busy = None
+    if proto.rank == 0:
+        busy, release = rootlock.take(root, run_id, logger)
+        proto.on_free(release)
+    with proto.fatal_timeouts(logger):
+        busy = proto.bcast(busy, "root-lock")
+    if busy is not None:
+        raise RootInUseError(
+            f"ROOT {root} is being saved into by another job: {busy} holds "
+            f"{os.path.join(root, rootlock.NAME)}. Two jobs saving into one ROOT remove and "
+            "replace each other's checkpoints; give this job its own ROOT, or end the other "
+            "one first. (Where the ranks of one job each think they are alone, set "
+            "MPICKPT_BACKEND=mpi: their launcher is not one mpickpt recognises.)")
+    _same_directory(proto, root, run_id, logger)
+
+
+def _same_directory(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> None:
     name = f".mpickpt-root-check-{run_id}"
     token: str | None = uuid.uuid4().hex
     listing = None

@@ -1,0 +1,165 @@
+"""One job saves into a ROOT at a time: a second job's first save is refused on every rank,
+naming the first; a job that only restores is never refused, and removes nothing a live job is
+writing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpickpt.format import rootdir, rootlock, rootstart
+from mpickpt.mpi.backend import MPI_LAUNCHER_VARS, PEER_VARS
+
+PY = sys.executable
+LOG = logging.getLogger("test-rootlock")
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment less every sign of peers: a process started with it runs alone."""
+    return {k: v for k, v in os.environ.items()
+            if k not in (*MPI_LAUNCHER_VARS, *PEER_VARS, "SLURM_STEP_NUM_TASKS",
+                         "MPICKPT_BACKEND")}
+
+# holds ROOT's lock the way another job's rank 0 does (or a bare flock, with "raw"), says
+# "HELD", and lets go when its stdin closes
+HOLDER = r"""
+import fcntl, os, sys
+root, how = sys.argv[1], sys.argv[2]
+if how == "raw":
+    fd = os.open(os.path.join(root, ".mpickpt-writer"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+else:
+    import logging
+    from mpickpt.format import rootlock
+    assert rootlock.take(root, "otherrun", logging.getLogger())[0] is None
+print("HELD", flush=True)
+sys.stdin.read()
+"""
+
+
+def _hold(root: Path, how: str = "mpickpt") -> subprocess.Popen[str]:
+    p = subprocess.Popen([PY, "-c", HOLDER, str(root), how], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.strip() == "HELD", line
+    return p
+
+
+def _let_go(p: subprocess.Popen[str]) -> None:
+    assert p.stdin is not None
+    p.stdin.close()
+    assert p.wait(timeout=60) == 0
+
+
+@pytest.mark.quick
+def test_the_lock_is_this_process_s_until_its_last_take_lets_go(tmp_path: Path) -> None:
+    busy, first = rootlock.take(str(tmp_path), "run1", LOG)
+    assert busy is None
+    busy, second = rootlock.take(str(tmp_path), "run2", LOG)  # another Checkpointer, same process
+    assert busy is None
+    assert not rootlock.free(str(tmp_path))
+    first()
+    first()  # twice is once
+    assert not rootlock.free(str(tmp_path))
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError: sys.exit(7)")
+    path = str(tmp_path / rootlock.NAME)
+    assert subprocess.run([PY, "-c", probe, path], timeout=60).returncode == 7
+    second()
+    assert rootlock.free(str(tmp_path))
+    assert subprocess.run([PY, "-c", probe, path], timeout=60).returncode == 0
+
+
+def test_another_process_s_lock_is_named_and_a_bare_flock_still_refuses(tmp_path: Path) -> None:
+    p = _hold(tmp_path)
+    busy, release = rootlock.take(str(tmp_path), "mine", LOG)
+    assert busy is not None and f"process {p.pid} on " in busy and "run otherrun" in busy, busy
+    release()  # refused: nothing to let go, and nothing let go
+    assert not rootlock.free(str(tmp_path))
+    _let_go(p)
+    raw = _hold(tmp_path, "raw")  # a holder that left no note
+    assert rootlock.take(str(tmp_path), "mine", LOG)[0] == "another process"
+    _let_go(raw)
+    busy, release = rootlock.take(str(tmp_path), "mine", LOG)
+    assert busy is None
+    release()
+
+
+def test_a_start_removes_no_half_written_step_of_a_live_job(tmp_path: Path) -> None:
+    other = _hold(tmp_path)
+    partial = tmp_path / "step-00000010.partial-otherrun"
+    partial.mkdir()
+    (partial / "rank-00000.h5").write_bytes(b"x" * 10)
+    going = tmp_path / "step-00000005.deleting-otherrun"
+    going.mkdir()
+    assert rootstart.prepare(str(tmp_path), "mine", LOG) is None
+    assert partial.is_dir() and going.is_dir()  # the live job's
+    _let_go(other)
+    assert rootstart.prepare(str(tmp_path), "mine", LOG) is None
+    assert not partial.exists() and not going.exists()  # a dead run's: removed
+
+
+ALONE = r"""
+import sys, torch, mpickpt
+root, step = sys.argv[1], int(sys.argv[2])
+m = torch.nn.Linear(16, 8)
+ck = mpickpt.Checkpointer(root, keep=3)
+assert type(ck._proto.comm).__name__ == "SelfComm"
+if step == 0:  # only restore: never refused
+    print("RESTORED", ck.restore({"model": m}), flush=True)
+    ck.close()
+    sys.exit(0)
+try:
+    ck.save(step, {"model": m}).wait()
+except mpickpt.RootInUseError as e:
+    print("REFUSED", e, flush=True)
+    ck.close()
+    sys.exit(5)
+print("SAVED", step, flush=True)
+if len(sys.argv) > 3:  # stay, holding ROOT, until told
+    sys.stdin.read()
+ck.close()
+"""
+
+
+def _alone(root: Path, step: int, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-c", ALONE, str(root), str(step)], env=_clean_env(),
+                          capture_output=True, text=True, timeout=180, **kw)  # type: ignore
+
+
+def test_two_processes_alone_on_one_root_the_second_save_is_refused(tmp_path: Path) -> None:
+    """What a launcher mpickpt does not recognise gives: every rank thinks it is rank 0 of 1."""
+    first = subprocess.Popen([PY, "-c", ALONE, str(tmp_path), "10", "stay"], env=_clean_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert first.stdout is not None and first.stdin is not None
+    assert first.stdout.readline().split() == ["SAVED", "10"]
+    second = _alone(tmp_path, 20)
+    assert second.returncode == 5, second.stdout + second.stderr
+    assert f"process {first.pid} on " in second.stdout and "MPICKPT_BACKEND=mpi" in second.stdout
+    assert [s for s, _ in rootdir.committed(str(tmp_path))] == [10]  # nothing written, lost
+    reader = _alone(tmp_path, 0)
+    assert reader.returncode == 0 and "RESTORED 10" in reader.stdout, reader.stderr
+    first.stdin.close()
+    assert first.wait(timeout=120) == 0
+    after = _alone(tmp_path, 20)  # the first one ended: ROOT is free again
+    assert after.returncode == 0 and "SAVED 20" in after.stdout, after.stderr
+    assert [s for s, _ in rootdir.committed(str(tmp_path))] == [20, 10]
+    assert not any(".partial-" in n for n in os.listdir(tmp_path))
+
+
+def test_a_killed_holder_frees_root(tmp_path: Path) -> None:
+    first = subprocess.Popen([PY, "-c", ALONE, str(tmp_path), "10", "stay"], env=_clean_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert first.stdout is not None
+    assert first.stdout.readline().split() == ["SAVED", "10"]
+    first.kill()
+    first.wait(timeout=60)
+    after = _alone(tmp_path, 20)
+    assert after.returncode == 0 and "SAVED 20" in after.stdout, after.stderr
