@@ -663,6 +663,10 @@ def bench_method(m: str, job: Job, d: str, args: argparse.Namespace, ref: list[t
             restore["prepare_s"] = time.perf_counter() - t
             prepared = window(job, base, functools.partial(start, 0), args.min_steps)
             restore["prepared_first_stall_s"] = prepared["stall_s"]
+            # where a prepared first checkpoint's stall goes (s66: above the unprepared one's)
+            restore["prepared_first"] = {k: prepared[k] for k in (
+                "call_s", "persist_s", "local_step_s", "slowest_steps", "full_gc_n",
+                "full_gc_s")}
             ck.close()
             ck = None
             remove_shared(path)
@@ -864,6 +868,13 @@ def write(res: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"mpickpt's first checkpoint: stall {fmt(mp['first_stall_s_max'], 3)} s; after "
               f"prepare() before the loop ({fmt(mp['prepare_s_max'], 2)} s) "
               f"{fmt(mp['prepared_first_stall_s_max'], 3)} s")
+        pf = mp["per_rank"][0].get("prepared_first")
+        if pf:
+            print(f"  rank 0's prepared first: call {pf['call_s']:.3f} s, persist "
+                  f"{pf['persist_s']:.2f} s, {pf['full_gc_n']} full GC(s) "
+                  f"{pf['full_gc_s']:.3f} s, step {pf['local_step_s']:.4f} s, slowest steps "
+                  "(start after the call, extra s) " + ", ".join(
+                      f"({a:.2f}, {b:.3f})" for a, b in pf["slowest_steps"][:5]))
     for m, r in res["methods"].items():
         if r.get("full_gc_in_windows"):
             print(f"{m}: {r['full_gc_in_windows']} full garbage collection(s) of the "
