@@ -25,18 +25,18 @@ def _clean_env() -> dict[str, str]:
             if k not in (*MPI_LAUNCHER_VARS, *PEER_VARS, "SLURM_STEP_NUM_TASKS",
                          "MPICKPT_BACKEND")}
 
-# holds ROOT's lock the way another job's rank 0 does (or a bare flock, with "raw"), says
-# "HELD", and lets go when its stdin closes
+# holds ROOT's lock the way another job's rank 0 does (or a bare flock of the directory, with
+# "raw"), says "HELD", and lets go when its stdin closes
 HOLDER = r"""
 import fcntl, os, sys
 root, how = sys.argv[1], sys.argv[2]
 if how == "raw":
-    fd = os.open(os.path.join(root, ".mpickpt-writer"), os.O_RDWR | os.O_CREAT)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)
 else:
     import logging
     from mpickpt.format import rootlock
-    assert rootlock.take(root, "otherrun", logging.getLogger())[0] is None
+    assert rootlock.take(root, logging.getLogger())[0] is None
 print("HELD", flush=True)
 sys.stdin.read()
 """
@@ -59,37 +59,58 @@ def _let_go(p: subprocess.Popen[str]) -> None:
 
 @pytest.mark.quick
 def test_the_lock_is_this_process_s_until_its_last_take_lets_go(tmp_path: Path) -> None:
-    busy, first = rootlock.take(str(tmp_path), "run1", LOG)
+    busy, first = rootlock.take(str(tmp_path), LOG)
     assert busy is None
-    busy, second = rootlock.take(str(tmp_path), "run2", LOG)  # another Checkpointer, same process
+    busy, second = rootlock.take(str(tmp_path), LOG)  # another Checkpointer, same process
     assert busy is None
     assert not rootlock.free(str(tmp_path))
     first()
     first()  # twice is once
+    assert not rootlock.free(str(tmp_path))
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+             "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError: sys.exit(7)")
+    assert subprocess.run([PY, "-c", probe, str(tmp_path)], timeout=60).returncode == 7
+    second()
+    assert rootlock.free(str(tmp_path))
+    assert subprocess.run([PY, "-c", probe, str(tmp_path)], timeout=60).returncode == 0
+    assert os.listdir(tmp_path) == []  # nothing written for it
+
+
+def test_another_process_s_lock_is_named(tmp_path: Path) -> None:
+    for how in ("mpickpt", "raw"):
+        p = _hold(tmp_path, how)
+        busy, release = rootlock.take(str(tmp_path), LOG)
+        assert busy is not None and busy.startswith(f"process {p.pid} (") \
+            and busy.endswith(" on this host"), busy
+        release()  # refused: nothing to let go, and nothing let go
+        assert not rootlock.free(str(tmp_path))
+        _let_go(p)
+        assert rootlock.free(str(tmp_path))
+    busy, release = rootlock.take(str(tmp_path), LOG)
+    assert busy is None
+    release()
+
+
+def test_where_a_directory_cannot_be_locked_a_file_in_it_is(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """NFS locks a file opened for writing, not a directory."""
+    real = rootlock._locked
+
+    def no_directories(fd: int) -> bool | None:
+        return None if os.path.isdir(f"/proc/self/fd/{fd}") else real(fd)
+
+    monkeypatch.setattr(rootlock, "_locked", no_directories)
+    busy, release = rootlock.take(str(tmp_path), LOG)
+    assert busy is None and os.listdir(tmp_path) == [rootlock.NAME]
     assert not rootlock.free(str(tmp_path))
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
              "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
              "except BlockingIOError: sys.exit(7)")
     path = str(tmp_path / rootlock.NAME)
     assert subprocess.run([PY, "-c", probe, path], timeout=60).returncode == 7
-    second()
-    assert rootlock.free(str(tmp_path))
-    assert subprocess.run([PY, "-c", probe, path], timeout=60).returncode == 0
-
-
-def test_another_process_s_lock_is_named_and_a_bare_flock_still_refuses(tmp_path: Path) -> None:
-    p = _hold(tmp_path)
-    busy, release = rootlock.take(str(tmp_path), "mine", LOG)
-    assert busy is not None and f"process {p.pid} on " in busy and "run otherrun" in busy, busy
-    release()  # refused: nothing to let go, and nothing let go
-    assert not rootlock.free(str(tmp_path))
-    _let_go(p)
-    raw = _hold(tmp_path, "raw")  # a holder that left no note
-    assert rootlock.take(str(tmp_path), "mine", LOG)[0] == "another process"
-    _let_go(raw)
-    busy, release = rootlock.take(str(tmp_path), "mine", LOG)
-    assert busy is None
     release()
+    assert rootlock.free(str(tmp_path))
 
 
 def test_a_start_removes_no_half_written_step_of_a_live_job(tmp_path: Path) -> None:
@@ -142,7 +163,7 @@ def test_two_processes_alone_on_one_root_the_second_save_is_refused(tmp_path: Pa
     assert first.stdout.readline().split() == ["SAVED", "10"]
     second = _alone(tmp_path, 20)
     assert second.returncode == 5, second.stdout + second.stderr
-    assert f"process {first.pid} on " in second.stdout and "MPICKPT_BACKEND=mpi" in second.stdout
+    assert f"process {first.pid} (" in second.stdout and "MPICKPT_BACKEND=mpi" in second.stdout
     assert [s for s, _ in rootdir.committed(str(tmp_path))] == [10]  # nothing written, lost
     reader = _alone(tmp_path, 0)
     assert reader.returncode == 0 and "RESTORED 10" in reader.stdout, reader.stderr

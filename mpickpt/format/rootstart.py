@@ -21,8 +21,8 @@ def prepare(root: str, run_id: str, logger: logging.Logger) -> str | None:
     except OSError as e:
         return f"{root}: {type(e).__name__}: {e.strerror or e}"
     if doomed and not rootlock.free(root):  # a live job's steps in the making: not ours to take
-        logger.info("not removing %d half-written or half-deleted steps in %s: %s is saving "
-                    "into it now", len(doomed), root, rootlock.holder(root))
+        logger.info("not removing %d half-written or half-deleted steps in %s: another job "
+                    "holds its writer lock (it is saving into it now)", len(doomed), root)
         return None
     for path in doomed:
         logger.info("removing %s, left by an earlier run that did not finish its save", path)

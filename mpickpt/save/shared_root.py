@@ -28,17 +28,17 @@ def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> No
     (:mod:`mpickpt.format.rootlock`)."""
     busy = None
     if proto.rank == 0:
-        busy, release = rootlock.take(root, run_id, logger)
+        busy, release = rootlock.take(root, logger)
         proto.on_free(release)
     with proto.fatal_timeouts(logger):
         busy = proto.bcast(busy, "root-lock")
     if busy is not None:
         raise RootInUseError(
-            f"ROOT {root} is being saved into by another job: {busy} holds "
-            f"{os.path.join(root, rootlock.NAME)}. Two jobs saving into one ROOT remove and "
-            "replace each other's checkpoints; give this job its own ROOT, or end the other "
-            "one first. (Where the ranks of one job each think they are alone, set "
-            "MPICKPT_BACKEND=mpi: their launcher is not one mpickpt recognises.)")
+            f"ROOT {root} is being saved into by another job: {busy} holds its writer lock. "
+            "Two jobs saving into one ROOT remove and replace each other's checkpoints; give "
+            "this job its own ROOT, or end the other one first. (Where the ranks of one job "
+            "each think they are alone, set MPICKPT_BACKEND=mpi: their launcher is not one "
+            "mpickpt recognises.)")
     _same_directory(proto, root, run_id, logger)
 
 

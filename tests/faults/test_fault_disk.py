@@ -19,7 +19,7 @@ import pytest
 from faultkit import committed_steps, partials, reports, step_dirs
 from harness import NO_DAC, SCENARIOS, Job, mpiexec, python
 
-from mpickpt.format import rootdir, rootlock
+from mpickpt.format import rootdir
 from mpickpt.format.names import RANK_FILE_RE
 
 N = 2
@@ -81,7 +81,7 @@ def restart(root: Path, reports_dir: Path, steps: list[int]) -> tuple[Job, list[
     names = sorted(p.name for p in root.iterdir())
     pool = root / rootdir.POOL
     pooled = sorted(p.name for p in pool.iterdir()) if rootdir.POOL in names else []
-    if [n for n in names if n not in (rootdir.POOL, rootlock.NAME)] != ["stats.jsonl",
+    if [n for n in names if n != rootdir.POOL] != ["stats.jsonl",
                                                      *(f"step-{s:08d}" for s in steps)] \
             or not all(RANK_FILE_RE.match(n) for n in pooled):
         out.append(f"after the restart ROOT holds {names}, its pool {pooled}")

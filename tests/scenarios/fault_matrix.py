@@ -36,7 +36,7 @@ from _world import World
 
 import mpickpt
 from mpickpt import faults
-from mpickpt.format import names, rootdir, rootlock
+from mpickpt.format import names, rootdir
 
 SAVES = (10, 20, 30)
 FAULT_STEP = 30          # the save-path phases fire in the save of this step
@@ -165,14 +165,13 @@ def verify_root(where: str, rank: int, world: World) -> dict[str, Any]:
 
 
 def leftovers(root: str) -> list[str]:
-    """What ROOT holds besides committed steps, stats.jsonl, the writer lock and the pool of
-    retired rank shards (which the next save writes over): a partial or half-removed checkpoint,
-    anything else."""
+    """What ROOT holds besides committed steps, stats.jsonl and the pool of retired rank shards
+    (which the next save writes over): a partial or half-removed checkpoint, anything else."""
     pool = os.path.join(root, rootdir.POOL)
     stray = sorted(f"{rootdir.POOL}/{n}" for n in (os.listdir(pool) if os.path.isdir(pool) else [])
                    if not names.RANK_FILE_RE.match(n))
     return sorted(n for n in os.listdir(root) if not rootdir.STEP_RE.match(n)
-                  and n not in ("stats.jsonl", rootdir.POOL, rootlock.NAME)) + stray
+                  and n not in ("stats.jsonl", rootdir.POOL)) + stray
 
 
 def main() -> None:
