@@ -4,7 +4,8 @@
     mpiexec -n 4 python bench/probe_frequent_cpu.py --steps 60 --rounds 1 --methods mpickpt \\
         --mpickpt '{}' --dir /tmp/bf --json /tmp/bf/p.json
 
-Arguments after the script's own are ``bench_frequent.py``'s. Each rank writes
+Arguments after the script's own (``--out-prefix P``, ``--extra module:Qual.name,...``: more
+stages to time) are ``bench_frequent.py``'s. Each rank writes
 ``--out-prefix``-RANK.json (``{stage: [calls, cpu_s]}``) and rank 0 prints the table. Stages nest
 (``Pipeline._save`` holds the store's write, publish and retain; ``Protocol.complete`` is the
 polling of every collective, wherever it is).
@@ -46,8 +47,12 @@ def spent(qualname: str, start: float, end: float) -> None:
 def main() -> None:
     prefix = "/tmp/frequent-cpu"
     args = sys.argv[1:]
-    if args[:1] == ["--out-prefix"]:
-        prefix, args = args[1], args[2:]
+    while args[:1] in (["--out-prefix"], ["--extra"]):
+        if args[0] == "--out-prefix":
+            prefix = args[1]
+        else:
+            STAGES.extend(tuple(x.split(":")) for x in args[1].split(","))
+        args = args[2:]
     for module, qualname in STAGES:
         timed(module, qualname, time.thread_time, spent)
     sys.argv = [str(Path(__file__).with_name("bench_frequent.py")), *args]
