@@ -15,21 +15,25 @@ shard is verified and copied by one process that holds it (its own node's copy f
 spread evenly), a copy that fails verification is tried from another holder, and rank 0 commits.
 ROOT must be one shared directory (checked first).
 
+The commit holds ROOT's writer lock (:mod:`mpickpt.format.rootlock`), as a saving job's rank 0
+does: a drain while a job saves into ROOT is refused, naming the holder.
+
 Exit codes: 0 drained, or the step is in ROOT already (nothing done); 1 refused (a node directory
 whose OWNER.json names another ROOT, no complete step or the one asked for is incomplete, naming
-the missing ranks; an I/O error); 5 every copy of some rank's shard fails verification. ROOT is
-unchanged unless the drain committed. Retention and stats.jsonl are the job's: drain touches
-neither.
+the missing ranks; a job saving into ROOT; an I/O error); 5 every copy of some rank's shard
+fails verification. ROOT is unchanged unless the drain committed. Retention and stats.jsonl are
+the job's: drain touches neither.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from typing import Any
 
-from ..format import checksum, commit, rootdir
+from ..format import checksum, commit, rootdir, rootlock
 from ..format.manifest import NAME as MANIFEST
 from ..format.manifest import Manifest
 from ..local.nodedir import OWNER
@@ -159,6 +163,21 @@ def _drain(args: argparse.Namespace, root: str, report: dict[str, Any], out: Out
                       "nothing was drained: run the command again")
     manifest = Manifest.from_json(data.decode(), os.path.join(s.source.path, MANIFEST))
     rootdir.make_dirs(root)
+    busy, release = rootlock.take(root, logging.getLogger("mpickpt"))
+    if busy is not None:
+        raise Refused(f"{busy} holds the writer lock of {root}: a job is saving into it now; "
+                      "nothing was drained. Drain once the job has ended (its own drain may "
+                      "make this one unneeded)")
+    try:
+        return _commit(s, manifest, data, root, final, newer, report, out, team, t0)
+    finally:
+        release()
+
+
+def _commit(s: LocalStep, manifest: Manifest, data: bytes, root: str, final: str,
+            newer: list[LocalStep], report: dict[str, Any], out: Out, team: Team,
+            t0: float) -> int:
+    """The drain's copy and commit of step ``s`` into ROOT, its writer lock held."""
     partial = os.path.join(root, rootdir.partial_name(s.step, RUN_ID))
     if os.path.lexists(partial):
         rootdir.remove(partial, RUN_ID)

@@ -3,9 +3,10 @@
 1. Every committed checkpoint is checked quickly (manifest, shard sizes, records); with
    ``--verify full`` the newest ones are read in full, newest first, until one passes.
 2. Partial directories of dead runs (``*.partial-*``, ``*.deleting-*`` untouched for ``--grace``
-   seconds) and committed checkpoints that fail verification are moved into ``ROOT/quarantine/``
-   (removed instead with ``--delete``). Restore would skip them anyway; out of the way, they no
-   longer cost a failed read at every start, and nobody mistakes them for good ones.
+   seconds, and none while a job holds ROOT's writer lock) and committed checkpoints that fail
+   verification are moved into ``ROOT/quarantine/`` (removed instead with ``--delete``).
+   Restore would skip them anyway; out of the way, they no longer cost a failed read at every
+   start, and nobody mistakes them for good ones.
 3. ``--step N`` rolls back: every committed checkpoint newer than N is quarantined, so N is the
    newest and the next ``Checkpointer.restore()`` loads it; ``ROOT/ROLLBACK.json`` records it.
 4. ``--prune --keep N`` removes the good committed checkpoints that no rule of the retention
@@ -28,7 +29,7 @@ import time
 from typing import Any
 
 from .. import __version__
-from ..format import rollback, rootdir
+from ..format import rollback, rootdir, rootlock
 from ..log import human_bytes
 from ..save import retention
 from . import (
@@ -172,11 +173,16 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         left_alone.append({"path": path, "reason": (
             f"{why} (ROOT NOT SHARED?, below): left in place, so that the shards can be "
             "brought together")})
+    live = None if rootlock.free(root) else rootlock.who(root)
     for e in s.entries:
         if e.status != "partial" or e.path in held:
             continue
         age = now - (e.modified if e.modified is not None else now)
-        if age < args.grace:
+        if live is not None:
+            left_alone.append({"path": e.path, "reason": (
+                f"{live} holds ROOT's writer lock: a job is saving into it now, and may be "
+                "writing this one")})
+        elif age < args.grace:
             left_alone.append({"path": e.path, "reason": (
                 f"written {human_age(age)}: a job may still be writing it; once the job is "
                 "known to be dead, rerun with --grace 0")})

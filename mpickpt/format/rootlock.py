@@ -64,6 +64,20 @@ def holder(key: tuple[int, int]) -> str:
     return "a process on another host (or one this host cannot see)"
 
 
+def who(root: str) -> str:
+    """Who holds ROOT's lock (:func:`holder`), on the directory or on its lock file."""
+    found = "a process on another host (or one this host cannot see)"
+    for path in (root, os.path.join(root, NAME)):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        found = holder((st.st_dev, st.st_ino))
+        if found.startswith("process "):
+            break
+    return found
+
+
 def take(root: str, logger: logging.Logger) -> tuple[str | None, Callable[[], None]]:
     """Take ROOT's lock for this process (again, if it holds it already): (None, the call that
     lets this take go), or (who holds it, a call that does nothing). A ROOT that cannot be

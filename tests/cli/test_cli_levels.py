@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clikit import cli, cli_json, listing
+from clikit import cli, cli_json, job_holding, listing
 from harness import SCENARIOS, flip_data_byte, mpiexec, run_mpi, shard, step_dir
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
@@ -144,6 +144,19 @@ def test_drain_commits_the_step_and_a_restore_from_root_is_bit_exact(tmp_path, t
     assert [x["restore"]["digest"] for x in from_root] == \
         [x["restore"]["digest"] for x in from_local]
     assert len({x["restore"]["digest"] for x in from_root}) == N  # each rank its own state
+
+
+def test_drain_refuses_while_a_job_saves_into_root(tmp_path, tmp_path_factory):
+    root, local = copy_level(tmp_path_factory, tmp_path / "t")
+    root.mkdir(exist_ok=True)
+    before = listing(root)
+    with job_holding(root) as pid:
+        code, doc = cli_json("drain", local, root)
+        assert code == EXIT_ERROR and not doc["drained"], doc
+        assert f"process {pid} (" in doc["error"] and "nothing was drained" in doc["error"]
+        assert listing(root) == before
+    code, doc = cli_json("drain", local, root)  # the job is gone
+    assert code == EXIT_OK and doc["drained"] and listing(root) == [f"step-{STEP:08d}"]
 
 
 def test_drain_with_a_node_wiped_takes_the_partner_copies(tmp_path, tmp_path_factory):

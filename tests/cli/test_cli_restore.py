@@ -14,6 +14,7 @@ from clikit import (
     cli_json,
     copy_tree,
     garble_manifest,
+    job_holding,
     listing,
     partial_dirs,
 )
@@ -73,6 +74,18 @@ def test_a_fresh_partial_is_left_alone_until_grace(root2):
     assert "--grace 0" in doc["left_alone"][0]["reason"]
     assert partial.exists()
     code, doc = cli_json(root2, "--grace", "0", restore=True)
+    assert [a["path"] for a in doc["actions"]] == [str(partial)] and not partial.exists()
+
+
+def test_a_partial_is_left_alone_while_a_job_holds_root_even_past_grace(root2):
+    partial = partial_dirs(root2)[0]
+    with job_holding(root2) as pid:
+        code, doc = cli_json(root2, "--grace", "0", restore=True)
+        assert code == EXIT_OK and doc["actions"] == [] and partial.exists()
+        assert [x["path"] for x in doc["left_alone"]] == [str(partial)]
+        assert f"process {pid} (" in doc["left_alone"][0]["reason"]
+        assert "writer lock" in doc["left_alone"][0]["reason"]
+    code, doc = cli_json(root2, "--grace", "0", restore=True)  # the job is gone
     assert [a["path"] for a in doc["actions"]] == [str(partial)] and not partial.exists()
 
 
