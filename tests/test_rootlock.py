@@ -4,6 +4,7 @@ writing."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import subprocess
@@ -92,18 +93,26 @@ def test_another_process_s_lock_is_named(tmp_path: Path) -> None:
     release()
 
 
-def test_where_a_directory_cannot_be_locked_a_file_in_it_is(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """NFS locks a file opened for writing, not a directory."""
+def _nfs_like(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks as an NFS mount takes them: no directory, and an exclusive one only on a file
+    opened for writing (the client emulates flock with byte-range locks)."""
     real = rootlock._locked
 
-    def no_directories(fd: int) -> bool | None:
-        return None if os.path.isdir(f"/proc/self/fd/{fd}") else real(fd)
+    def nfs(fd: int, how: int = fcntl.LOCK_EX) -> bool | None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            return None
+        if how == fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            return None
+        return real(fd, how)
 
-    monkeypatch.setattr(rootlock, "_locked", no_directories)
+    monkeypatch.setattr(rootlock, "_locked", nfs)
+
+
+def test_where_a_directory_cannot_be_locked_a_file_in_it_is(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _nfs_like(monkeypatch)
     busy, release = rootlock.take(str(tmp_path), LOG)
     assert busy is None and os.listdir(tmp_path) == [rootlock.NAME]
-    assert not rootlock.free(str(tmp_path))
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
              "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
              "except BlockingIOError: sys.exit(7)")
@@ -111,6 +120,55 @@ def test_where_a_directory_cannot_be_locked_a_file_in_it_is(tmp_path: Path,
     assert subprocess.run([PY, "-c", probe, path], timeout=60).returncode == 7
     release()
     assert rootlock.free(str(tmp_path))
+    # another process's lock on the file (another job on another NFS client, say) is seen
+    holder = subprocess.Popen([PY, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], "
+                               "os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('HELD', "
+                               "flush=True); sys.stdin.read()", path],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "HELD"
+    assert not rootlock.free(str(tmp_path))
+    assert rootlock.take(str(tmp_path), LOG)[0] is not None
+    _let_go(holder)
+    assert rootlock.free(str(tmp_path))
+
+
+def test_a_root_given_as_a_symbolic_link_is_the_directory_it_names(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    p = _hold(real)
+    assert not rootlock.free(str(link))
+    busy = rootlock.take(str(link), LOG)[0]
+    assert busy is not None and busy.startswith(f"process {p.pid} ("), busy
+    assert rootlock.who(str(link)) == busy
+    _let_go(p)
+    assert rootlock.free(str(link))
+
+
+def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
+    """A DataLoader worker forked while the lock is held: the lock goes at the parent's
+    release, and the child cannot take it for itself without the lock being free."""
+    busy, release = rootlock.take(str(tmp_path), LOG)
+    assert busy is None
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: wait for the word, then report what it finds
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0 if rootlock.free(str(tmp_path)) else 3)
+    os.close(r)
+    try:
+        release()
+        probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)"
+                 "\ntry: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                 "except BlockingIOError: sys.exit(7)")
+        assert subprocess.run([PY, "-c", probe, str(tmp_path)], timeout=60).returncode == 0
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_start_removes_no_half_written_step_of_a_live_job(tmp_path: Path) -> None:
@@ -144,9 +202,12 @@ except mpickpt.RootInUseError as e:
     ck.close()
     sys.exit(5)
 print("SAVED", step, flush=True)
-if len(sys.argv) > 3:  # stay, holding ROOT, until told
+if len(sys.argv) > 3 and sys.argv[3] == "stay":  # stay, holding ROOT, until told
     sys.stdin.read()
 ck.close()
+if len(sys.argv) > 3 and sys.argv[3] == "closed":  # stay after close(), until told
+    print("CLOSED", flush=True)
+    sys.stdin.read()
 """
 
 
@@ -184,3 +245,20 @@ def test_a_killed_holder_frees_root(tmp_path: Path) -> None:
     first.wait(timeout=60)
     after = _alone(tmp_path, 20)
     assert after.returncode == 0 and "SAVED 20" in after.stdout, after.stderr
+
+
+def test_close_lets_the_lock_go_while_the_process_lives_on(tmp_path: Path) -> None:
+    job = subprocess.Popen([PY, "-c", ALONE, str(tmp_path), "10", "closed"], env=_clean_env(),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert job.stdout is not None and job.stdin is not None
+    assert job.stdout.readline().split() == ["SAVED", "10"]
+    assert job.stdout.readline().strip() == "CLOSED"
+    try:
+        assert rootlock.free(str(tmp_path))
+        busy, release = rootlock.take(str(tmp_path), LOG)
+        assert busy is None
+        release()
+    finally:
+        job.stdin.close()
+        assert job.wait(timeout=120) == 0
+

@@ -16,11 +16,13 @@ goes on unguarded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 NAME = ".mpickpt-writer"  # the lock file, where a directory cannot be locked
@@ -28,6 +30,22 @@ _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 _LOCK = threading.Lock()
 _HELD: dict[tuple[int, int], list[int]] = {}  # (st_dev, st_ino) of what is locked -> [fd, count]
+TRIES, TRY_GAP_S = 5, 0.2  # a lock found held is asked again: free() holds one for a moment
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) holds no lock of its parent's: it closes its copies
+    of the descriptors (unlocking nothing: the parent's stay) so that the lock goes with the
+    parent, not with the last child."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    for fd, _ in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _key(fd: int) -> tuple[int, int]:
@@ -35,10 +53,10 @@ def _key(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _locked(fd: int) -> bool | None:
+def _locked(fd: int, how: int = fcntl.LOCK_EX) -> bool | None:
     """Lock ``fd``: True, False where another holds it, None where it cannot be locked."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except OSError as e:
         return False if e.errno in _BUSY else None
     return True
@@ -54,7 +72,7 @@ def holder(key: tuple[int, int]) -> str:
                     if len(p) > 5 and p[1] == "FLOCK" and p[5] == dev]
     except (OSError, ValueError):
         pids = []
-    for pid in pids:
+    for pid in (p for p in pids if p > 0):  # 0: another PID namespace's, or one gone
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
@@ -69,7 +87,7 @@ def who(root: str) -> str:
     found = "a process on another host (or one this host cannot see)"
     for path in (root, os.path.join(root, NAME)):
         try:
-            st = os.stat(path, follow_symlinks=False)
+            st = os.stat(path)
         except OSError:
             continue
         found = holder((st.st_dev, st.st_ino))
@@ -80,8 +98,18 @@ def who(root: str) -> str:
 
 def take(root: str, logger: logging.Logger) -> tuple[str | None, Callable[[], None]]:
     """Take ROOT's lock for this process (again, if it holds it already): (None, the call that
-    lets this take go), or (who holds it, a call that does nothing). A ROOT that cannot be
-    opened is given as free (saving then says why it cannot be written)."""
+    lets this take go), or (who holds it, a call that does nothing), asked :data:`TRIES` times
+    first. A ROOT that cannot be opened is given as free (saving then says why it cannot be
+    written)."""
+    for _ in range(TRIES - 1):
+        busy, release = _take_once(root, logger)
+        if busy is None:
+            return busy, release
+        time.sleep(TRY_GAP_S)
+    return _take_once(root, logger)
+
+
+def _take_once(root: str, logger: logging.Logger) -> tuple[str | None, Callable[[], None]]:
     with _LOCK:
         try:
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -149,22 +177,33 @@ def _releaser(key: tuple[int, int]) -> Callable[[], None]:
             held[1] -= 1
             if held[1] == 0:
                 del _HELD[key]
-                os.close(held[0])  # closing the last descriptor of the lock lets it go
+                try:  # unlocked, not only closed: a forked child may share the descriptor
+                    fcntl.flock(held[0], fcntl.LOCK_UN)
+                finally:
+                    os.close(held[0])
 
     return release
 
 
 def free(root: str) -> bool:
     """Whether no process (this one included) holds ROOT's lock now: what a job's start asks
-    before it removes the half-written steps of runs it takes for dead."""
+    before it removes the half-written steps of runs it takes for dead. ROOT may be a symbolic
+    link (the lock is on the directory it names); the lock file is opened for writing where it
+    can be (NFS locks only such files)."""
     with _LOCK:
-        for path in (root, os.path.join(root, NAME)):
+        for path, flags in ((root, os.O_RDONLY | os.O_DIRECTORY), (os.path.join(root, NAME),
+                                                                  os.O_RDWR | os.O_NOFOLLOW)):
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(path, flags | os.O_CLOEXEC)
+            except PermissionError:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    continue
             except OSError:
                 continue  # no lock file (or an unreadable ROOT: the removal then says why)
             try:
-                if _key(fd) in _HELD or _locked(fd) is False:
+                if _key(fd) in _HELD or _locked(fd, fcntl.LOCK_SH) is False:
                     return False
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:

@@ -348,9 +348,11 @@ class Protocol:
         self._on_free.append(fn)
 
     def free(self) -> None:
-        self.comm.free()
-        while self._on_free:
-            self._on_free.pop()()
+        try:
+            self.comm.free()
+        finally:
+            while self._on_free:
+                self._on_free.pop()()
 
 
 class Pending:

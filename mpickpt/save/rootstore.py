@@ -26,6 +26,7 @@ from ..format.manifest import Manifest
 from ..format.names import shard_name
 from ..format.nodefile import NodeFiles
 from ..mpi.protocol import Protocol, ranks_text
+from . import shared_root
 from .incremental import Tracker
 from .request import SaveRequest, SaveResult
 from .shards import RankShards, error_text
@@ -46,6 +47,7 @@ class RootStore:
         self.pool = upkeep.pool  # where retired shard files wait to be written over
         self.extended = shards.options.extended(proto.size)
         self.tracker: Tracker | None = shards.tracker
+        self._claimed = False  # rank 0: ROOT's writer lock taken for drains
 
     def partial(self, step: int) -> str:
         return os.path.join(self.root, rootdir.partial_name(step, self.run_id))
@@ -87,6 +89,11 @@ class RootStore:
         checkpoint) into ``partial`` and fsynced, at most ``bandwidth`` bytes per second; why
         it could not be."""
         try:
+            if self.rank == 0 and not self._claimed:  # a ROOT unusable at the start: not yet
+                busy, _ = shared_root.claim(self.proto, self.root, self.log)
+                if busy is not None:
+                    return f"rank 0: {busy}"
+                self._claimed = True
             rootdir.make_dirs(partial)
             name = shard_name(self.rank)
             dst = os.path.join(partial, name)

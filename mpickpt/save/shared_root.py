@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 
 from ..errors import RootInUseError, RootNotSharedError
 from ..format import rootdir, rootlock
@@ -26,20 +27,32 @@ def check(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> No
     """Collective over ``proto``: return if every rank's ``root`` is rank 0's directory and no
     other job is saving into it. Rank 0 then holds ROOT's writer lock until ``proto`` is freed
     (:mod:`mpickpt.format.rootlock`)."""
-    busy = None
-    if proto.rank == 0:
-        busy, release = rootlock.take(root, logger)
-        proto.on_free(release)
+    busy, release = claim(proto, root, logger) if proto.rank == 0 else (None, None)
     with proto.fatal_timeouts(logger):
         busy = proto.bcast(busy, "root-lock")
     if busy is not None:
-        raise RootInUseError(
-            f"ROOT {root} is being saved into by another job: {busy} holds its writer lock. "
-            "Two jobs saving into one ROOT remove and replace each other's checkpoints; give "
-            "this job its own ROOT, or end the other one first. (Where the ranks of one job "
-            "each think they are alone, set MPICKPT_BACKEND=mpi: their launcher is not one "
-            "mpickpt recognises.)")
-    _same_directory(proto, root, run_id, logger)
+        raise RootInUseError(busy)
+    try:
+        _same_directory(proto, root, run_id, logger)
+    except RootNotSharedError:
+        if release is not None:  # no save into it: the lock is not this job's to keep
+            release()
+        raise
+
+
+def claim(proto: Protocol, root: str, logger: logging.Logger
+          ) -> tuple[str | None, Callable[[], None] | None]:
+    """Rank 0: take ROOT's writer lock until ``proto`` is freed: (None, the call that lets it go
+    sooner), or (the sentence that refuses the save, None)."""
+    busy, release = rootlock.take(root, logger)
+    if busy is not None:
+        return (f"ROOT {root} is being saved into by another job: {busy} holds its writer "
+                "lock. Two jobs saving into one ROOT remove and replace each other's "
+                "checkpoints; give this job its own ROOT, or end the other one first. (Where "
+                "the ranks of one job each think they are alone, set MPICKPT_BACKEND=mpi: "
+                "their launcher is not one mpickpt recognises.)"), None
+    proto.on_free(release)
+    return None, release
 
 
 def _same_directory(proto: Protocol, root: str, run_id: str, logger: logging.Logger) -> None:
