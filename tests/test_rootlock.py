@@ -146,6 +146,8 @@ def test_a_root_given_as_a_symbolic_link_is_the_directory_it_names(tmp_path: Pat
     assert rootlock.free(str(link))
 
 
+# the child only reads a pipe, opens, locks and closes files, and exits (os._exit)
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
     """A DataLoader worker forked while the lock is held: the lock goes at the parent's
     release, and the child cannot take it for itself without the lock being free."""
