@@ -203,9 +203,13 @@ def free(root: str) -> bool:
             except OSError:
                 continue  # no lock file (or an unreadable ROOT: the removal then says why)
             try:
-                if _key(fd) in _HELD or _locked(fd, fcntl.LOCK_SH) is False:
+                if _key(fd) in _HELD:
                     return False
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                got = _locked(fd, fcntl.LOCK_SH)
+                if got is False:
+                    return False
+                if got:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
         return True
