@@ -264,3 +264,34 @@ def test_close_lets_the_lock_go_while_the_process_lives_on(tmp_path: Path) -> No
         job.stdin.close()
         assert job.wait(timeout=120) == 0
 
+
+def test_a_drain_into_a_root_unusable_at_the_start_takes_the_lock(tmp_path: Path) -> None:
+    """A job whose ROOT could not be used at its start saves on the nodes and drains into ROOT
+    once it is back: the first drain takes the lock, and is refused while another job holds it."""
+    from mpickpt.mpi.protocol import Protocol
+    from mpickpt.save.retention import Policy
+    from mpickpt.save.rootstore import RootStore
+    from mpickpt.save.shards import RankShards, ShardOptions
+    from mpickpt.save.upkeep import Upkeep
+
+    root, node = tmp_path / "root", tmp_path / "node" / "step-00000005"
+    root.mkdir()
+    node.mkdir(parents=True)
+    (node / "rank-00000.h5").write_bytes(b"shard" * 100)
+    proto = Protocol(None, timeout=30)
+    store = RootStore(proto, str(root), "run1", RankShards(0, 1, ShardOptions(), None, LOG),
+                      Upkeep(str(root), "run1", Policy.of(2, None, None, 0), LOG), LOG)
+    partial = str(root / "step-00000005.partial-run1")
+    try:
+        p = _hold(root)
+        why = store.copy_in(str(node), partial, 5, {}, None)
+        assert why is not None and f"process {p.pid} (" in why and "another job" in why, why
+        assert os.listdir(root) == []  # nothing written
+        _let_go(p)
+        assert store.copy_in(str(node), partial, 5, {}, None) is None
+        assert (Path(partial) / "rank-00000.h5").read_bytes() == b"shard" * 100
+        assert not rootlock.free(str(root))  # held by this job until its communicator goes
+    finally:
+        proto.free()
+    assert rootlock.free(str(root))
+
