@@ -27,12 +27,13 @@ def _clean_env() -> dict[str, str]:
                          "MPICKPT_BACKEND")}
 
 # holds ROOT's lock the way another job's rank 0 does (or a bare flock of the directory, with
-# "raw"), says "HELD", and lets go when its stdin closes
+# "raw", or of a file opened for writing, with "file"), says "HELD", and lets go when its stdin
+# closes
 HOLDER = r"""
 import fcntl, os, sys
 root, how = sys.argv[1], sys.argv[2]
-if how == "raw":
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+if how in ("raw", "file"):
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY if how == "raw" else os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
 else:
     import logging
@@ -52,6 +53,25 @@ def _hold(root: Path, how: str = "mpickpt") -> subprocess.Popen[str]:
     return p
 
 
+# exit 7 where another process holds an exclusive lock on the path (a directory, or a file
+# opened for writing), 0 where this one could take it
+PROBE = r"""
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY if sys.argv[2] == "dir" else os.O_RDWR)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
+    sys.exit(7)
+"""
+
+
+def _others_can_lock(path: Path, kind: str = "dir") -> bool:
+    """Whether another process could take an exclusive lock on ``path`` now."""
+    code = subprocess.run([PY, "-c", PROBE, str(path), kind], timeout=60).returncode
+    assert code in (0, 7), code
+    return code == 0
+
+
 def _let_go(p: subprocess.Popen[str]) -> None:
     assert p.stdin is not None
     p.stdin.close()
@@ -68,13 +88,10 @@ def test_the_lock_is_this_process_s_until_its_last_take_lets_go(tmp_path: Path) 
     first()
     first()  # twice is once
     assert not rootlock.free(str(tmp_path))
-    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
-             "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
-             "except BlockingIOError: sys.exit(7)")
-    assert subprocess.run([PY, "-c", probe, str(tmp_path)], timeout=60).returncode == 7
+    assert not _others_can_lock(tmp_path)
     second()
     assert rootlock.free(str(tmp_path))
-    assert subprocess.run([PY, "-c", probe, str(tmp_path)], timeout=60).returncode == 0
+    assert _others_can_lock(tmp_path)
     assert os.listdir(tmp_path) == []  # nothing written for it
 
 
@@ -113,19 +130,12 @@ def test_where_a_directory_cannot_be_locked_a_file_in_it_is(tmp_path: Path,
     _nfs_like(monkeypatch)
     busy, release = rootlock.take(str(tmp_path), LOG)
     assert busy is None and os.listdir(tmp_path) == [rootlock.NAME]
-    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
-             "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
-             "except BlockingIOError: sys.exit(7)")
-    path = str(tmp_path / rootlock.NAME)
-    assert subprocess.run([PY, "-c", probe, path], timeout=60).returncode == 7
+    path = tmp_path / rootlock.NAME
+    assert not _others_can_lock(path, "file")
     release()
     assert rootlock.free(str(tmp_path))
     # another process's lock on the file (another job on another NFS client, say) is seen
-    holder = subprocess.Popen([PY, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], "
-                               "os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('HELD', "
-                               "flush=True); sys.stdin.read()", path],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "HELD"
+    holder = _hold(path, "file")
     assert not rootlock.free(str(tmp_path))
     assert rootlock.take(str(tmp_path), LOG)[0] is not None
     _let_go(holder)
@@ -162,10 +172,7 @@ def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
     os.close(r)
     try:
         release()
-        probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)"
-                 "\ntry: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
-                 "except BlockingIOError: sys.exit(7)")
-        assert subprocess.run([PY, "-c", probe, str(tmp_path)], timeout=60).returncode == 0
+        assert _others_can_lock(tmp_path)
     finally:
         os.write(w, b"x")
         os.close(w)

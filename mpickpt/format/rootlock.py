@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 NAME = ".mpickpt-writer"  # the lock file, where a directory cannot be locked
+ELSEWHERE = "a process on another host (or one this host cannot see)"  # no holder seen here
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 _LOCK = threading.Lock()
@@ -79,19 +80,19 @@ def holder(key: tuple[int, int]) -> str:
         except OSError:
             cmd = "?"
         return f"process {pid} ({cmd}) on this host"
-    return "a process on another host (or one this host cannot see)"
+    return ELSEWHERE
 
 
 def who(root: str) -> str:
     """Who holds ROOT's lock (:func:`holder`), on the directory or on its lock file."""
-    found = "a process on another host (or one this host cannot see)"
+    found = ELSEWHERE
     for path in (root, os.path.join(root, NAME)):
         try:
             st = os.stat(path)
         except OSError:
             continue
         found = holder((st.st_dev, st.st_ino))
-        if found.startswith("process "):
+        if found != ELSEWHERE:
             break
     return found
 
