@@ -42,11 +42,6 @@ POLL_SPINS = 20
 POLL_NAP_S = 0.0005
 POLL_NAP_MAX_S = 0.002
 POLL_LOOK_S = 0.05
-# A wait nobody stands behind (the save thread's vote on rank 0, the outcome on the others) is
-# "patient": it first sleeps LAZY_SHARE of what the same phase took last time (at most
-# POLL_LOOK_S), then polls as above. Waking and testing is most of a waiting collective's CPU
-# on a busy machine; it is seen at most a nap late, as before.
-LAZY_SHARE = 0.75
 TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.local.exchange), point to point
 
 
@@ -80,7 +75,6 @@ class Protocol:
         self._abort_delay = 0.0
         self.collectives = 0  # collective operations this rank has completed (a statistic)
         self._on_free: list[Callable[[], None]] = []
-        self._took: dict[str, float] = {}  # a patient phase's last wait, in seconds
 
     def local_size(self) -> int:
         """How many ranks of this communicator share this rank's node (collective)."""
@@ -210,18 +204,13 @@ class Protocol:
         """:meth:`start`, and wait for it."""
         self.start(sends, recvs, phase).wait()
 
-    def complete(self, req: Request, roll: RollCall, phase: str, first_nap: float = 0.0
-                 ) -> None:
-        """Poll ``req`` until it completes (after ``first_nap`` seconds of sleep when it is not
-        done at once); past the deadline (or on rank 0's roll call, or an MPI error) account for
-        the missing ranks and raise :class:`CollectiveTimeout`."""
+    def complete(self, req: Request, roll: RollCall, phase: str) -> None:
+        """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
+        MPI error) account for the missing ranks and raise :class:`CollectiveTimeout`."""
         deadline = time.monotonic() + self.timeout
         spins, look, nap = 0, 0.0, POLL_NAP_S
         error = ""
         try:
-            if first_nap > 0 and not req.test():
-                time.sleep(min(first_nap, POLL_LOOK_S))
-                spins = POLL_SPINS
             while not req.test():
                 spins += 1
                 if spins > POLL_SPINS:
@@ -244,17 +233,11 @@ class Protocol:
             f"{self.timeout:g} s{error}; {details}"
         )
 
-    def _wait(self, req: Request, phase: str, joint: bool = True,
-              patient: bool = False) -> None:
+    def _wait(self, req: Request, phase: str, joint: bool = True) -> None:
         """``joint``: the collective completes here only once every rank joined it (not so a
-        gather's on a rank that only sends: the roll call's "last seen" stays before it).
-        ``patient``: see :data:`LAZY_SHARE`."""
+        gather's on a rank that only sends: the roll call's "last seen" stays before it)."""
         self._roll.enter(f"phase {phase!r} (collective #{self._roll.seq + 1})")
-        start = time.monotonic()
-        self.complete(req, self._roll, phase, LAZY_SHARE * self._took.get(phase, 0.0)
-                      if patient else 0.0)
-        if patient:
-            self._took[phase] = time.monotonic() - start
+        self.complete(req, self._roll, phase)
         if joint:
             self._roll.complete()
         self.collectives += 1
@@ -299,21 +282,15 @@ class Protocol:
         """Each value summed over every rank, in one collective."""
         return self._allreduce_all(values, "sum", phase)
 
-    def _objects(self, req: ObjectRequest, phase: str, joint: bool = True,
-                 patient: bool = False) -> Any:
-        self._wait(req, phase, joint, patient)
+    def _objects(self, req: ObjectRequest, phase: str, joint: bool = True) -> Any:
+        self._wait(req, phase, joint)
         return req.result()
 
-    def bcast(self, obj: Any, phase: str, root: int = 0, patient: bool = False) -> Any:
-        """``obj`` from ``root`` on every rank; ``patient``: see :data:`LAZY_SHARE`."""
-        return self._objects(self.comm.ibcast(obj, root), phase, patient=patient)
+    def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
+        return self._objects(self.comm.ibcast(obj, root), phase)
 
-    def gather(self, obj: Any, phase: str, root: int = 0, patient: bool = False
-               ) -> list[Any] | None:
-        """Every rank's ``obj`` on ``root`` (None elsewhere); ``patient``: see
-        :data:`LAZY_SHARE`."""
-        return self._objects(self.comm.igather(obj, root), phase, joint=self.rank == root,
-                             patient=patient)
+    def gather(self, obj: Any, phase: str, root: int = 0) -> list[Any] | None:
+        return self._objects(self.comm.igather(obj, root), phase, joint=self.rank == root)
 
     def allgather(self, obj: Any, phase: str) -> list[Any]:
         return self._objects(self.comm.iallgather(obj), phase)
