@@ -13,7 +13,8 @@
    policy keeps (:mod:`mpickpt.save.retention`, the Checkpointer's own): the N newest, with
    ``--keep-every K`` every step divisible by K, with ``--best METRIC[:min|max] --keep-best M``
    the M best by that number in the checkpoints' metadata; the chosen one always stays. The report
-   says why each one is kept.
+   says why each one is kept. Neither 3 nor 4 runs while a job holds ROOT's writer lock (refused
+   at once, nothing changed); each holds the lock while it changes ROOT.
 5. The report: step, age, world size, size and path of the checkpoint the job will resume from,
    what was done, and what to run next. Exit 0, or 4 when no checkpoint passes (see
    :mod:`mpickpt.cli` for every code).
@@ -24,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Any
@@ -47,6 +49,7 @@ from .pruning import Pruning, describe_policy, prune, referenced, stranded
 from .render import Out, human_age, local_time
 from .team import Team
 
+LOG = logging.getLogger("mpickpt")
 EPILOG = """\
 exit codes: 0 a good checkpoint exists (the job resumes from it); 1 could not do what was
 asked (message says why); 2 bad command line; 4 no checkpoint passes verification (the job
@@ -155,6 +158,15 @@ def fail(out: Out, code: int, message: str, **extra: Any) -> int:
     return code
 
 
+def job_saving(holder: str, root: str, rolling: bool) -> str:
+    """Why a rollback or a prune is refused while a job holds ROOT's writer lock."""
+    what = "rolling back" if rolling else "pruning"
+    return (f"{holder} holds the writer lock of {root}: a job is saving into it now, and "
+            f"{what} meanwhile could hide or remove a checkpoint it writes, refers to or "
+            "resumes from. Nothing was changed; run this once the job has ended (--dry-run "
+            "shows the plan meanwhile)")
+
+
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     now = time.time()
     root, one = catalog.locate(args.root)
@@ -165,6 +177,12 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     if why is not None:
         return fail(out, EXIT_ERROR, why, root=root)
     rolling = args.step is not None
+    # a rollback or a prune while a job saves into ROOT could hide or remove what the job
+    # writes, refers to or resumes from: refused now, and again should a job start meanwhile
+    guarded = (rolling or args.policy is not None) and not args.dry_run
+    live = None if rootlock.free(root) else rootlock.who(root)
+    if guarded and live is not None:
+        return fail(out, EXIT_ERROR, job_saving(live, root, rolling), root=root)
     s = verify.survey(root, "quick" if rolling else args.verify, team, out, chain=True)
     changes = Changes(root, args.dry_run)
     left_alone = []
@@ -173,7 +191,6 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         left_alone.append({"path": path, "reason": (
             f"{why} (ROOT NOT SHARED?, below): left in place, so that the shards can be "
             "brought together")})
-    live = None if rootlock.free(root) else rootlock.who(root)
     for e in s.entries:
         if e.status != "partial" or e.path in held:
             continue
@@ -243,7 +260,13 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     pruning = None
     if args.policy is not None and chosen is not None:
         pruning = prune(s, chosen, changes, args.policy)
-    changes.apply()
+    busy, release = rootlock.take(root, LOG) if guarded else (None, lambda: None)
+    if busy is not None:
+        return fail(out, EXIT_ERROR, job_saving(busy, root, rolling), root=root)
+    try:
+        changes.apply()
+    finally:
+        release()
     lv = LocalLook(args.local, team, root, changes, args.dry_run)
     # after a rollback, s.current is its target, and lv.undo the rollback (planned, if a dry run)
     nxt = verify.next_restore(s, lv.steps, lv.undo)

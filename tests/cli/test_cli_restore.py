@@ -89,6 +89,24 @@ def test_a_partial_is_left_alone_while_a_job_holds_root_even_past_grace(root2):
     assert [a["path"] for a in doc["actions"]] == [str(partial)] and not partial.exists()
 
 
+@pytest.mark.parametrize("argv", [["--step", "10"], ["--prune", "--keep", "1"]])
+def test_a_rollback_or_a_prune_is_refused_while_a_job_holds_root(root2, argv):
+    """Either would hide or remove checkpoints under a job that saves into ROOT: refused,
+    naming the job's process, nothing changed; a dry run still shows the plan."""
+    before = sorted(p.name for p in root2.iterdir())
+    with job_holding(root2) as pid:
+        code, doc = cli_json(root2, *argv, restore=True)
+        assert code == EXIT_ERROR, doc
+        assert f"process {pid} (" in doc["error"] and "Nothing was changed" in doc["error"]
+        assert sorted(p.name for p in root2.iterdir()) == before
+        code, doc = cli_json(root2, "--dry-run", *argv, restore=True)
+        assert code == EXIT_OK and doc["actions"], doc
+        assert sorted(p.name for p in root2.iterdir()) == before
+    code, doc = cli_json(root2, *argv, restore=True)  # the job has ended
+    assert code == EXIT_OK and doc["actions"] and all(a["done"] for a in doc["actions"]), doc
+    assert sorted(p.name for p in root2.iterdir()) != before
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "garble", "no-manifest"])
 def test_damaged_newest_is_quarantined_and_the_older_one_chosen(root2, damage):
     level = "quick"
