@@ -302,3 +302,23 @@ def test_a_drain_into_a_root_unusable_at_the_start_takes_the_lock(tmp_path: Path
         proto.free()
     assert rootlock.free(str(root))
 
+
+
+def test_a_job_of_two_ranks_is_refused_on_both_while_another_holds_root(tmp_path: Path) -> None:
+    """A real 2-rank MPI job whose first save finds ROOT held: RootInUseError on every rank
+    (rank 0 asks, all raise), naming the holder; nothing is written. Once it is free, the same
+    job saves."""
+    from harness import train
+
+    holder = _hold(tmp_path)
+    try:
+        job = train(2, tmp_path, 10)
+        assert job.returncode != 0, job.stdout + job.stderr
+        assert job.stderr.count("mpickpt.errors.RootInUseError: ") == 2, job.stderr
+        assert f"process {holder.pid} (" in job.stderr, job.stderr
+        assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    finally:
+        _let_go(holder)
+    job = train(2, tmp_path, 10)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert [s for s, _ in rootdir.committed(str(tmp_path))] == [10, 5]
