@@ -322,3 +322,57 @@ def test_a_job_of_two_ranks_is_refused_on_both_while_another_holds_root(tmp_path
     job = train(2, tmp_path, 10)
     assert job.returncode == 0, job.stdout + job.stderr
     assert [s for s, _ in rootdir.committed(str(tmp_path))] == [10, 5]
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:50 / /scratch rw,relatime shared:7 - nfs4 fs1:/scratch rw,vers=4.2,local_lock=flock
+41 22 0:51 / /lus rw - lustre 10.0.0.2@o2ib:/lus rw,localflock
+42 22 0:52 / /lus/ok rw - lustre 10.0.0.2@o2ib:/lus2 rw,flock
+43 22 0:53 / /my\\040dir rw - nfs fs2:/d rw,local_lock=all
+44 40 0:54 / /scratch rw - nfs4 fs1:/scratch2 rw,local_lock=none
+45 22 0:55 / /home rw - nfs fs3:/home rw,local_lock=none
+not a mountinfo line
+"""
+
+
+def test_a_mount_that_keeps_locks_per_host_is_told_apart(tmp_path: Path) -> None:
+    from mpickpt.format import mounts
+
+    table = tmp_path / "mountinfo"
+    table.write_text(MOUNTINFO)
+    t = str(table)
+    assert mounts.per_host_locks("/lus/run1", t) == "lustre mounted localflock at /lus"
+    assert mounts.per_host_locks("/lus/ok/run1", t) is None  # a longer mount point, flock
+    assert mounts.per_host_locks("/my dir/ckpt", t) == "nfs mounted local_lock=all at /my dir"
+    assert mounts.per_host_locks("/scratch/x", t) is None  # mounted over by a local_lock=none
+    assert mounts.per_host_locks("/scratchy", t) is None  # not under /scratch
+    assert mounts.per_host_locks("/home/u", t) is None
+    assert mounts.mount_of("/usr", t) == mounts.Mount("/", "ext4", ("rw", "relatime", "rw"))
+    assert mounts.mount_of("/usr", str(tmp_path / "none")) is None
+
+
+def test_taking_the_lock_on_such_a_mount_says_a_job_on_another_host_is_not_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mpickpt.format import mounts
+
+    root = tmp_path / "root"
+    root.mkdir()
+    with caplog.at_level(logging.WARNING, logger=LOG.name):  # this machine's own mounts
+        busy, release = rootlock.take(str(root), LOG)
+        release()
+    assert busy is None and "kept per host" not in caplog.text
+    table = tmp_path / "mountinfo"
+    table.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                     f"40 22 0:50 / {root.resolve()} rw - nfs4 fs1:/x rw,local_lock=flock\n")
+    monkeypatch.setattr(mounts, "MOUNTINFO", str(table))
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        busy, release = rootlock.take(str(root), LOG)
+        again, release_again = rootlock.take(str(root), LOG)  # the process holds it: said once
+        release_again()
+        release()
+    assert busy is None and again is None
+    said = [r.getMessage() for r in caplog.records if "kept per host" in r.getMessage()]
+    assert len(said) == 1 and "nfs4 mounted local_lock=flock" in said[0], said
+    assert "only on this host" in said[0]

@@ -11,7 +11,7 @@ job that only restores never takes the lock, nor removes what a live writer has 
 Checkpointers of one process share its lock (a count), as they share its ROOT. A file system
 that cannot lock a directory (NFS) is locked through a file, ``ROOT/.mpickpt-writer``, instead;
 one that cannot lock at all (Lustre mounted ``noflock``) is said in the log, and saving
-goes on unguarded.
+goes on unguarded; so is one that keeps its locks per host (:func:`mounts.per_host_locks`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
+
+from . import mounts
 
 NAME = ".mpickpt-writer"  # the lock file, where a directory cannot be locked
 ELSEWHERE = "a process on another host (or one this host cannot see)"  # no holder seen here
@@ -133,6 +135,10 @@ def _take_once(root: str, logger: logging.Logger) -> tuple[str | None, Callable[
                 return _unguarded(root, OSError("the file system has no locks"), logger)
         if got is not True:
             return got, _nothing
+        if _HELD[key][1] == 1 and (how := mounts.per_host_locks(root)) is not None:
+            logger.warning("ROOT %s is on %s, whose locks are kept per host: its writer lock "
+                           "refuses a second job saving into it only on this host, not on "
+                           "another", root, how)
         return None, _releaser(key)
 
 
