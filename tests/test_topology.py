@@ -126,3 +126,35 @@ def test_xor_into_is_numpys_xor_in_pieces_or_whole(n: int, skew: int, threads: i
     want = acc ^ src
     xorring.xor_into(acc, src, threads)
     assert (acc == want).all()
+
+
+# each rank prints its view of the nodes; MPI's processor name made to differ from the host
+# name, as Open MPI's does on a host whose name has a domain
+NAMES = ("import json, os; from mpi4py import MPI; "
+         "MPI.Get_processor_name = lambda: 'short-name'; "
+         "from mpickpt.mpi.protocol import Protocol; p = Protocol(); "
+         "os.write(1, f'NODES {json.dumps(p.nodes(None))}\\n'.encode()); p.free()")
+
+
+def test_a_node_is_named_after_its_host_under_any_backend() -> None:
+    """A job that comes back under another launcher (mpirun, torchrun, alone) must find its
+    node-local directory: every backend names a node after the host name (Open MPI's processor
+    name drops the domain, so MPI's is not used)."""
+    import json
+    import re
+    import socket
+
+    from harness import run_mpi
+
+    from mpickpt.mpi.protocol import Protocol
+
+    alone = Protocol()
+    try:
+        assert alone.nodes(None) == [socket.gethostname()]
+    finally:
+        alone.free()
+    job = run_mpi(2, ["-c", NAMES], timeout=120, warm=False)
+    assert job.returncode == 0, job.stderr
+    # (one write each: a pipe takes it whole)
+    said = [json.loads(x) for x in re.findall(r"NODES (\[[^\]]*\])", job.stdout)]
+    assert said == [[socket.gethostname()] * 2] * 2, job.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +97,9 @@ class MpiComm:
             leader = local.allreduce(self.rank, op=MPI.MIN)
         finally:
             local.Free()
-        return [tuple(k) for k in self.comm.allgather((leader, MPI.Get_processor_name()))]
+        # the host name as the other backends give it (MPI's processor name may differ: Open
+        # MPI drops the domain), so that a node's directory is the same under any launcher
+        return [tuple(k) for k in self.comm.allgather((leader, socket.gethostname()))]
 
     def ibarrier(self) -> _Req:
         return _Req(self.comm.Ibarrier())

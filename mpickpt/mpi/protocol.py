@@ -83,8 +83,9 @@ class Protocol:
 
     def nodes(self, override: str | None) -> list[str]:
         """The node name of every rank: ranks that share memory (MPI's shared-memory split) are
-        one node, named after the host of its lowest rank; ``override`` (``$MPICKPT_NODE``),
-        when every rank sets it, names the nodes instead (several simulated nodes on one host)."""
+        one node, named after the host name of its lowest rank (``socket.gethostname()``, under
+        every backend); ``override`` (``$MPICKPT_NODE``), when every rank sets it, names the
+        nodes instead (several simulated nodes on one host)."""
         leader, host = self.comm.node_keys()[self.rank]
         keys = self.allgather((override or None, leader, host), "nodes")
         set_on = [r for r, k in enumerate(keys) if k[0]]
