@@ -304,26 +304,6 @@ def test_a_drain_into_a_root_unusable_at_the_start_takes_the_lock(tmp_path: Path
 
 
 
-def test_a_job_of_two_ranks_is_refused_on_both_while_another_holds_root(tmp_path: Path) -> None:
-    """A real 2-rank MPI job whose first save finds ROOT held: RootInUseError on every rank
-    (rank 0 asks, all raise), naming the holder; nothing is written. Once it is free, the same
-    job saves."""
-    from harness import train
-
-    holder = _hold(tmp_path)
-    try:
-        job = train(2, tmp_path, 10)
-        assert job.returncode != 0, job.stdout + job.stderr
-        assert job.stderr.count("mpickpt.errors.RootInUseError: ") == 2, job.stderr
-        assert f"process {holder.pid} (" in job.stderr, job.stderr
-        assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
-    finally:
-        _let_go(holder)
-    job = train(2, tmp_path, 10)
-    assert job.returncode == 0, job.stdout + job.stderr
-    assert [s for s, _ in rootdir.committed(str(tmp_path))] == [10, 5]
-
-
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
 40 22 0:50 / /scratch rw,relatime shared:7 - nfs4 fs1:/scratch rw,vers=4.2,local_lock=flock
@@ -348,8 +328,19 @@ def test_a_mount_that_keeps_locks_per_host_is_told_apart(tmp_path: Path) -> None
     assert mounts.per_host_locks("/scratch/x", t) is None  # mounted over by a local_lock=none
     assert mounts.per_host_locks("/scratchy", t) is None  # not under /scratch
     assert mounts.per_host_locks("/home/u", t) is None
-    assert mounts.mount_of("/usr", t) == mounts.Mount("/", "ext4", ("rw", "relatime", "rw"))
+    assert mounts.mount_of("/usr", t) == mounts.Mount("/", "8:1", "ext4", ("rw", "relatime",
+                                                                             "rw"))
     assert mounts.mount_of("/usr", str(tmp_path / "none")) is None
+    # a mount hidden by a later one over a shorter point: the path's device tells them apart
+    sub = (tmp_path / "sub").resolve()
+    sub.mkdir()
+    st = os.stat(tmp_path).st_dev
+    real = f"{os.major(st)}:{os.minor(st)}"
+    table.write_text(f"1 0 {real} / / rw - ext4 /dev/x rw\n"
+                     f"2 1 0:9999 / {sub} rw - nfs s:/a rw,local_lock=all\n"
+                     f"3 1 {real} / {tmp_path.resolve()} rw - nfs s:/b rw,local_lock=none\n")
+    assert mounts.per_host_locks(str(tmp_path / "sub"), t) is None
+    assert mounts.mount_of(str(tmp_path / "sub"), t).point == str(tmp_path.resolve())
 
 
 def test_taking_the_lock_on_such_a_mount_says_a_job_on_another_host_is_not_refused(

@@ -49,7 +49,6 @@ from .pruning import Pruning, describe_policy, prune, referenced, stranded
 from .render import Out, human_age, local_time
 from .team import Team
 
-LOG = logging.getLogger("mpickpt")
 EPILOG = """\
 exit codes: 0 a good checkpoint exists (the job resumes from it); 1 could not do what was
 asked (message says why); 2 bad command line; 4 no checkpoint passes verification (the job
@@ -77,10 +76,12 @@ def parser() -> argparse.ArgumentParser:
     common_options(p)
     p.add_argument("--step", type=int, metavar="N",
                    help="roll back to step N: quarantine every committed checkpoint newer than "
-                   "N, so that the next restore() loads N (recorded in ROOT/ROLLBACK.json)")
+                   "N, so that the next restore() loads N (recorded in ROOT/ROLLBACK.json); "
+                   "refused while a job holds ROOT's writer lock")
     p.add_argument("--prune", action="store_true",
                    help="remove the good committed checkpoints that no rule below keeps (the "
-                   "newest always stays); the report says why each one is kept")
+                   "newest always stays); the report says why each one is kept; refused while "
+                   "a job holds ROOT's writer lock")
     p.add_argument("--keep", type=int, metavar="N",
                    help="with --prune: keep the N newest good ones (>= 1)")
     p.add_argument("--keep-every", type=int, metavar="K",
@@ -161,10 +162,10 @@ def fail(out: Out, code: int, message: str, **extra: Any) -> int:
 def job_saving(holder: str, root: str, rolling: bool) -> str:
     """Why a rollback or a prune is refused while a job holds ROOT's writer lock."""
     what = "rolling back" if rolling else "pruning"
-    return (f"{holder} holds the writer lock of {root}: a job is saving into it now, and "
-            f"{what} meanwhile could hide or remove a checkpoint it writes, refers to or "
-            "resumes from. Nothing was changed; run this once the job has ended (--dry-run "
-            "shows the plan meanwhile)")
+    return (f"{holder} holds the writer lock of {root}: a job is saving into it now (or "
+            f"another mpickpt command is changing it), and {what} meanwhile could hide or "
+            "remove a checkpoint it writes, refers to or resumes from. Nothing was changed; "
+            "run this once it has ended (--dry-run shows the plan meanwhile)")
 
 
 def command(args: argparse.Namespace, out: Out, team: Team) -> int:
@@ -180,10 +181,11 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     # a rollback or a prune while a job saves into ROOT could hide or remove what the job
     # writes, refers to or resumes from: refused now, and again should a job start meanwhile
     guarded = (rolling or args.policy is not None) and not args.dry_run
-    live = None if rootlock.free(root) else rootlock.who(root)
-    if guarded and live is not None:
-        return fail(out, EXIT_ERROR, job_saving(live, root, rolling), root=root)
+    if guarded and not rootlock.free(root):
+        return fail(out, EXIT_ERROR, job_saving(rootlock.who(root), root, rolling), root=root)
+    seen = rootdir.committed(root)  # what the plan is made from
     s = verify.survey(root, "quick" if rolling else args.verify, team, out, chain=True)
+    live = None if rootlock.free(root) else rootlock.who(root)  # as it is after the survey
     changes = Changes(root, args.dry_run)
     left_alone = []
     held = stranded(s)  # node-local ROOT: what may hold the only copy of some rank's shards
@@ -260,9 +262,15 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     pruning = None
     if args.policy is not None and chosen is not None:
         pruning = prune(s, chosen, changes, args.policy)
-    busy, release = rootlock.take(root, LOG) if guarded else (None, lambda: None)
+    busy, release = rootlock.take(root, logging.getLogger("mpickpt")) if guarded \
+        else (None, lambda: None)
     if busy is not None:
         return fail(out, EXIT_ERROR, job_saving(busy, root, rolling), root=root)
+    if guarded and rootdir.committed(root) != seen:  # a job saved (and ended) meanwhile
+        release()
+        return fail(out, EXIT_ERROR, f"the committed checkpoints under {root} changed while "
+                    "this command looked at them (a job saved into it meanwhile). Nothing was "
+                    "changed; run it again", root=root)
     try:
         changes.apply()
     finally:

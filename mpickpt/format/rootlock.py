@@ -11,7 +11,8 @@ job that only restores never takes the lock, nor removes what a live writer has 
 Checkpointers of one process share its lock (a count), as they share its ROOT. A file system
 that cannot lock a directory (NFS) is locked through a file, ``ROOT/.mpickpt-writer``, instead;
 one that cannot lock at all (Lustre mounted ``noflock``) is said in the log, and saving
-goes on unguarded; so is one that keeps its locks per host (:func:`mounts.per_host_locks`).
+goes on unguarded. One that keeps its locks per host (:func:`mounts.per_host_locks`) guards
+against a second job on this host only; the log says that too.
 """
 
 from __future__ import annotations

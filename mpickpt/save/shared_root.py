@@ -50,7 +50,8 @@ def claim(proto: Protocol, root: str, logger: logging.Logger
                 "lock. Two jobs saving into one ROOT remove and replace each other's "
                 "checkpoints; give this job its own ROOT, or end the other one first. (Where "
                 "the ranks of one job each think they are alone, set MPICKPT_BACKEND=mpi: "
-                "their launcher is not one mpickpt recognises.)"), None
+                "their launcher is not one mpickpt recognises. Where the holder is an mpickpt "
+                "command, a drain or a rollback, start the job again once it has ended.)"), None
     proto.on_free(release)
     return None, release
 

@@ -107,6 +107,36 @@ def test_a_rollback_or_a_prune_is_refused_while_a_job_holds_root(root2, argv):
     assert sorted(p.name for p in root2.iterdir()) != before
 
 
+def test_a_job_that_takes_root_while_the_plan_is_made_is_not_raced(root2, monkeypatch):
+    """The lock found free at the start, a job holding it by the time the plan is carried out:
+    refused, nothing changed; and the plan is not carried out once the checkpoints changed
+    under it (a job saved and ended meanwhile)."""
+    import shutil
+
+    from mpickpt.cli import verify
+    from mpickpt.format import rootlock
+
+    before = sorted(p.name for p in root2.iterdir())
+    with job_holding(root2) as pid:
+        monkeypatch.setattr(rootlock, "free", lambda root: True)  # as it was at the start
+        code, doc = cli_json(root2, "--prune", "--keep", "1", restore=True)
+        assert code == EXIT_ERROR and f"process {pid} (" in doc["error"], doc
+        assert sorted(p.name for p in root2.iterdir()) == before
+    monkeypatch.undo()
+    survey = verify.survey
+
+    def a_job_saves_meanwhile(*args, **kwargs):
+        seen = survey(*args, **kwargs)
+        shutil.copytree(step_dir(root2, 20), root2 / "step-00000099")
+        return seen
+
+    monkeypatch.setattr(verify, "survey", a_job_saves_meanwhile)
+    code, doc = cli_json(root2, "--prune", "--keep", "1", restore=True)
+    assert code == EXIT_ERROR and "changed while this command looked" in doc["error"], doc
+    assert sorted(p.name for p in root2.iterdir()) == sorted([*before, "step-00000099"])
+    assert rootlock.free(str(root2))  # let go after the refusal
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "garble", "no-manifest"])
 def test_damaged_newest_is_quarantined_and_the_older_one_chosen(root2, damage):
     level = "quick"

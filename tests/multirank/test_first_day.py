@@ -1,7 +1,8 @@
 """What a new user hits first, each with real MPI jobs (tests/scenarios/first_day.py): a ROOT not
 shared by every rank, a forgotten close(), metadata that is not JSON, a typo in ``replicated``,
 a step saved twice, saves that come faster than they persist (waiting or skipped), retention
-beyond keep-last-N, ``mpickpt.Values``, and a preemption signal before the Checkpointer exists."""
+beyond keep-last-N, ``mpickpt.Values``, a preemption signal before the Checkpointer exists, and
+a second job saving into a ROOT another one holds."""
 
 from __future__ import annotations
 
@@ -178,3 +179,34 @@ def test_a_preemption_signal_before_the_checkpointer_exists_is_held(tmp_path):
     assert p.returncode == 3, p.output
     assert committed(tmp_path / "ckpt") == [2]
     assert "preemption signal on rank 1" in p.stderr
+
+
+def test_a_job_whose_root_another_holds_is_refused_on_every_rank(tmp_path):
+    """A real 2-rank job whose first save finds ROOT's writer lock held (as a saving job's rank
+    0 holds it): RootInUseError on every rank, naming the holder, nothing written; once the
+    lock is let go, the same job saves."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    hold = ("import logging, sys; from mpickpt.format import rootlock; "
+            "assert rootlock.take(sys.argv[1], logging.getLogger())[0] is None; "
+            "print('HELD', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdin is not None
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+        p = job(2, "root-held", tmp_path)
+        assert p.returncode == 0, p.output
+        refused = [s["refused"] for s in seen(tmp_path, "root-held", 2)]
+        assert all(r is not None and f"process {holder.pid} (" in r for r in refused), refused
+        assert sorted(x.name for x in root.iterdir()) == []
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    p = job(2, "root-held", tmp_path)
+    assert p.returncode == 0, p.output
+    assert [s["refused"] for s in seen(tmp_path, "root-held", 2)] == [None, None]
+    assert committed(root) == [10]

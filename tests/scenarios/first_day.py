@@ -19,6 +19,8 @@ Modes:
 * ``values``: ``mpickpt.Values`` restored in place; ``--restore`` restores, else saves.
 * ``early-signal``: rank 1 gets SIGUSR2 before the Checkpointer exists (after ``import
   mpickpt``); the job must checkpoint at its first ``should_exit`` and exit 3.
+* ``root-held``: save step 10 into ``BASE/ckpt``, which another process may hold the writer lock
+  of; each rank records the refusal it got, or none.
 """
 
 from __future__ import annotations
@@ -160,6 +162,17 @@ def main() -> None:
         for step in range(3):
             record(a.base, a.mode, last=step)
             ckpt.should_exit(step + 1, st)
+
+    elif a.mode == "root-held":
+        ckpt = mpickpt.Checkpointer(root)
+        try:
+            ckpt.save(10, st).wait()
+        except mpickpt.RootInUseError as e:
+            record(a.base, a.mode, refused=str(e))
+            ckpt.close()
+            return
+        ckpt.close()
+        record(a.base, a.mode, refused=None)
 
     elif a.mode == "values":
         ckpt = mpickpt.Checkpointer(root)
