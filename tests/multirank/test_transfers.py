@@ -18,7 +18,7 @@ def test_grouped_receives_arrive_where_asked_with_a_bounded_window_of_groups_in_
 
 @pytest.mark.quick
 def test_objects_broadcast_and_gathered_arrive_whole_whatever_their_size():
-    job = run_mpi(3, [str(SCENARIOS / "objects.py")], timeout=120)
+    job = run_mpi(3, [str(SCENARIOS / "transfers_objects.py")], timeout=120)
     assert job.returncode == 0, job.output
     for rank in range(3):
         assert re.search(rf"rank {rank}: \d+ objects whole", job.stdout), job.output
