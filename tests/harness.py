@@ -210,3 +210,19 @@ def orphan_segments(paths: set[str], min_age_s: float = 5.0) -> list[str]:
             if p not in mapped and st.st_uid == os.getuid() and now - st.st_mtime >= min_age_s:
                 out.append(p)
     return out
+
+
+@contextlib.contextmanager
+def job_holding(root: Path) -> Iterator[int]:
+    """Another process holding ROOT's writer lock, as a saving job's rank 0 does; its pid."""
+    hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('HELD', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdin is not None
+    try:
+        assert p.stdout.readline().strip() == "HELD"
+        yield p.pid
+    finally:
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0

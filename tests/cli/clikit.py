@@ -13,9 +13,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,20 +110,4 @@ def listing(root: Path) -> list[str]:
     if q.is_dir():
         names += [f"quarantine/{p.name}" for p in q.iterdir()]
     return sorted(names)
-
-
-@contextlib.contextmanager
-def job_holding(root: Path) -> Iterator[int]:
-    """Another process holding ROOT's writer lock, as a saving job's rank 0 does; its pid."""
-    hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('HELD', flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None and p.stdin is not None
-    try:
-        assert p.stdout.readline().strip() == "HELD"
-        yield p.pid
-    finally:
-        p.stdin.close()
-        assert p.wait(timeout=60) == 0
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clikit import cli, cli_json, job_holding, listing
-from harness import SCENARIOS, flip_data_byte, mpiexec, run_mpi, shard, step_dir
+from clikit import cli, cli_json, listing
+from harness import SCENARIOS, flip_data_byte, job_holding, mpiexec, run_mpi, shard, step_dir
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
 

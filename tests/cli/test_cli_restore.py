@@ -14,11 +14,10 @@ from clikit import (
     cli_json,
     copy_tree,
     garble_manifest,
-    job_holding,
     listing,
     partial_dirs,
 )
-from harness import flip_data_byte, shard, starts, step_dir, train
+from harness import flip_data_byte, job_holding, shard, starts, step_dir, train
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
 

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from harness import SCENARIOS, manifest, run_mpi, train
+from harness import SCENARIOS, job_holding, manifest, run_mpi, train
 
 SCENARIO = str(SCENARIOS / "first_day.py")
 
@@ -185,27 +185,14 @@ def test_a_job_whose_root_another_holds_is_refused_on_every_rank(tmp_path):
     """A real 2-rank job whose first save finds ROOT's writer lock held (as a saving job's rank
     0 holds it): RootInUseError on every rank, naming the holder, nothing written; once the
     lock is let go, the same job saves."""
-    import subprocess
-    import sys
-
     root = tmp_path / "ckpt"
     root.mkdir()
-    hold = ("import logging, sys; from mpickpt.format import rootlock; "
-            "assert rootlock.take(sys.argv[1], logging.getLogger())[0] is None; "
-            "print('HELD', flush=True); sys.stdin.read()")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout is not None and holder.stdin is not None
-    try:
-        assert holder.stdout.readline().strip() == "HELD"
+    with job_holding(root) as pid:
         p = job(2, "root-held", tmp_path)
         assert p.returncode == 0, p.output
         refused = [s["refused"] for s in seen(tmp_path, "root-held", 2)]
-        assert all(r is not None and f"process {holder.pid} (" in r for r in refused), refused
+        assert all(r is not None and f"process {pid} (" in r for r in refused), refused
         assert sorted(x.name for x in root.iterdir()) == []
-    finally:
-        holder.stdin.close()
-        assert holder.wait(timeout=60) == 0
     p = job(2, "root-held", tmp_path)
     assert p.returncode == 0, p.output
     assert [s["refused"] for s in seen(tmp_path, "root-held", 2)] == [None, None]
