@@ -46,11 +46,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import ctypes
 import functools
 import gc
 import importlib.util
 import io
 import json
+import mmap
 import os
 import platform
 import pstats
@@ -67,9 +69,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mpickpt.format.rootdir import fsync_path
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 HERE = Path(__file__).resolve().parent
 TAG = "BENCH-WORKER "
@@ -184,6 +189,50 @@ def drop_caches() -> str | None:
         return None
     except OSError as e:
         return f"{type(e).__name__}: {e}"
+
+
+def evict(top: str) -> tuple[int, int]:
+    """Every regular file under ``top`` written to its disk and its pages dropped from the page
+    cache (``POSIX_FADV_DONTNEED``), the rest of the cache left as it is: (pages still cached
+    after, pages in all), counted with ``mincore``. A restore from ``top`` then reads from the
+    disk, without the side effects of dropping the whole cache (bench/probe_tmpfs_faults.py)."""
+    resident = total = 0
+    page = mmap.PAGESIZE
+    for d, _, names in os.walk(top):
+        for n in names:
+            path = os.path.join(d, n)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:  # gone meanwhile, or a link
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if not size:
+                    continue
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                pages = -(-size // page)
+                total += pages
+                resident += _cached_pages(fd, size, pages)
+            finally:
+                os.close(fd)
+    return resident, total
+
+
+def _cached_pages(fd: int, size: int, pages: int) -> int:
+    """How many of the file's ``pages`` are in the page cache (``mincore`` of a map of it,
+    which brings none in)."""
+    m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        view = np.frombuffer(m, dtype=np.uint8, count=1)
+        base = int(view.ctypes.data)
+        del view  # (no view of the map may outlive it)
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(ctypes.c_void_p(base), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore: {os.strerror(ctypes.get_errno())}")
+        return sum(b & 1 for b in vec)
+    finally:
+        m.close()
 
 
 def clear_dir(path: str) -> None:

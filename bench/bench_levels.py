@@ -26,7 +26,8 @@ side by side:
    ``--every`` steps, against the same loop without checkpoints (run before and after it).
    Stall is the time ``save()`` took to return.
 3. recovery after losing a node: a save at the local level that is also drained to ROOT,
-   close, rank 1's node directory wiped (what a replaced node sees), page cache dropped; then a
+   close, rank 1's node directory wiped (what a replaced node sees), the files on ROOT's disk
+   evicted from the page cache (``--cache``); then a
    new Checkpointer's restore (rank 1's shard comes from its partner over MPI: checked that
    ``restore_info.level == "local"`` and no byte comes from ROOT), a restore from the node
    directories once they are whole again, a ROOT-only Checkpointer's restore of the drained copy,
@@ -420,11 +421,18 @@ def timed_restore(fn: Callable[[], Any], device: torch.device) -> tuple[float, A
     return slowest(time.perf_counter() - t0), out
 
 
-def before_restore(dst: Pair, salt: int) -> str | None:
-    """Scramble the target; drop the page cache (once per host); why it could not be."""
+def before_restore(dst: Pair, salt: int, work: str, cache: str) -> str | None:
+    """Scramble the target; make the restores read from the disk (once per host): ``cache``
+    "files" evicts the bench's files under ``work`` from the page cache, "global" drops all of
+    it; why it could not be."""
     bench_cpu.scramble(dst, salt)
     barrier()
-    note = bench_cpu.drop_caches() if RANK == 0 else None
+    note = None
+    if RANK == 0 and cache == "global":
+        note = bench_cpu.drop_caches()
+    elif RANK == 0:
+        left, pages = bench_cpu.evict(work)
+        note = f"{left:,} of {pages:,} pages of {work} still cached" if left else None
     barrier()
     return COMM.bcast(note)
 
@@ -564,7 +572,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
 
     def restore_ck(key: str, label: str, make: Callable[[], Any], level: str,
                    salt: int) -> None:
-        notes.append(before_restore(dst, salt))
+        notes.append(before_restore(dst, salt, s.work, args.cache))
         restore_parts.EVENTS.clear()
         t = time.perf_counter()
         c = make()
@@ -612,7 +620,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
                lambda: mpickpt.Checkpointer(root, on_error="raise", io_threads=args.io_threads),
                "root", 13)
     if want_dcp:
-        notes.append(before_restore(dst, 14))
+        notes.append(before_restore(dst, 14, s.work, args.cache))
 
         def load() -> None:
             sd = s.dcp_state(dst)
@@ -870,8 +878,11 @@ def report(doc: dict[str, Any]) -> str:
     p1, p2, p3, p4 = doc["part1"], doc["part2"], doc["part3"], doc["part4"]
     fs = (doc["machine"] or {}).get("filesystem", {})
     lfs = doc["local_filesystem"]
-    cache = ("page cache dropped before each restore" if p3["cache_note"] is None else
-             f"cache not dropped ({p3['cache_note']})")
+    how = doc["args"].get("cache", "global")
+    cache = (f"cache not dropped ({p3['cache_note']})" if p3["cache_note"] is not None else
+             "page cache dropped before each restore" if how == "global" else
+             "ROOT's and the peers' files evicted from the page cache before each restore "
+             "(the local level's left as they are)")
     out = [f"{doc['ranks']} rank(s), one per simulated node, {gb:.3f} GB state in all "
            f"({doc['layers']} x Linear({doc['width']})^2 + Adam; per rank "
            f"{', '.join(f'{b / 1e9:.3f}' for b in doc['bytes_per_rank'])} GB), "
@@ -985,6 +996,11 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"part 1 rows (default: all of {','.join(METHODS)})")
     ap.add_argument("--io-threads", type=int, default=8, help="mpickpt's I/O threads (8)")
+    ap.add_argument("--cache", choices=("files", "global"), default="files",
+                    help="before each restore: evict the files the bench wrote under ROOT's "
+                    "directory from the page cache (files, the default), or drop the whole "
+                    "page cache (global; on some kernels a tmpfs file's page faults stay "
+                    "several times slower after it: bench/probe_tmpfs_faults.py)")
     ap.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     ap.add_argument("--timeline", action="store_true", help="part 3: print and keep each "
                     "rank's timeline of each restore's parts (bench/restore_parts.py)")
