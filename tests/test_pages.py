@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from mpickpt.format import pages
 
@@ -88,3 +89,45 @@ def test_populating_lets_other_threads_run(tmp_path) -> None:
         m.close()
         os.close(fd)
     assert max(gaps) < 0.5 * took or took < 0.01, (max(gaps), took)
+
+
+def resident_pages(base: int, n: int) -> int:
+    """How many of the ``n`` bytes' pages from ``base`` (page-aligned) are in memory."""
+    import ctypes
+
+    count = -(-n // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * count)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(n), vec) == 0
+    return sum(b & 1 for b in vec)
+
+
+@pytest.mark.quick
+def test_a_restores_new_buffer_is_faulted_in_behind_without_a_byte_changed(monkeypatch):
+    from mpickpt.save import pinned_pool
+    from mpickpt.save.pinned_pool import HostPool, Taken
+
+    started = []
+    real = pinned_pool.fault_in_behind
+    monkeypatch.setattr(pinned_pool, "fault_in_behind",
+                        lambda buf: started.append(real(buf)) or started[-1])
+    n = pinned_pool.BEHIND_FROM + 3 * mmap.PAGESIZE + 5  # (not whole pieces, nor pages)
+    held = Taken(HostPool(1 << 30, slots=1, pin=False))
+    buf = held.take(n, lock=False)
+    head = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    buf[: 1 << 20] = torch.from_numpy(head)  # written while the thread faults the rest in
+    assert len(started) == 1
+    started[0].join(timeout=30)
+    assert not started[0].is_alive()
+    first = -buf.data_ptr() % mmap.PAGESIZE
+    whole = (n - first) // mmap.PAGESIZE * mmap.PAGESIZE
+    assert resident_pages(buf.data_ptr() + first, whole) == whole // mmap.PAGESIZE
+    assert np.array_equal(buf[: 1 << 20].numpy(), head)
+    assert not buf[1 << 20:].any()  # a new buffer's pages: zeros, as the kernel gives them
+    held.release()
+    again = held.take(n, lock=False)  # the same buffer again: its pages are there
+    assert again.data_ptr() == buf.data_ptr() and len(started) == 1
+    held.release()
+    small = Taken(HostPool(1 << 30, slots=1, pin=False))
+    small.take(pinned_pool.BEHIND_FROM - 1, lock=False)
+    assert len(started) == 1  # below the size, a buffer's pages come at their first touch

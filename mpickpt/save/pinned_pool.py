@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
+from ..format import pages
 from ..format.blocks import ALIGN, align
 
 
@@ -96,6 +97,7 @@ class Lease:
 
     nbytes: int
     buffer: torch.Tensor | None = None
+    new: bool = False  # its buffer allocated for it: none of its pages touched yet
 
 
 class HostPool:
@@ -197,6 +199,12 @@ class HostPool:
         assert buf is not None
         return buf
 
+    def acquire_new(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """:meth:`acquire`, and whether the buffer is a new one (none of its pages touched)."""
+        lease = self.reserve(nbytes, defer=False)
+        assert lease.buffer is not None
+        return lease.buffer, lease.new
+
     def reserve(self, nbytes: int, defer: bool) -> Lease:
         """A slot for ``nbytes``: a free buffer that fits, else a new one (with ``defer``: one
         that :meth:`fill` allocates later); waits for a release when all slots are in flight."""
@@ -219,7 +227,7 @@ class HostPool:
                     if defer:
                         self._reserved.append(lease)
                     else:
-                        lease.buffer = self._new(nbytes)
+                        lease.buffer, lease.new = self._new(nbytes), True
                         self._allocated.append(lease.buffer)
                     break
                 if self._free:  # a free buffer too small: replace it (the state grew)
@@ -265,13 +273,48 @@ class Taken:
         self.buffers: list[torch.Tensor] = []
 
     def take(self, nbytes: int, lock: bool) -> torch.Tensor:
-        """A buffer of at least ``nbytes``; page-locked if ``lock`` (and the pool pins)."""
-        self.buffers.append(self.pool.acquire(nbytes))  # (given back even if locking fails)
-        if lock:
-            self.pool.lock(self.buffers[-1])
-        return self.buffers[-1]
+        """A buffer of at least ``nbytes``; page-locked if ``lock`` (and the pool pins). A new
+        one that is not page-locked (which faults it in) is faulted in behind the reads
+        (:func:`fault_in_behind`)."""
+        buf, new = self.pool.acquire_new(nbytes)
+        self.buffers.append(buf)  # (given back even if locking fails)
+        if lock and self.pool.lock(buf):
+            return buf
+        if new and nbytes >= BEHIND_FROM:
+            fault_in_behind(buf)
+        return buf
 
     def release(self) -> None:
         for buf in self.buffers:
             self.pool.release(buf)
         self.buffers.clear()
+
+
+BEHIND_FROM = 64 << 20  # a restore's new buffers from this size on are faulted in behind
+BEHIND_PIECE = 8 << 20
+
+
+def fault_in_behind(buf: torch.Tensor) -> threading.Thread:
+    """Fault the pages of ``buf`` (new host memory) in for writing on a thread of its own, in
+    pieces from its end back to its start, while the caller fills it from the start: a
+    restore's reads and receives then find most of their pages there, instead of taking a page
+    fault every 4 KiB themselves (a new 252 MB buffer on the 2-core VM: 0.07 s to touch
+    against 0.01 s for the same memory again; a lost node's restore there 0.20 s against 0.25 s
+    without, docs/performance.md). Changes no byte; the thread keeps ``buf`` alive until it
+    is done."""
+    page = mmap.PAGESIZE
+    base = buf.data_ptr()
+    first = -base % page
+    last = (buf.numel() - first) // page * page + first  # whole pages only
+
+    def run() -> None:
+        for a in range(last - BEHIND_PIECE, first - BEHIND_PIECE, -BEHIND_PIECE):
+            a = max(a, first)
+            if not pages.populate(base, a, min(BEHIND_PIECE, last - a), write=True):
+                return  # (a kernel without it: the pages come in at their first touch)
+        del keep[:]
+
+    keep = [buf]
+    t = threading.Thread(target=run, daemon=True, name="mpickpt-fault-in")
+    t.start()
+    return t
