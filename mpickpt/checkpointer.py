@@ -267,13 +267,14 @@ class Checkpointer:
         self.wait()
         if self._pipeline.root.tracker is not None:  # the state changes: the next save is full
             self._pipeline.root.tracker.forget()
-        listed = self._proto.everywhere(
-            lambda: rootstart.listing(self.root, self.log, self._local is not None), "list",
-            self.log, root_only=True)
-        info, manifest = coordinate.restore(
-            self._proto, self._pool, state, self.root, listed, self._recovery, self.log,
-            step=step, upto=upto, io_threads=self.io_threads, replicated=self.replicated,
-            world_change=self.world_change)
+        with self._proto.brisk():  # (the job waits for the restore's every collective)
+            listed = self._proto.everywhere(
+                lambda: rootstart.listing(self.root, self.log, self._local is not None),
+                "list", self.log, root_only=True)
+            info, manifest = coordinate.restore(
+                self._proto, self._pool, state, self.root, listed, self._recovery, self.log,
+                step=step, upto=upto, io_threads=self.io_threads, replicated=self.replicated,
+                world_change=self.world_change)
         self.restore_info = info
         if self._recovery is not None and self._recovery.pending:  # lost shards' files go
             self._pipeline.later(self._recovery.write_back)  # back to their nodes, behind it

@@ -38,10 +38,13 @@ DEFAULT_TIMEOUT = knobs.TIMEOUT.default
 # look at the roll call and the deadline every POLL_LOOK_S. Each test drives MPI's progress and
 # burns CPU: with 200 tests and 0.5 ms naps, a tiny checkpoint saved every step slowed 4-rank
 # DDP on 2 cores by 39%, with 20 tests and naps up to 2 ms by 12-20% (bench/bench_frequent.py).
+# Within Protocol.brisk() (a restore) naps stay under BRISK_NAP_S: 1 ms per object collective
+# on the 2-core VM against 6 with naps up to 2 ms, for the same CPU (bench/probe_naps.py).
 POLL_SPINS = 20
 POLL_NAP_S = 0.0005
 POLL_NAP_MAX_S = 0.002
 POLL_LOOK_S = 0.05
+BRISK_NAP_S = 0.0001
 TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.local.exchange), point to point
 
 
@@ -74,6 +77,7 @@ class Protocol:
         self._roll = RollCall(self.comm, self.grace)
         self._abort_delay = 0.0
         self.collectives = 0  # collective operations this rank has completed (a statistic)
+        self.nap_max = POLL_NAP_MAX_S  # the longest nap between two tests of a collective
         self._on_free: list[Callable[[], None]] = []
 
     def local_size(self) -> int:
@@ -206,26 +210,11 @@ class Protocol:
         self.start(sends, recvs, phase).wait()
 
     def complete(self, req: Request, roll: RollCall, phase: str) -> None:
-        """Poll ``req`` until it completes; past the deadline (or on rank 0's roll call, or an
-        MPI error) account for the missing ranks and raise :class:`CollectiveTimeout`."""
-        deadline = time.monotonic() + self.timeout
-        spins, look, nap = 0, 0.0, POLL_NAP_S
-        error = ""
-        try:
-            while not req.test():
-                spins += 1
-                if spins > POLL_SPINS:
-                    now = time.monotonic()
-                    if now >= look:  # the roll call and the deadline, a few times a second
-                        if roll.alarmed() or now > deadline:
-                            break
-                        look = now + POLL_LOOK_S
-                    time.sleep(nap)
-                    nap = min(2 * nap, POLL_NAP_MAX_S)
-            else:
-                return
-        except CommError as e:
-            error = f" ({e})"
+        """:func:`poll` ``req``; past the deadline (or on rank 0's roll call, or an MPI error)
+        account for the missing ranks and raise :class:`CollectiveTimeout`."""
+        error = poll(req, roll, self.timeout, self.nap_max)
+        if error is None:
+            return
         details = roll.account()
         # rank 0 reported: everyone heard at once; else the others' deadlines may come later
         self._abort_delay = min(1.0, self.grace) if roll.coordinated else self.grace
@@ -233,6 +222,16 @@ class Protocol:
             f"rank {self.rank}: the other ranks did not all reach phase {phase!r} within "
             f"{self.timeout:g} s{error}; {details}"
         )
+
+    @contextlib.contextmanager
+    def brisk(self) -> Iterator[None]:
+        """Naps of at most :data:`BRISK_NAP_S` between tests within: for a restore, which the
+        job waits for, not a save, whose every test is CPU taken from the training loop."""
+        before, self.nap_max = self.nap_max, BRISK_NAP_S
+        try:
+            yield
+        finally:
+            self.nap_max = before
 
     def _wait(self, req: Request, phase: str, joint: bool = True) -> None:
         """``joint``: the collective completes here only once every rank joined it (not so a
@@ -354,6 +353,29 @@ class Protocol:
         finally:
             while self._on_free:
                 self._on_free.pop()()
+
+
+def poll(req: Request, roll: RollCall, timeout: float, cap: float) -> str | None:
+    """Test ``req`` until it completes (None): :data:`POLL_SPINS` tests, then naps from
+    :data:`POLL_NAP_S` doubling up to ``cap`` between tests, and a look at the roll call and
+    the deadline (``timeout`` s from now) every :data:`POLL_LOOK_S`. Else what stopped it: ""
+    (the deadline, or rank 0's roll call) or the MPI error, in parentheses."""
+    deadline = time.monotonic() + timeout
+    spins, look, nap = 0, 0.0, min(POLL_NAP_S, cap)
+    try:
+        while not req.test():
+            spins += 1
+            if spins > POLL_SPINS:
+                now = time.monotonic()
+                if now >= look:  # the roll call and the deadline, a few times a second
+                    if roll.alarmed() or now > deadline:
+                        return ""
+                    look = now + POLL_LOOK_S
+                time.sleep(nap)
+                nap = min(2 * nap, cap)
+    except CommError as e:
+        return f" ({e})"
+    return None
 
 
 class Pending:
