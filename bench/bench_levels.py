@@ -421,17 +421,17 @@ def timed_restore(fn: Callable[[], Any], device: torch.device) -> tuple[float, A
     return slowest(time.perf_counter() - t0), out
 
 
-def before_restore(dst: Pair, salt: int, work: str, cache: str) -> str | None:
+def before_restore(dst: Pair, salt: int, work: str, cache: str, shm: str) -> str | None:
     """Scramble the target; make the restores read from the disk (once per host): ``cache``
-    "files" evicts the bench's files under ``work`` from the page cache, "global" drops all of
-    it; why it could not be."""
+    "files" evicts the bench's files under ``work`` (not the level's, under ``shm``) from the
+    page cache, "global" drops all of it; why it could not be."""
     bench_cpu.scramble(dst, salt)
     barrier()
     note = None
     if RANK == 0 and cache == "global":
         note = bench_cpu.drop_caches()
     elif RANK == 0:
-        left, pages = bench_cpu.evict(work)
+        left, pages = bench_cpu.evict(work, skip=shm)
         note = f"{left:,} of {pages:,} pages of {work} still cached" if left else None
     barrier()
     return COMM.bcast(note)
@@ -572,7 +572,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
 
     def restore_ck(key: str, label: str, make: Callable[[], Any], level: str,
                    salt: int) -> None:
-        notes.append(before_restore(dst, salt, s.work, args.cache))
+        notes.append(before_restore(dst, salt, s.work, args.cache, local))
         restore_parts.EVENTS.clear()
         t = time.perf_counter()
         c = make()
@@ -620,7 +620,7 @@ def part3(s: Saves, src: Pair, dst: Pair, step: int, device: torch.device,
                lambda: mpickpt.Checkpointer(root, on_error="raise", io_threads=args.io_threads),
                "root", 13)
     if want_dcp:
-        notes.append(before_restore(dst, 14, s.work, args.cache))
+        notes.append(before_restore(dst, 14, s.work, args.cache, local))
 
         def load() -> None:
             sd = s.dcp_state(dst)

@@ -20,7 +20,7 @@ import time
 
 from mpi4py import MPI
 
-from mpickpt.mpi import protocol
+from mpickpt.mpi import polling
 from mpickpt.mpi.protocol import Protocol
 
 
@@ -50,8 +50,8 @@ def main() -> None:
     a = ap.parse_args()
     proto = Protocol(MPI.COMM_WORLD)
     random.seed(proto.rank)
-    caps = {"save (naps up to 2 ms)": protocol.POLL_NAP_MAX_S,
-            "restore (brisk, 0.1 ms)": protocol.BRISK_NAP_S}
+    caps = {"save (naps up to 2 ms)": polling.POLL_NAP_MAX_S,
+            "restore (brisk, 0.1 ms)": polling.BRISK_NAP_S}
     rows: dict[str, list[dict[str, float]]] = {k: [] for k in caps}
     for _ in range(a.rounds):
         for label, cap in caps.items():

@@ -1,5 +1,6 @@
-"""How a rank waits for a collective: tests, then naps that grow up to a cap; a restore's
-collectives (``Protocol.brisk``) nap at most ``BRISK_NAP_S``, a save's up to ``POLL_NAP_MAX_S``."""
+"""How a rank waits for a collective (mpickpt/mpi/polling.py): tests, then naps that grow up to a
+cap; a restore's collectives (``Protocol.brisk``) nap at most ``BRISK_NAP_S`` while the wait is
+short, a save's up to ``POLL_NAP_MAX_S``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 import mpickpt
-from mpickpt.mpi import protocol
-from mpickpt.mpi.protocol import BRISK_NAP_S, POLL_NAP_MAX_S, POLL_SPINS, Protocol
+from mpickpt.mpi.polling import BRISK_FOR_S, BRISK_NAP_S, POLL_NAP_MAX_S, POLL_SPINS, poll
+from mpickpt.mpi.protocol import Protocol
 
 pytestmark = pytest.mark.quick
 
@@ -24,21 +25,35 @@ class Later:
         return self.left <= 0
 
 
-@pytest.fixture
-def naps(monkeypatch) -> list[float]:
-    slept: list[float] = []
-    monkeypatch.setattr(protocol.time, "sleep", slept.append)
-    return slept
+def waited(cap: float, tests: int) -> list[float]:
+    """The naps of :func:`poll` for a request that completes at its ``tests``-th test, at
+    ``cap``, on a clock that each nap moves on."""
+    now, naps = [0.0], []
+
+    def sleep(s: float) -> None:
+        naps.append(s)
+        now[0] += s
+
+    assert poll(Later(tests), Protocol()._roll, 900.0, cap, sleep=sleep,
+                clock=lambda: now[0]) is None
+    return naps
 
 
-def test_naps_grow_to_their_cap_and_stay_short_within_brisk(naps):
+def test_a_saves_naps_grow_to_their_cap():
+    naps = waited(POLL_NAP_MAX_S, POLL_SPINS + 12)
+    assert len(naps) == 11 and naps == sorted(naps)
+    assert naps[0] < POLL_NAP_MAX_S and naps[-1] == POLL_NAP_MAX_S
+
+
+def test_brisk_naps_stay_short_then_grow_once_the_wait_lasts():
+    naps = waited(BRISK_NAP_S, POLL_SPINS + 400)
+    brisk = int(BRISK_FOR_S / BRISK_NAP_S)  # naps before BRISK_FOR_S have passed
+    assert max(naps[:brisk]) <= BRISK_NAP_S
+    assert naps[-1] == POLL_NAP_MAX_S  # a rank waiting for another's work: a save's naps
     proto = Protocol()
-    proto.complete(Later(POLL_SPINS + 12), proto._roll, "slow")
-    assert max(naps) == POLL_NAP_MAX_S and min(naps) < POLL_NAP_MAX_S
-    naps.clear()
     with proto.brisk():
-        proto.complete(Later(POLL_SPINS + 12), proto._roll, "slow")
-    assert len(naps) == 11 and max(naps) <= BRISK_NAP_S
+        assert proto.nap_max == BRISK_NAP_S
+        assert proto.sub(0, 0).nap_max == BRISK_NAP_S  # (an XOR team formed in a restore)
     with pytest.raises(RuntimeError), proto.brisk():  # the cap comes back whatever happens
         raise RuntimeError("inside")
     assert proto.nap_max == POLL_NAP_MAX_S

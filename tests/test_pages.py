@@ -110,7 +110,7 @@ def test_a_restores_new_buffer_is_faulted_in_behind_without_a_byte_changed(monke
     started = []
     real = pinned_pool.fault_in_behind
     monkeypatch.setattr(pinned_pool, "fault_in_behind",
-                        lambda buf: started.append(real(buf)) or started[-1])
+                        lambda buf, stop=None: started.append(real(buf, stop)) or started[-1])
     n = pinned_pool.BEHIND_FROM + 3 * mmap.PAGESIZE + 5  # (not whole pieces, nor pages)
     held = Taken(HostPool(1 << 30, slots=1, pin=False))
     buf = held.take(n, lock=False)
@@ -131,3 +131,23 @@ def test_a_restores_new_buffer_is_faulted_in_behind_without_a_byte_changed(monke
     small = Taken(HostPool(1 << 30, slots=1, pin=False))
     small.take(pinned_pool.BEHIND_FROM - 1, lock=False)
     assert len(started) == 1  # below the size, a buffer's pages come at their first touch
+    unpinned = Taken(HostPool(1 << 30, slots=1, pin=False))
+    unpinned.take(n, lock=True)  # a pool that does not page-lock: faulted in all the same
+    assert len(started) == 2
+    started[1].join(timeout=30)
+    unpinned.release()
+
+
+@pytest.mark.quick
+def test_an_unaligned_view_is_faulted_in_whole_pages_only_and_keeps_its_bytes():
+    from mpickpt.save.pinned_pool import BEHIND_PIECE, fault_in_behind, host_buffer
+
+    whole = host_buffer(BEHIND_PIECE + 7 * mmap.PAGESIZE)
+    data = np.random.default_rng(6).integers(0, 256, whole.numel(), dtype=np.uint8)
+    whole.copy_(torch.from_numpy(data))
+    view = whole[5 : whole.numel() - 3]  # starts and ends inside a page
+    fault_in_behind(view).join(timeout=30)
+    assert np.array_equal(whole.numpy(), data)
+    stop = threading.Event()
+    stop.set()
+    fault_in_behind(host_buffer(4 * BEHIND_PIECE), stop).join(timeout=30)  # stops at once

@@ -28,23 +28,12 @@ from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
 from ..ranks import ranks_text
 from .backend import abort_world, open_comm
 from .backend import world_rank as world_rank  # re-exported
-from .comm import CommError, ObjectRequest, Request
+from .comm import ObjectRequest, Request
+from .polling import BRISK_NAP_S, POLL_NAP_MAX_S, poll
 from .rollcall import RollCall
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
-# Waiting for a collective: POLL_SPINS tests at once, then naps of POLL_NAP_S doubling up to
-# POLL_NAP_MAX_S between tests (a collective that took long is seen at most that late), and a
-# look at the roll call and the deadline every POLL_LOOK_S. Each test drives MPI's progress and
-# burns CPU: with 200 tests and 0.5 ms naps, a tiny checkpoint saved every step slowed 4-rank
-# DDP on 2 cores by 39%, with 20 tests and naps up to 2 ms by 12-20% (bench/bench_frequent.py).
-# Within Protocol.brisk() (a restore) naps stay under BRISK_NAP_S: 1 ms per object collective
-# on the 2-core VM against 6 with naps up to 2 ms, for the same CPU (bench/probe_naps.py).
-POLL_SPINS = 20
-POLL_NAP_S = 0.0005
-POLL_NAP_MAX_S = 0.002
-POLL_LOOK_S = 0.05
-BRISK_NAP_S = 0.0001
 TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.local.exchange), point to point
 
 
@@ -109,7 +98,9 @@ class Protocol:
         (collective)."""
         split = self.comm.split(color, key)
         try:
-            return Protocol(split, self.timeout, self.grace)
+            sub = Protocol(split, self.timeout, self.grace)
+            sub.nap_max = self.nap_max  # (an XOR team formed in a restore waits as briskly)
+            return sub
         finally:
             split.free()
 
@@ -225,8 +216,9 @@ class Protocol:
 
     @contextlib.contextmanager
     def brisk(self) -> Iterator[None]:
-        """Naps of at most :data:`BRISK_NAP_S` between tests within: for a restore, which the
-        job waits for, not a save, whose every test is CPU taken from the training loop."""
+        """Naps of at most :data:`~mpickpt.mpi.polling.BRISK_NAP_S` between tests within
+        (:func:`~mpickpt.mpi.polling.poll`): for a restore, which the job waits for, not a
+        save, whose every test is CPU taken from the training loop."""
         before, self.nap_max = self.nap_max, BRISK_NAP_S
         try:
             yield
@@ -353,29 +345,6 @@ class Protocol:
         finally:
             while self._on_free:
                 self._on_free.pop()()
-
-
-def poll(req: Request, roll: RollCall, timeout: float, cap: float) -> str | None:
-    """Test ``req`` until it completes (None): :data:`POLL_SPINS` tests, then naps from
-    :data:`POLL_NAP_S` doubling up to ``cap`` between tests, and a look at the roll call and
-    the deadline (``timeout`` s from now) every :data:`POLL_LOOK_S`. Else what stopped it: ""
-    (the deadline, or rank 0's roll call) or the MPI error, in parentheses."""
-    deadline = time.monotonic() + timeout
-    spins, look, nap = 0, 0.0, min(POLL_NAP_S, cap)
-    try:
-        while not req.test():
-            spins += 1
-            if spins > POLL_SPINS:
-                now = time.monotonic()
-                if now >= look:  # the roll call and the deadline, a few times a second
-                    if roll.alarmed() or now > deadline:
-                        return ""
-                    look = now + POLL_LOOK_S
-                time.sleep(nap)
-                nap = min(2 * nap, cap)
-    except CommError as e:
-        return f" ({e})"
-    return None
 
 
 class Pending:
