@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import ctypes
 import functools
 import gc
 import importlib.util
@@ -70,12 +69,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from mpickpt.format import pages
 from mpickpt.format.rootdir import fsync_path
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
 
 HERE = Path(__file__).resolve().parent
 TAG = "BENCH-WORKER "
@@ -212,31 +209,25 @@ def evict(top: str, skip: str | None = None) -> tuple[int, int]:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode) or not st.st_size:
                     continue
-                pages = -(-st.st_size // page)
-                total += pages
+                n = -(-st.st_size // page)
+                total += n
                 try:
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    resident += _cached_pages(fd, st.st_size, pages)
+                    resident += _cached_pages(fd, st.st_size)
                 except OSError:  # counted as cached: the note says so
-                    resident += pages
+                    resident += n
             finally:
                 os.close(fd)
     return resident, total
 
 
-def _cached_pages(fd: int, size: int, pages: int) -> int:
-    """How many of the file's ``pages`` are in the page cache (``mincore`` of a map of it,
-    which brings none in)."""
+def _cached_pages(fd: int, size: int) -> int:
+    """How many of the file's pages are in the page cache (of a map of it, which brings none
+    in)."""
     m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     try:
-        view = np.frombuffer(m, dtype=np.uint8, count=1)
-        base = int(view.ctypes.data)
-        del view  # (no view of the map may outlive it)
-        vec = (ctypes.c_ubyte * pages)()
-        if _LIBC.mincore(ctypes.c_void_p(base), ctypes.c_size_t(size), vec) != 0:
-            raise OSError(ctypes.get_errno(), f"mincore: {os.strerror(ctypes.get_errno())}")
-        return sum(b & 1 for b in vec)
+        return pages.resident(pages.address(m), size)
     finally:
         m.close()
 

@@ -23,13 +23,18 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from mpickpt.format import pages
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cpu  # (its drop_caches)
 
 PIECE = 8 << 20
 
@@ -73,16 +78,6 @@ def measure(path: str, nbytes: int, buf: bytearray) -> dict[str, float]:
     return out
 
 
-def drop() -> str | None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=256, help="file size in MiB (256)")
@@ -99,7 +94,7 @@ def main() -> None:
     try:
         write(old, nbytes)
         rows["before the drop"] = [measure(old, nbytes, buf) for _ in range(a.rounds)]
-        why = drop()
+        why = bench_cpu.drop_caches()
         if why is None:
             rows["after: the file that outlived it"] = [measure(old, nbytes, buf)
                                                         for _ in range(a.rounds)]

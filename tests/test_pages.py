@@ -91,17 +91,6 @@ def test_populating_lets_other_threads_run(tmp_path) -> None:
     assert max(gaps) < 0.5 * took or took < 0.01, (max(gaps), took)
 
 
-def resident_pages(base: int, n: int) -> int:
-    """How many of the ``n`` bytes' pages from ``base`` (page-aligned) are in memory."""
-    import ctypes
-
-    count = -(-n // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * count)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(n), vec) == 0
-    return sum(b & 1 for b in vec)
-
-
 @pytest.mark.quick
 def test_a_restores_new_buffer_is_faulted_in_behind_without_a_byte_changed(monkeypatch):
     from mpickpt.save import pinned_pool
@@ -121,7 +110,7 @@ def test_a_restores_new_buffer_is_faulted_in_behind_without_a_byte_changed(monke
     assert not started[0].is_alive()
     first = -buf.data_ptr() % mmap.PAGESIZE
     whole = (n - first) // mmap.PAGESIZE * mmap.PAGESIZE
-    assert resident_pages(buf.data_ptr() + first, whole) == whole // mmap.PAGESIZE
+    assert pages.resident(buf.data_ptr() + first, whole) == whole // mmap.PAGESIZE
     assert np.array_equal(buf[: 1 << 20].numpy(), head)
     assert not buf[1 << 20:].any()  # a new buffer's pages: zeros, as the kernel gives them
     held.release()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 import numpy as np
 
@@ -51,3 +52,15 @@ def unmap(m: mmap.mmap, piece: int = 64 << 20) -> None:
         for a in range(0, len(m), piece):
             _madvise(base + a, min(piece, len(m) - a), MADV_DONTNEED)
     m.close()
+
+
+def resident(base: int, n: int) -> int:
+    """How many pages of the ``n`` bytes from ``base`` (page-aligned, mapped) are in memory
+    (``mincore``, which brings none in): of a file's map, those in the page cache. OSError
+    where the kernel cannot tell."""
+    count = -(-n // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * count)()
+    if _libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(n), vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    return sum(b & 1 for b in vec)

@@ -195,9 +195,7 @@ class HostPool:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; waits for a release when all slots are in flight."""
-        buf = self.reserve(nbytes, defer=False).buffer
-        assert buf is not None
-        return buf
+        return self.acquire_new(nbytes)[0]
 
     def acquire_new(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """:meth:`acquire`, and whether the buffer is a new one (none of its pages touched)."""
