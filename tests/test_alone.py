@@ -165,7 +165,9 @@ def work(rank, path):
     dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
     from mpickpt.mpi.backend import alone
     import os
-    print("ALONE", rank, alone(dict(os.environ)), flush=True)
+    # one write per line: unbuffered (PYTHONUNBUFFERED), print() writes each part apart and
+    # the two workers' lines interleave on the shared pipe
+    os.write(1, f"ALONE {rank} {alone(dict(os.environ))}\n".encode())
     dist.destroy_process_group()
 if __name__ == "__main__":
     mp.spawn(work, args=(sys.argv[1],), nprocs=2)
