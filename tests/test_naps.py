@@ -8,8 +8,16 @@ import pytest
 import torch
 
 import mpickpt
-from mpickpt.mpi.polling import BRISK_FOR_S, BRISK_NAP_S, POLL_NAP_MAX_S, POLL_SPINS, poll
-from mpickpt.mpi.protocol import Protocol
+from mpickpt.mpi.polling import (
+    BRISK_FOR_S,
+    BRISK_NAP_S,
+    PATIENT_S,
+    POLL_NAP_MAX_S,
+    POLL_NAP_S,
+    POLL_SPINS,
+    poll,
+)
+from mpickpt.mpi.protocol import PATIENT, Protocol
 
 pytestmark = pytest.mark.quick
 
@@ -25,7 +33,7 @@ class Later:
         return self.left <= 0
 
 
-def waited(cap: float, tests: int) -> list[float]:
+def waited(cap: float, tests: int, expect: float = 0.0) -> list[float]:
     """The naps of :func:`poll` for a request that completes at its ``tests``-th test, at
     ``cap``, on a clock that each nap moves on."""
     now, naps = [0.0], []
@@ -34,9 +42,36 @@ def waited(cap: float, tests: int) -> list[float]:
         naps.append(s)
         now[0] += s
 
-    assert poll(Later(tests), Protocol()._roll, 900.0, cap, sleep=sleep,
+    assert poll(Later(tests), Protocol()._roll, 900.0, cap, expect=expect, sleep=sleep,
                 clock=lambda: now[0]) is None
     return naps
+
+
+class At:
+    """A request that completes once its clock reads ``when``; counts its tests."""
+
+    def __init__(self, now: list[float], when: float) -> None:
+        self.now, self.when, self.tests = now, when, 0
+
+    def test(self) -> bool:
+        self.tests += 1
+        return self.now[0] >= self.when
+
+
+def timed_wait(lasts: float, expect: float, cap: float = POLL_NAP_MAX_S
+               ) -> tuple[list[float], int]:
+    """The naps and tests of :func:`poll` for a request done ``lasts`` s from now, as a wait
+    expected to take ``expect`` s, on a clock that each nap moves on."""
+    now, naps = [0.0], []
+
+    def sleep(s: float) -> None:
+        naps.append(s)
+        now[0] += s
+
+    req = At(now, lasts)
+    assert poll(req, Protocol()._roll, 900.0, cap, expect=expect, sleep=sleep,
+                clock=lambda: now[0]) is None
+    return naps, req.tests
 
 
 def test_a_saves_naps_grow_to_their_cap():
@@ -82,3 +117,65 @@ def test_a_restores_collectives_are_brisk_and_a_saves_are_not(tmp_path, monkeypa
     assert saved and all(cap == POLL_NAP_MAX_S for _, cap in saved)
     assert restored and all(cap == BRISK_NAP_S for _, cap in restored), restored
     assert seen and all(cap == POLL_NAP_MAX_S for _, cap in seen)
+
+
+def test_a_wait_known_to_be_long_naps_through_half_of_it_without_spinning():
+    # a rank waiting 20 ms for rank 0's commit, as it did the save before
+    naps, tests = timed_wait(0.020, expect=0.020)
+    assert naps[0] == pytest.approx(0.010) and sum(naps) >= 0.020
+    assert len(naps) <= 8 and tests == len(naps) + 1  # one test per wake-up, none in a row
+    plain, plain_tests = timed_wait(0.020, expect=0.0)
+    assert plain_tests >= POLL_SPINS and len(plain) > len(naps)
+    # the same wait a brisk restore makes: no long nap, whatever the last one lasted
+    brisk, _ = timed_wait(0.020, expect=0.020, cap=BRISK_NAP_S)
+    assert max(brisk) <= POLL_NAP_MAX_S and brisk[0] <= BRISK_NAP_S
+    # a short wait expected, or a long one already done: no nap at all
+    assert waited(POLL_NAP_MAX_S, 1, expect=0.020) == []
+    assert waited(POLL_NAP_MAX_S, POLL_SPINS + 2, expect=PATIENT_S / 2)[0] == POLL_NAP_S
+
+
+def test_a_long_nap_never_outlasts_the_deadline_or_the_roll_call():
+    naps, _ = timed_wait(0.5, expect=10.0)
+    assert max(naps) <= 0.05  # POLL_LOOK_S: rank 0's roll call is heard as soon as before
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    never = At(now, float("inf"))
+    assert poll(never, Protocol()._roll, 0.2, POLL_NAP_MAX_S, expect=10.0, sleep=sleep,
+                clock=lambda: now[0]) == ""  # the deadline, as without an expectation
+    assert now[0] < 0.3
+
+
+def test_only_a_saves_commit_phases_expect_their_last_wait(tmp_path, monkeypatch):
+    import mpickpt.mpi.protocol as protocol
+
+    expected: dict[str, list[float]] = {}
+    real = protocol.poll
+
+    def recording(req, roll, timeout, cap, *, expect=0.0, **kw):
+        expected.setdefault(phase[0], []).append(expect)
+        return real(req, roll, timeout, cap, expect=expect, **kw)
+
+    phase = [""]
+    complete = Protocol.complete
+
+    def naming(self, req, roll, ph):
+        phase[0] = ph
+        return complete(self, req, roll, ph)
+
+    monkeypatch.setattr(protocol, "poll", recording)
+    monkeypatch.setattr(Protocol, "complete", naming)
+    state = {"w": torch.arange(10.0)}
+    with mpickpt.Checkpointer(str(tmp_path / "root"), on_error="raise") as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state).wait()
+        ck.restore(state)
+    assert {"vote", "commit"} <= set(expected) and {"vote", "commit"} <= PATIENT
+    for ph, seen in expected.items():
+        if ph not in PATIENT:
+            assert set(seen) == {0.0}, (ph, seen)  # the training thread's waits never nap long
+        else:
+            assert seen[0] == 0.0 and all(e >= 0.0 for e in seen)  # then the last one's
+    assert any(e > 0.0 for e in expected["vote"][1:])  # the first save's wait, at the second

@@ -194,3 +194,17 @@ def test_a_recycled_file_cut_short_says_so_as_a_new_one_would(tmp_path):
     assert rootdir.take(str(pool), "b.h5", str(whole))
     assert rootdir.copy_file(str(src), str(whole), over=True) == src.stat().st_size
     assert shard_state(str(whole)) == "complete" and whole.read_bytes() == src.read_bytes()
+
+
+@pytest.mark.quick
+def test_the_umask_is_read_as_it_is_now_and_left_unchanged():
+    """``take`` writes over a pooled file only if its mode is what a new file would get under
+    the umask of that moment, which ``rootdir.umask`` reads from /proc without setting it."""
+    before = os.umask(0o022)
+    try:
+        for mask in (0o022, 0o077, 0o000, 0o027, 0o777):
+            os.umask(mask)
+            assert rootdir.umask() == mask
+            assert os.umask(mask) == mask  # reading it changed nothing
+    finally:
+        os.umask(before)

@@ -349,13 +349,26 @@ def take(pool: str, name: str, dest: str) -> bool:
 
 
 def umask() -> int | None:
-    """This process's umask, read without changing it (Linux's /proc); None where unknown."""
+    """This process's umask, read without changing it (Linux's /proc); None where unknown.
+    Read with one ``os.read`` (a text file's open, decode and line split took twice as long,
+    on every recycled shard of every save)."""
     try:
-        with open("/proc/self/status") as f:
-            lines = f.read().splitlines()
+        fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no /proc: unknown, and nothing is recycled
         return None
-    return next((int(x.split()[1], 8) for x in lines if x.startswith("Umask:")), None)
+    try:
+        data = os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    at = data.find(b"\nUmask:")
+    if at < 0:
+        return None
+    try:
+        return int(data[at + 8:data.index(b"\n", at + 8)].strip(), 8)
+    except ValueError:
+        return None
 
 
 COPY_CHUNK = 8 << 20

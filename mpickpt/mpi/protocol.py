@@ -37,6 +37,11 @@ DEFAULT_TIMEOUT = knobs.TIMEOUT.default
 TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.local.exchange), point to point
 
 
+# the phases of a save's commit, on its background thread (never the training's): rank 0 waits
+# for the slowest rank's fsync, the others for rank 0's commit, a few fsyncs long each save
+PATIENT = frozenset({"vote", "commit", "drain", "drain-commit"})
+
+
 def resolve_timeout(timeout: float | None) -> float:
     """``timeout``, else ``$MPICKPT_TIMEOUT`` (seconds), else 900 s."""
     return float(timeout) if timeout is not None else knobs.TIMEOUT.get()
@@ -67,6 +72,7 @@ class Protocol:
         self._abort_delay = 0.0
         self.collectives = 0  # collective operations this rank has completed (a statistic)
         self.nap_max = POLL_NAP_MAX_S  # the longest nap between two tests of a collective
+        self._lasted: dict[str, float] = {}  # how long the last wait of each phase lasted
         self._on_free: list[Callable[[], None]] = []
 
     def local_size(self) -> int:
@@ -203,8 +209,11 @@ class Protocol:
     def complete(self, req: Request, roll: RollCall, phase: str) -> None:
         """:func:`poll` ``req``; past the deadline (or on rank 0's roll call, or an MPI error)
         account for the missing ranks and raise :class:`CollectiveTimeout`."""
-        error = poll(req, roll, self.timeout, self.nap_max)
+        t = time.monotonic()
+        expect = self._lasted.get(phase, 0.0) if phase in PATIENT else 0.0
+        error = poll(req, roll, self.timeout, self.nap_max, expect=expect)
         if error is None:
+            self._lasted[phase] = time.monotonic() - t
             return
         details = roll.account()
         # rank 0 reported: everyone heard at once; else the others' deadlines may come later
