@@ -33,7 +33,9 @@ checkpoints in flight ("tail"). For mpickpt the SaveResult stats of the counted 
 rank per save, then the median) say where the time of a save goes, and "seen done" is the time
 from save() to the first step boundary at which its handle was done. "CPU ms/step/rank" is the
 CPU time of each rank's process (all its threads) per step: where the ranks already fill the
-CPUs, a checkpoint's background work shows up there and in the step time. Every row and round writes
+CPUs, a checkpoint's background work shows up there and in the step time; "switches/step/rank"
+its context switches per step (``getrusage``), each a wake-up of a thread that may take a CPU
+from a training thread. Every row and round writes
 into a fresh directory under ``--dir``, removed afterwards. Rank 0 prints the tables and writes
 ``--json`` (every step time, the machine, the figures).
 """
@@ -45,6 +47,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import shutil
 import socket
 import statistics
@@ -76,6 +79,12 @@ STAT_ORDER = ("stall_s", "waited_for_buffer_s", "copy_s", "create_s", "data_s", 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def switches() -> int:
+    """Context switches of this process so far, voluntary and not (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_nvcsw + r.ru_nivcsw
 
 
 def busy_cpu_s() -> float:
@@ -304,6 +313,7 @@ class Bench:
         setup = time.perf_counter() - t
         self.barrier()
         busy0, ours0, wall0 = busy_cpu_s(), time.process_time(), time.perf_counter()
+        csw0 = switches()
         steps, calls = np.zeros(a.steps), np.zeros(a.steps)
         for i in range(a.steps):
             t0 = time.perf_counter()
@@ -317,6 +327,7 @@ class Bench:
         tail = time.perf_counter() - t
         mine, busy = time.process_time() - ours0, busy_cpu_s() - busy0
         wall = time.perf_counter() - wall0
+        csw = self.comm.allreduce(switches() - csw0)
         ours = self.comm.allreduce(mine)  # (others_cpu_s: rank 0's view of the machine)
         self.comm.Allreduce(steps.copy(), steps, op=_max())
         self.comm.Allreduce(calls.copy(), calls, op=_max())
@@ -330,6 +341,7 @@ class Bench:
         out: dict[str, Any] = {"round": rnd, "step_s": steps.tolist(), "call_s": calls.tolist(),
                                "tail_s": tail, "setup_s": setup, "wall_s": wall,
                                "ranks_cpu_s": ours, "others_cpu_s": busy - ours,
+                               "ranks_context_switches": int(csw),
                                "loadavg": Path("/proc/loadavg").read_text().strip()}
         if self.rank == 0:
             assert gathered is not None
@@ -400,9 +412,10 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
     base = b.results.get("none")
     rows = []
     for name, rounds in b.results.items():
-        med, mean, p90, peak, call, tail, slow_med, slow_mean, cpu = ([] for _ in range(9))
+        med, mean, p90, peak, call, tail, slow_med, slow_mean, cpu, csw = ([] for _ in range(10))
         for i, r in enumerate(rounds):
             cpu.append(r["ranks_cpu_s"] / a.steps / b.size)
+            csw.append(r.get("ranks_context_switches", 0) / a.steps / b.size)
             s = np.array(r["step_s"][a.warmup:])
             med.append(float(np.median(s)))
             mean.append(float(s.mean()))
@@ -419,6 +432,7 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
             "step_mean_s": statistics.median(mean), "step_p90_s": statistics.median(p90),
             "step_max_s": max(peak), "call_median_s": statistics.median(call),
             "tail_s": statistics.median(tail), "rank_cpu_per_step_s": statistics.median(cpu),
+            "rank_context_switches_per_step": statistics.median(csw),
             "slowdown_median_pct": statistics.median(slow_med) if slow_med else None,
             "slowdown_mean_pct": statistics.median(slow_mean) if slow_mean else None,
         }
@@ -445,7 +459,8 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
         return "-" if x is None else f"{x:+.0f}%"
 
     head = ("method", "step ms", "slower", "mean ms", "slower (mean)", "p90 ms", "max ms",
-            "in ckpt call ms", "tail s", "CPU ms/step/rank", "saves ok/aborted/skipped (all)")
+            "in ckpt call ms", "tail s", "CPU ms/step/rank", "switches/step/rank",
+            "saves ok/aborted/skipped (all)")
     lines = []
     for r in rows:
         o = r.get("outcomes")
@@ -455,7 +470,7 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
         lines.append((r["method"], ms(r["step_median_s"]), pct(r["slowdown_median_pct"]),
                       ms(r["step_mean_s"]), pct(r["slowdown_mean_pct"]), ms(r["step_p90_s"]),
                       ms(r["step_max_s"]), call, f"{r['tail_s']:.2f}",
-                      ms(r["rank_cpu_per_step_s"]),
+                      ms(r["rank_cpu_per_step_s"]), f"{r['rank_context_switches_per_step']:.0f}",
                       f"{o['committed']}/{o['aborted']}/{o['skipped']}" if o else "-"))
     main = columns(head, lines)
 
@@ -607,7 +622,9 @@ def run(args: argparse.Namespace, comm: Any) -> None:
               "'in ckpt call': the checkpoint call's own time per step (dcp.async_save: of it, "
               "the wait for the previous save); 'tail': waiting for the saves in flight after "
               "the last step; 'CPU ms/step/rank': CPU time of each rank's process, all its "
-              "threads, per step (the ranks share the machine's CPUs)")
+              "threads, per step (the ranks share the machine's CPUs); 'switches/step/rank': "
+              "its context switches per step, voluntary and not (each one a training thread "
+              "may wait behind on a shared CPU)")
         if stats_table:
             print("\n" + stats_table)
             print("\n(slowest rank per save, median over the counted saves; seen_done_s: from "
