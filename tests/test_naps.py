@@ -11,13 +11,14 @@ import mpickpt
 from mpickpt.mpi.polling import (
     BRISK_FOR_S,
     BRISK_NAP_S,
+    PATIENT,
     PATIENT_S,
     POLL_NAP_MAX_S,
     POLL_NAP_S,
     POLL_SPINS,
     poll,
 )
-from mpickpt.mpi.protocol import PATIENT, Protocol
+from mpickpt.mpi.protocol import Protocol
 
 pytestmark = pytest.mark.quick
 
@@ -149,10 +150,10 @@ def test_a_long_nap_never_outlasts_the_deadline_or_the_roll_call():
 
 
 def test_only_a_saves_commit_phases_expect_their_last_wait(tmp_path, monkeypatch):
-    import mpickpt.mpi.protocol as protocol
+    import mpickpt.mpi.polling as polling
 
     expected: dict[str, list[float]] = {}
-    real = protocol.poll
+    real = polling.poll
 
     def recording(req, roll, timeout, cap, *, expect=0.0, **kw):
         expected.setdefault(phase[0], []).append(expect)
@@ -165,7 +166,7 @@ def test_only_a_saves_commit_phases_expect_their_last_wait(tmp_path, monkeypatch
         phase[0] = ph
         return complete(self, req, roll, ph)
 
-    monkeypatch.setattr(protocol, "poll", recording)
+    monkeypatch.setattr(polling, "poll", recording)
     monkeypatch.setattr(Protocol, "complete", naming)
     state = {"w": torch.arange(10.0)}
     with mpickpt.Checkpointer(str(tmp_path / "root"), on_error="raise") as ck:

@@ -26,6 +26,9 @@ POLL_LOOK_S = 0.05  # the roll call and the deadline looked at this often
 BRISK_NAP_S = 0.0001
 BRISK_FOR_S = 0.02
 PATIENT_S = 0.004  # a wait expected to last this long or more starts with a long nap
+# the phases of a save's commit, on its background thread (never the training's): rank 0 waits
+# for the slowest rank's fsync, the others for rank 0's commit, a few fsyncs long each save
+PATIENT = frozenset({"vote", "commit", "drain", "drain-commit"})
 
 
 def poll(req: Request, roll: RollCall, timeout: float, cap: float, *,
@@ -66,3 +69,20 @@ def poll(req: Request, roll: RollCall, timeout: float, cap: float, *,
     except CommError as e:
         return f" ({e})"
     return None
+
+
+class Patience:
+    """How long the last wait of each of the :data:`PATIENT` phases lasted: what :func:`poll`
+    expects of that phase's next wait."""
+
+    def __init__(self) -> None:
+        self.lasted: dict[str, float] = {}
+
+    def poll(self, req: Request, roll: RollCall, phase: str, timeout: float, cap: float
+             ) -> str | None:
+        """:func:`poll` ``req``, as a wait of ``phase``."""
+        start = time.monotonic()
+        error = poll(req, roll, timeout, cap, expect=self.lasted.get(phase, 0.0))
+        if error is None and phase in PATIENT:
+            self.lasted[phase] = time.monotonic() - start
+        return error

@@ -29,17 +29,12 @@ from ..ranks import ranks_text
 from .backend import abort_world, open_comm
 from .backend import world_rank as world_rank  # re-exported
 from .comm import ObjectRequest, Request
-from .polling import BRISK_NAP_S, POLL_NAP_MAX_S, poll
+from .polling import BRISK_NAP_S, POLL_NAP_MAX_S, Patience
 from .rollcall import RollCall
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = knobs.TIMEOUT.default
 TAG_DATA = 0x6D80  # the node-local level's shard copies (mpickpt.local.exchange), point to point
-
-
-# the phases of a save's commit, on its background thread (never the training's): rank 0 waits
-# for the slowest rank's fsync, the others for rank 0's commit, a few fsyncs long each save
-PATIENT = frozenset({"vote", "commit", "drain", "drain-commit"})
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -72,7 +67,7 @@ class Protocol:
         self._abort_delay = 0.0
         self.collectives = 0  # collective operations this rank has completed (a statistic)
         self.nap_max = POLL_NAP_MAX_S  # the longest nap between two tests of a collective
-        self._lasted: dict[str, float] = {}  # how long the last wait of each phase lasted
+        self._patience = Patience()  # how long a save's last waits lasted, phase by phase
         self._on_free: list[Callable[[], None]] = []
 
     def local_size(self) -> int:
@@ -209,11 +204,8 @@ class Protocol:
     def complete(self, req: Request, roll: RollCall, phase: str) -> None:
         """:func:`poll` ``req``; past the deadline (or on rank 0's roll call, or an MPI error)
         account for the missing ranks and raise :class:`CollectiveTimeout`."""
-        t = time.monotonic()
-        expect = self._lasted.get(phase, 0.0) if phase in PATIENT else 0.0
-        error = poll(req, roll, self.timeout, self.nap_max, expect=expect)
+        error = self._patience.poll(req, roll, phase, self.timeout, self.nap_max)
         if error is None:
-            self._lasted[phase] = time.monotonic() - t
             return
         details = roll.account()
         # rank 0 reported: everyone heard at once; else the others' deadlines may come later
