@@ -34,10 +34,10 @@ rank per save, then the median) say where the time of a save goes, and "seen don
 from save() to the first step boundary at which its handle was done. "CPU ms/step/rank" is the
 CPU time of each rank's process (all its threads) per step: where the ranks already fill the
 CPUs, a checkpoint's background work shows up there and in the step time; "switches/step/rank"
-its context switches per step (``getrusage``), each a wake-up of a thread that may take a CPU
-from a training thread. Every row and round writes
-into a fresh directory under ``--dir``, removed afterwards. Rank 0 prints the tables and writes
-``--json`` (every step time, the machine, the figures).
+its context switches per step (``getrusage``, voluntary and not, every thread's: the training's
+own waits too, DDP's and the interpreter lock's, as the row without checkpoints shows). Every
+row and round writes into a fresh directory under ``--dir``, removed afterwards. Rank 0 prints
+the tables and writes ``--json`` (every step time, the machine, the figures).
 """
 
 from __future__ import annotations
@@ -623,8 +623,8 @@ def run(args: argparse.Namespace, comm: Any) -> None:
               "the wait for the previous save); 'tail': waiting for the saves in flight after "
               "the last step; 'CPU ms/step/rank': CPU time of each rank's process, all its "
               "threads, per step (the ranks share the machine's CPUs); 'switches/step/rank': "
-              "its context switches per step, voluntary and not (each one a training thread "
-              "may wait behind on a shared CPU)")
+              "its context switches per step, voluntary and not, every thread's (the row "
+              "without checkpoints: the training's own)")
         if stats_table:
             print("\n" + stats_table)
             print("\n(slowest rank per save, median over the counted saves; seen_done_s: from "

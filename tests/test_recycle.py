@@ -208,3 +208,12 @@ def test_the_umask_is_read_as_it_is_now_and_left_unchanged():
             assert os.umask(mask) == mask  # reading it changed nothing
     finally:
         os.umask(before)
+
+
+@pytest.mark.quick
+def test_a_status_without_a_readable_umask_recycles_nothing():
+    assert rootdir.parse_umask(b"Name:\tpython\nUmask:\t0027\nState:\tR\n") == 0o027
+    assert rootdir.parse_umask(b"Name:\tpython\nUmask:\t0077") == 0o077  # the last line
+    for status in (b"Name:\tpython\nState:\tR\n", b"Name:\tpython\nUmask:\t00z2\n",
+                   b"Name:\tpython\nUmask:\n", b"Umask:\t0022\n", b""):
+        assert rootdir.parse_umask(status) is None  # (the first line is always Name:)

@@ -349,24 +349,30 @@ def take(pool: str, name: str, dest: str) -> bool:
 
 
 def umask() -> int | None:
-    """This process's umask, read without changing it (Linux's /proc); None where unknown.
-    Read with one ``os.read`` (a text file's open, decode and line split took twice as long,
-    on every recycled shard of every save)."""
+    """This process's umask, read without changing it (Linux's /proc); None where unknown (then
+    nothing is recycled). Read with one ``os.read`` (a text file's open, decode and line split
+    took twice as long, on every recycled shard of every save)."""
     try:
         fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:  # no /proc: unknown, and nothing is recycled
+    except OSError:  # no /proc
         return None
     try:
-        data = os.read(fd, 1 << 16)
+        return parse_umask(os.read(fd, 1 << 16))
     except OSError:
         return None
     finally:
         os.close(fd)
-    at = data.find(b"\nUmask:")
+
+
+def parse_umask(status: bytes) -> int | None:
+    """The umask in the text of ``/proc/<pid>/status`` (its line ``Umask:\t0022``), or None
+    where it has none that reads as octal."""
+    at = status.find(b"\nUmask:")
     if at < 0:
         return None
+    end = status.find(b"\n", at + 7)
     try:
-        return int(data[at + 8:data.index(b"\n", at + 8)].strip(), 8)
+        return int(status[at + 7:end if end >= 0 else len(status)].strip(), 8)
     except ValueError:
         return None
 

@@ -26,9 +26,20 @@ POLL_LOOK_S = 0.05  # the roll call and the deadline looked at this often
 BRISK_NAP_S = 0.0001
 BRISK_FOR_S = 0.02
 PATIENT_S = 0.004  # a wait expected to last this long or more starts with a long nap
-# the phases of a save's commit, on its background thread (never the training's): rank 0 waits
-# for the slowest rank's fsync, the others for rank 0's commit, a few fsyncs long each save
+# the phases of a save's commit, waited for on the save's background thread only (never the
+# training's): straight to ROOT, rank 0 waits in "vote" for the slowest rank's fsync and the
+# others in "commit" for rank 0's commit, a few fsyncs long each save; with the node-local
+# level, "commit" is the broadcast of rank 0's manifest. (Phase names of mpickpt.save.)
 PATIENT = frozenset({"vote", "commit", "drain", "drain-commit"})
+
+
+def long_nap(expect: float, cap: float, timeout: float) -> float:
+    """The nap a wait expected to last ``expect`` s starts with: half of it, at most
+    :data:`POLL_LOOK_S` and ``timeout``; none below :data:`PATIENT_S`, nor for a brisk wait
+    (``cap`` below :data:`POLL_NAP_S`: a restore's)."""
+    if expect < PATIENT_S or cap < POLL_NAP_S:
+        return 0.0
+    return max(0.0, min(expect / 2, POLL_LOOK_S, timeout))
 
 
 def poll(req: Request, roll: RollCall, timeout: float, cap: float, *,
@@ -39,21 +50,22 @@ def poll(req: Request, roll: RollCall, timeout: float, cap: float, *,
     :data:`BRISK_FOR_S` have passed) between tests, and a look at the roll call and the deadline
     (``timeout`` s from now) every :data:`POLL_LOOK_S`. A wait expected (``expect``) to last
     :data:`PATIENT_S` or more (the same phase's last, on a save: a rank waiting for rank 0's
-    commit, which waits for the disk) naps through half of it at once, then naps as above with
-    no tests in a row: each wake-up is a context switch that a training thread pays for. (Not
-    longer naps after that one: the ranks of a collective wait for each other's tests, MPI's
-    progress, and naps of a quarter of the last wait grew the waits of a 4-rank save from 20 ms
-    to 300 ms.)
-    Else what stopped it: "" (the deadline, or rank 0's roll call) or the MPI error, in
-    parentheses."""
+    commit, which waits for the disk) is tested once, naps :func:`long_nap` (half of it), then
+    naps as above with no tests in a row: each wake-up is a context switch that a training
+    thread pays for. (Not longer naps after that one: the ranks of a collective wait for each
+    other's tests, MPI's progress, and naps of a quarter of the last wait grew the waits of a
+    4-rank save from 20 ms to 300 ms.) Else what stopped it: "" (the deadline, or rank 0's roll
+    call, looked at once the long nap is over) or the MPI error, in parentheses."""
     start = clock()
     deadline = start + timeout
-    spins, look, nap, first = 0, 0.0, min(POLL_NAP_S, cap), 0.0
-    if expect >= PATIENT_S and cap >= POLL_NAP_S:  # known to be long: no spinning
-        spins, first = POLL_SPINS, min(expect / 2, POLL_LOOK_S, timeout)
+    spins, look, nap = 0, 0.0, min(POLL_NAP_S, cap)
+    first = long_nap(expect, cap, timeout)
     try:
-        if first and not req.test():
+        if first:  # known to be long: no spinning
+            if req.test():
+                return None
             sleep(first)
+            spins = POLL_SPINS
         while not req.test():
             spins += 1
             if spins > POLL_SPINS:
@@ -71,6 +83,19 @@ def poll(req: Request, roll: RollCall, timeout: float, cap: float, *,
     return None
 
 
+class _Counted:
+    """A request that counts its tests."""
+
+    __slots__ = ("req", "tests")
+
+    def __init__(self, req: Request) -> None:
+        self.req, self.tests = req, 0
+
+    def test(self) -> bool:
+        self.tests += 1
+        return self.req.test()
+
+
 class Patience:
     """How long the last wait of each of the :data:`PATIENT` phases lasted: what :func:`poll`
     expects of that phase's next wait."""
@@ -78,11 +103,18 @@ class Patience:
     def __init__(self) -> None:
         self.lasted: dict[str, float] = {}
 
-    def poll(self, req: Request, roll: RollCall, phase: str, timeout: float, cap: float
-             ) -> str | None:
-        """:func:`poll` ``req``, as a wait of ``phase``."""
-        start = time.monotonic()
-        error = poll(req, roll, timeout, cap, expect=self.lasted.get(phase, 0.0))
+    def poll(self, req: Request, roll: RollCall, phase: str, timeout: float, cap: float, *,
+             sleep: Callable[[float], None] = time.sleep,
+             clock: Callable[[], float] = time.monotonic) -> str | None:
+        """:func:`poll` ``req``, as a wait of ``phase``. A wait done at the first test after
+        its long nap counts as long as the nap asked for, not as long as it took to wake up
+        (else a late wake-up, the interpreter's lock or a busy CPU, would keep every later wait
+        of the phase patient, the expectation settling at twice the lateness)."""
+        start, expect = clock(), self.lasted.get(phase, 0.0)
+        counted = _Counted(req)
+        error = poll(counted, roll, timeout, cap, expect=expect, sleep=sleep, clock=clock)
         if error is None and phase in PATIENT:
-            self.lasted[phase] = time.monotonic() - start
+            first = long_nap(expect, cap, timeout)
+            took = clock() - start
+            self.lasted[phase] = min(took, first) if first and counted.tests == 2 else took
         return error
