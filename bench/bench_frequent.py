@@ -415,7 +415,7 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
         med, mean, p90, peak, call, tail, slow_med, slow_mean, cpu, csw = ([] for _ in range(10))
         for i, r in enumerate(rounds):
             cpu.append(r["ranks_cpu_s"] / a.steps / b.size)
-            csw.append(r.get("ranks_context_switches", 0) / a.steps / b.size)
+            csw.append(r["ranks_context_switches"] / a.steps / b.size)
             s = np.array(r["step_s"][a.warmup:])
             med.append(float(np.median(s)))
             mean.append(float(s.mean()))

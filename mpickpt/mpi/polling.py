@@ -110,10 +110,12 @@ class Patience:
         its long nap counts as long as the nap asked for, not as long as it took to wake up
         (else a late wake-up, the interpreter's lock or a busy CPU, would keep every later wait
         of the phase patient, the expectation settling at twice the lateness)."""
+        if phase not in PATIENT:  # (a restore's, the training thread's: nothing kept)
+            return poll(req, roll, timeout, cap, sleep=sleep, clock=clock)
         start, expect = clock(), self.lasted.get(phase, 0.0)
         counted = _Counted(req)
         error = poll(counted, roll, timeout, cap, expect=expect, sleep=sleep, clock=clock)
-        if error is None and phase in PATIENT:
+        if error is None:
             first = long_nap(expect, cap, timeout)
             took = clock() - start
             self.lasted[phase] = min(took, first) if first and counted.tests == 2 else took
