@@ -279,11 +279,12 @@ class Protocol:
         self._wait(req, phase, joint)
         return req.result()
 
-    def bcast(self, obj: Any, phase: str, root: int = 0) -> Any:
-        return self._objects(self.comm.ibcast(obj, root), phase)
+    def bcast(self, obj: Any, phase: str, root: int = 0, flat: bool = False) -> Any:
+        """``flat`` (also a gather's): point to point, see :mod:`mpickpt.mpi.mpicomm`."""
+        return self._objects(self.comm.ibcast(obj, root, flat), phase)
 
-    def gather(self, obj: Any, phase: str, root: int = 0) -> list[Any] | None:
-        return self._objects(self.comm.igather(obj, root), phase, joint=self.rank == root)
+    def gather(self, obj: Any, phase: str, root: int = 0, flat: bool = False) -> list[Any] | None:
+        return self._objects(self.comm.igather(obj, root, flat), phase, joint=self.rank == root)
 
     def allgather(self, obj: Any, phase: str) -> list[Any]:
         return self._objects(self.comm.iallgather(obj), phase)

@@ -121,11 +121,11 @@ class SelfComm:
     def allgather(self, obj: Any) -> list[Any]:
         return [_copy(obj)]
 
-    def ibcast(self, obj: Any, root: int) -> _Done:
+    def ibcast(self, obj: Any, root: int, flat: bool = False) -> _Done:
         self._check(root)
         return _Done(obj)  # as MpiComm's root keeps its own object
 
-    def igather(self, obj: Any, root: int) -> _Done:
+    def igather(self, obj: Any, root: int, flat: bool = False) -> _Done:
         self._check(root)
         return _Done([_copy(obj)])
 

@@ -172,10 +172,10 @@ class TorchComm:
 
     # ------------------------------------------- object collectives: a barrier, then blocking
 
-    def ibcast(self, obj: Any, root: int) -> _AfterBarrier:
+    def ibcast(self, obj: Any, root: int, flat: bool = False) -> _AfterBarrier:
         return _AfterBarrier(self.pg.barrier(), lambda: self.bcast(obj, root))
 
-    def igather(self, obj: Any, root: int) -> _AfterBarrier:
+    def igather(self, obj: Any, root: int, flat: bool = False) -> _AfterBarrier:
         return _AfterBarrier(self.pg.barrier(), lambda: self.gather(obj, root))
 
     def iallgather(self, obj: Any) -> _AfterBarrier:

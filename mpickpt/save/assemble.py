@@ -65,7 +65,7 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
                     payload["replicated"] = shared
     except Exception as e:  # rank 0 aborts the commit, naming this rank
         payload = {"error": f"rank {rank}: {error_text(e)}"}
-    entries = proto.gather(payload, "vote")
+    entries = proto.gather(payload, "vote", flat=True)
     if rank != 0:  # rank 0 commits while this rank waits for the outcome
         try:
             faults.hit("mid-manifest-write", rank, step)

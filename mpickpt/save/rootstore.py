@@ -128,7 +128,7 @@ class RootStore:
                 if not outcome.failures:
                     outcome = outcome._replace(failures=(
                         RankFailure(0, phase, outcome.error.removeprefix("rank 0: ")),))
-        return Published(*self.proto.bcast(tuple(outcome), phase))
+        return Published(*self.proto.bcast(tuple(outcome), phase, flat=True))
 
     def discard(self, partial: str) -> None:
         if self.rank == 0:

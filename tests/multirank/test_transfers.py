@@ -18,10 +18,16 @@ def test_grouped_receives_arrive_where_asked_with_a_bounded_window_of_groups_in_
 
 @pytest.mark.quick
 def test_objects_broadcast_and_gathered_arrive_whole_whatever_their_size():
-    job = run_mpi(3, [str(SCENARIOS / "transfers_objects.py")], timeout=120)
+    """Tree collectives and flat ones (a save's vote and outcome); flat, rank 3 has rank 0's
+    broadcast while rank 2 sleeps 3 s without a test (in a tree, rank 2 forwards it)."""
+    job = run_mpi(4, [str(SCENARIOS / "transfers_objects.py")], timeout=120)
     assert job.returncode == 0, job.output
-    for rank in range(3):
+    for rank in range(4):
         assert re.search(rf"rank {rank}: \d+ objects whole", job.stdout), job.output
+    took = {int(r): float(s) for r, s in
+            re.findall(r"rank (\d): flat broadcast in ([\d.]+) s", job.stdout)}
+    assert set(took) == {0, 1, 2, 3} and took[2] >= 3, job.output
+    assert max(took[r] for r in (0, 1, 3)) < 1.5, job.output
 
 
 @pytest.mark.quick
