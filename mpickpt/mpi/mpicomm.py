@@ -5,13 +5,8 @@ the protocol polls with naps like any other: a blocking ``comm.gather`` spins in
 loop while it waits for a rank that is not there yet (4.6 ms of rank 0's CPU per save, 4 ranks on
 2 cores, in bench/bench_frequent.py), and that CPU is the training's.
 
-A *flat* gather or broadcast (a save's vote and its outcome) is point to point instead: each
-rank's message goes straight to the root, or the root's straight to each rank, received by a
-matched probe at whatever size it has. A tree collective completes only as fast as its inner
-ranks test it, to forward their children's stage; a rank that naps while it waits for a commit
-held up the others' (4 ranks, 2 cores, a 1.7 MB state saved every step: rank 0 waited 35 ms for
-a vote whose shards were written in 8, rank 2 forwarding rank 3's entry between its naps). The
-root's share is one message per rank, which it pays for a gather in any case.
+A *flat* gather or broadcast (a save's vote and its outcome) is point to point instead
+(:mod:`mpickpt.mpi.flat`).
 """
 
 from __future__ import annotations
@@ -26,11 +21,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import flat as flat_
 from .comm import CommError
 
-# the flat collectives' messages (the roll call's tags are 0x6D71-0x6D74; the node-local level's
-# shard copies 0x6D80)
-TAG_FLAT_GATHER, TAG_FLAT_BCAST = 0x6D75, 0x6D76
 _OPS = {"min": MPI.MIN, "max": MPI.MAX, "sum": MPI.SUM}
 
 
@@ -75,100 +68,6 @@ class _Staged:
         return self.finish()
 
 
-class _FlatGather:
-    """A flat gather: every other rank's pickled object sent to the root with ``tag``; the root
-    receives them as they come, in any order (any size: a matched probe, then a receive). A rank
-    that gathers again may send its next object before another rank's last one has come: MPI
-    keeps each sender's messages in order, so a second one from the same rank is the next
-    gather's and waits in ``early`` (the communicator's) for it."""
-
-    __slots__ = ("comm", "early", "got", "left", "mine", "recvs", "send", "tag")
-
-    def __init__(self, comm: Any, obj: Any, root: int, tag: int,
-                 early: list[tuple[int, MPI.Request, bytearray]]) -> None:
-        self.comm, self.tag, self.early = comm, tag, early
-        self.mine = comm.Get_rank() == root
-        self.got: list[Any] = [None] * comm.Get_size()
-        self.recvs: list[tuple[int, MPI.Request, bytearray]] = []
-        self.left: set[int] = set()
-        self.send = None if self.mine else comm.Isend([pickle.dumps(obj), MPI.BYTE], root, tag)
-        if self.mine:
-            self.got[root] = obj
-            self.left = set(range(comm.Get_size())) - {root}
-            for item in list(early):  # each sender's first: this gather's
-                if item[0] in self.left:
-                    early.remove(item)
-                    self._take(item)
-
-    def _take(self, item: tuple[int, MPI.Request, bytearray]) -> None:
-        self.left.discard(item[0])
-        self.recvs.append(item)
-
-    def test(self) -> bool:
-        try:
-            if self.send is not None:
-                return bool(self.send.Test())
-            status = MPI.Status()
-            while self.left and (msg := self.comm.Improbe(MPI.ANY_SOURCE, self.tag, status)):
-                buf = bytearray(status.Get_count(MPI.BYTE))
-                item = (status.Get_source(), msg.Irecv([buf, MPI.BYTE]), buf)
-                if item[0] in self.left:
-                    self._take(item)
-                else:
-                    self.early.append(item)
-            still = []
-            for src, req, buf in self.recvs:
-                if req.Test():
-                    self.got[src] = pickle.loads(buf)
-                else:
-                    still.append((src, req, buf))
-            self.recvs = still
-        except MPI.Exception as e:
-            raise CommError(f"MPI reported: {e.Get_error_string().strip()}") from None
-        return not self.left and not self.recvs
-
-    def result(self) -> Any:
-        return self.got if self.mine else None
-
-
-class _FlatBcast:
-    """A flat broadcast: the root sends its pickled object to every other rank with ``tag``;
-    each receives it at whatever size it has (a matched probe, then a receive)."""
-
-    __slots__ = ("comm", "data", "obj", "recv", "root", "sends", "tag")
-
-    def __init__(self, comm: Any, obj: Any, root: int, tag: int) -> None:
-        self.comm, self.root, self.tag, self.obj = comm, root, tag, obj
-        self.recv: tuple[MPI.Request, bytearray] | None = None
-        self.sends: list[MPI.Request] = []
-        self.data = b""
-        if comm.Get_rank() == root:
-            self.data = pickle.dumps(obj)
-            self.sends = [comm.Isend([self.data, MPI.BYTE], r, tag)
-                          for r in range(comm.Get_size()) if r != root]
-
-    def test(self) -> bool:
-        try:
-            if self.comm.Get_rank() == self.root:
-                return bool(MPI.Request.Testall(self.sends))
-            if self.recv is None:
-                status = MPI.Status()
-                msg = self.comm.Improbe(self.root, self.tag, status)
-                if msg is None:
-                    return False
-                buf = bytearray(status.Get_count(MPI.BYTE))
-                self.recv = (msg.Irecv([buf, MPI.BYTE]), buf)
-            if not self.recv[0].Test():
-                return False
-        except MPI.Exception as e:
-            raise CommError(f"MPI reported: {e.Get_error_string().strip()}") from None
-        self.obj = pickle.loads(self.recv[1])
-        return True
-
-    def result(self) -> Any:
-        return self.obj
-
-
 def _split(buf: bytearray, counts: list[int]) -> list[Any]:
     out, at = [], 0
     for n in counts:
@@ -189,7 +88,7 @@ class MpiComm:
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self._sends: list[tuple[Any, bytearray]] = []  # never waited on: a dead rank never acks
-        self._early: list[tuple[int, Any, bytearray]] = []  # a flat gather's, for the next
+        self.flat = flat_.Flat(comm)  # the flat collectives' count and early messages
 
     def dup(self) -> MpiComm:
         return MpiComm(self.comm.Dup())
@@ -229,9 +128,9 @@ class MpiComm:
     def allgather(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
 
-    def ibcast(self, obj: Any, root: int, flat: bool = False) -> _Staged | _FlatBcast:
-        if flat:
-            return _FlatBcast(self.comm, obj, root, TAG_FLAT_BCAST)
+    def ibcast(self, obj: Any, root: int, flat: bool = False) -> _Staged | flat_.FlatBcast:
+        if flat and self.size <= flat_.BCAST_RANKS:
+            return self.flat.bcast(obj, root)
         mine = self.rank == root
         data = pickle.dumps(obj) if mine else b""
         n = np.array([len(data)], dtype=np.int64)
@@ -245,9 +144,9 @@ class MpiComm:
         return _Staged(self.comm.Ibcast([n, MPI.INT64_T], root=root), then,
                        lambda: obj if mine else pickle.loads(buf[0]))
 
-    def igather(self, obj: Any, root: int, flat: bool = False) -> _Staged | _FlatGather:
+    def igather(self, obj: Any, root: int, flat: bool = False) -> _Staged | flat_.FlatGather:
         if flat:
-            return _FlatGather(self.comm, obj, root, TAG_FLAT_GATHER, self._early)
+            return self.flat.gather(obj, root)
         mine = self.rank == root
         data = pickle.dumps(obj)
         n = np.array([len(data)], dtype=np.int64)

@@ -280,7 +280,7 @@ class Protocol:
         return req.result()
 
     def bcast(self, obj: Any, phase: str, root: int = 0, flat: bool = False) -> Any:
-        """``flat`` (also a gather's): point to point, see :mod:`mpickpt.mpi.mpicomm`."""
+        """``flat`` (also a gather's): point to point, see :mod:`mpickpt.mpi.flat`."""
         return self._objects(self.comm.ibcast(obj, root, flat), phase)
 
     def gather(self, obj: Any, phase: str, root: int = 0, flat: bool = False) -> list[Any] | None:

@@ -18,16 +18,24 @@ def test_grouped_receives_arrive_where_asked_with_a_bounded_window_of_groups_in_
 
 @pytest.mark.quick
 def test_objects_broadcast_and_gathered_arrive_whole_whatever_their_size():
-    """Tree collectives and flat ones (a save's vote and outcome); flat, rank 3 has rank 0's
-    broadcast while rank 2 sleeps 3 s without a test (in a tree, rank 2 forwards it)."""
+    """Tree collectives and flat ones (a save's vote and outcome). Flat: rank 3 has rank 0's
+    broadcast, and rank 0 the gather, while rank 2 sleeps 3 s without a test (in a tree, rank 2
+    forwards rank 3's part); a root that comes last to three gathers in a row keeps the later
+    ones' messages for them; a rank out of step raises."""
     job = run_mpi(4, [str(SCENARIOS / "transfers_objects.py")], timeout=120)
     assert job.returncode == 0, job.output
     for rank in range(4):
         assert re.search(rf"rank {rank}: \d+ objects whole", job.stdout), job.output
-    took = {int(r): float(s) for r, s in
-            re.findall(r"rank (\d): flat broadcast in ([\d.]+) s", job.stdout)}
-    assert set(took) == {0, 1, 2, 3} and took[2] >= 3, job.output
-    assert max(took[r] for r in (0, 1, 3)) < 1.5, job.output
+    for what, first in (("broadcast", (0, 1, 3)), ("gather", (0,))):
+        took = {int(r): float(s) for r, s in
+                re.findall(rf"rank (\d): flat {what} in ([\d.]+) s", job.stdout)}
+        assert set(took) == {0, 1, 2, 3} and took[2] >= 3, job.output
+        assert max(took[r] for r in first) < 1.5, job.output
+    kept = re.search(r"rank 0: (\d+) messages kept for a later gather", job.stdout)
+    assert kept and int(kept.group(1)) > 0, job.output
+    assert re.search(r"rank 1: out of step: CommError: rank 0's message is of flat collective "
+                     r"#\d+, not #\d+ \(a broadcast\): the ranks are out of step", job.stdout), \
+        job.output
 
 
 @pytest.mark.quick

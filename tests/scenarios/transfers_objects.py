@@ -55,16 +55,48 @@ for root, flat in [(r, f) for f in (False, True) for r in range(size)]:
         assert got == [{"rank": r, "deep": [r] * r} for r in range(size)]
 print(f"rank {rank}: {checked} objects whole", flush=True)
 
-# flat, a rank that does not test (it naps, or computes) holds up no other rank's broadcast;
-# in a tree, rank 2 forwards rank 3's part of a broadcast from rank 0
-proto.barrier("before")
+# flat, a rank that does not test (it naps, or computes) holds up no other rank: rank 3 has rank
+# 0's broadcast, and rank 0 the gather, while rank 2 sleeps 3 s without a test (in a tree,
+# rank 2 forwards rank 3's part of either)
 if size >= 4:
+    for what in ("broadcast", "gather"):
+        proto.barrier("before")
+        start = time.monotonic()
+        req = (proto.comm.ibcast(b"outcome", 0, flat=True) if what == "broadcast"
+               else proto.comm.igather(rank, 0, flat=True))
+        if rank == 2:
+            time.sleep(3)
+        while not req.test():
+            time.sleep(0.001)
+        want = b"outcome" if what == "broadcast" else list(range(size)) if rank == 0 else None
+        assert req.result() == want, (what, req.result())
+        print(f"rank {rank}: flat {what} in {time.monotonic() - start:.2f} s", flush=True)
+
+# the root comes last to three small flat gathers in a row: the later ones' messages wait for
+# their own gather (MPI keeps each sender's messages in order)
+proto.barrier("before")
+if rank == 0:
+    time.sleep(0.5)
+for shift in range(3):
+    got = proto.gather((rank, shift), "gather", root=0, flat=True)
+    assert got == ([(r, shift) for r in range(size)] if rank == 0 else None), got
+if rank == 0:
+    print(f"rank 0: {proto.comm.flat.stashed} messages kept for a later gather", flush=True)
+
+# a rank out of step (rank 1 skips a gather the others start) raises, not takes another
+# collective's object
+proto.barrier("before")
+if rank != 1:
+    proto.comm.igather(b"skipped", 0, flat=True)  # never completes: rank 1 sends nothing
+req = proto.comm.ibcast(b"next", 0, flat=True)
+if rank == 1:
     start = time.monotonic()
-    req = proto.comm.ibcast(b"outcome", 0, flat=True)
-    if rank == 2:
-        time.sleep(3)
+    try:
+        while not req.test() and time.monotonic() - start < 10:
+            time.sleep(0.001)
+        print("rank 1: out of step, and took the broadcast", flush=True)
+    except Exception as e:
+        print(f"rank 1: out of step: {type(e).__name__}: {e}", flush=True)
+else:
     while not req.test():
         time.sleep(0.001)
-    assert req.result() == b"outcome"
-    print(f"rank {rank}: flat broadcast in {time.monotonic() - start:.2f} s", flush=True)
-proto.free()

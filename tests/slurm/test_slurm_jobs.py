@@ -186,8 +186,9 @@ def check_resumed_runs(jobs: Jobs, job: str, runs: int) -> list[int]:
 @pytest.mark.guarantee("resume-bit-identical")
 def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(
         slurm, jobs, reference_runs):
-    steps = 130  # ~0.6 s a step: ~80 s, longer than the 50..80 s before the signal comes; the
-    # second run's 60 steps end before its signal unless the machine is loaded (see below)
+    steps = 150  # ~0.6 s a step: ~90 s, longer than the 50..80 s before the signal comes (130
+    # steps once ended in 77 s, before it); the second run's at most 70 steps end before its
+    # signal unless the machine is loaded (see below)
     reference = reference_runs[(N, steps)]
     job = jobs.train(["--time=2", "--signal=B:USR2@40"], steps, sleep=0.5)
     state = slurm.wait(job, timeout=480)
