@@ -45,6 +45,14 @@ class Flat:
         self.started = 0
         self.early: list[Early] = []
         self.stashed = 0  # messages kept for a later gather (a statistic, for the tests)
+        self.sending: list[Any] = []  # a gather's sends not known to be done (they keep their
+        # buffers): its senders go on at once, whatever MPI's eager limit (Open MPI's shared
+        # memory: 4 kB, beyond which a send waits for its receiver); the root's outcome
+        # answers them anyway
+
+    def sent(self, req: Any) -> None:
+        """Keep ``req`` (a gather's send) until it is done; forget those that are."""
+        self.sending = [r for r in self.sending if not r.Test()] + [req]
 
     def gather(self, obj: Any, root: int) -> FlatGather:
         self.started += 1
@@ -65,9 +73,9 @@ def _unpickle(buf: bytearray, src: int, seq: int, what: str) -> Any:
 
 class FlatGather:
     """Every other rank's pickled object sent to the root; the root receives them as they
-    come, in any order."""
+    come, in any order. A sender is done once its send is started (:meth:`Flat.sent`)."""
 
-    __slots__ = ("flat", "got", "left", "mine", "recvs", "send", "seq")
+    __slots__ = ("flat", "got", "left", "mine", "recvs", "seq")
 
     def __init__(self, flat: Flat, obj: Any, root: int, seq: int) -> None:
         comm = flat.comm
@@ -77,8 +85,8 @@ class FlatGather:
         self.recvs: list[Early] = []
         self.left: set[int] = set()
         try:
-            self.send = None if self.mine else comm.Isend(
-                [pickle.dumps((seq, obj)), MPI.BYTE], root, TAG_GATHER)
+            if not self.mine:  # sent, and done here (the request kept until it completes)
+                flat.sent(comm.Isend([pickle.dumps((seq, obj)), MPI.BYTE], root, TAG_GATHER))
         except MPI.Exception as e:
             raise _error(e) from None
         if self.mine:
@@ -94,9 +102,9 @@ class FlatGather:
         self.recvs.append(item)
 
     def test(self) -> bool:
+        if not self.mine:
+            return True
         try:
-            if self.send is not None:
-                return bool(self.send.Test())
             status = MPI.Status()
             while self.left and (msg := self.flat.comm.Improbe(MPI.ANY_SOURCE, TAG_GATHER,
                                                                status)):
