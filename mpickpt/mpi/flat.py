@@ -31,7 +31,9 @@ BCAST_RANKS = 256  # past this many ranks a broadcast is a tree again (root send
 Early = tuple[int, Any, bytearray]  # (source, receive request, buffer)
 
 
-def _error(e: Any) -> CommError:
+def comm_error(e: Any) -> CommError:
+    """An mpi4py ``MPI.Exception`` as the protocol's :class:`CommError` (also
+    :mod:`mpickpt.mpi.mpicomm`'s)."""
     return CommError(f"MPI reported: {e.Get_error_string().strip()}")
 
 
@@ -88,7 +90,7 @@ class FlatGather:
             if not self.mine:  # sent, and done here (the request kept until it completes)
                 flat.sent(comm.Isend([pickle.dumps((seq, obj)), MPI.BYTE], root, TAG_GATHER))
         except MPI.Exception as e:
-            raise _error(e) from None
+            raise comm_error(e) from None
         if self.mine:
             self.got[root] = obj
             self.left = set(range(comm.Get_size())) - {root}
@@ -123,7 +125,7 @@ class FlatGather:
                     still.append((src, req, buf))
             self.recvs = still
         except MPI.Exception as e:
-            raise _error(e) from None
+            raise comm_error(e) from None
         return not self.left and not self.recvs
 
     def result(self) -> Any:
@@ -146,7 +148,7 @@ class FlatBcast:
                 self.sends = [comm.Isend([data, MPI.BYTE], r, TAG_BCAST)
                               for r in range(comm.Get_size()) if r != root]
             except MPI.Exception as e:
-                raise _error(e) from None
+                raise comm_error(e) from None
 
     def test(self) -> bool:
         comm = self.flat.comm
@@ -163,7 +165,7 @@ class FlatBcast:
             if not self.recv[0].Test():
                 return False
         except MPI.Exception as e:
-            raise _error(e) from None
+            raise comm_error(e) from None
         self.obj = _unpickle(self.recv[1], self.root, self.seq, "a broadcast")
         return True
 

@@ -22,7 +22,6 @@ import numpy as np
 from mpi4py import MPI
 
 from . import flat as flat_
-from .comm import CommError
 
 _OPS = {"min": MPI.MIN, "max": MPI.MAX, "sum": MPI.SUM}
 
@@ -41,7 +40,7 @@ class _Req:
         try:
             return bool(self.req.Test())
         except MPI.Exception as e:
-            raise CommError(f"MPI reported: {e.Get_error_string().strip()}") from None
+            raise flat_.comm_error(e) from None
 
 
 class _Staged:
@@ -61,7 +60,7 @@ class _Staged:
                     return True
                 self.req, self.then = self.then(), None
         except MPI.Exception as e:
-            raise CommError(f"MPI reported: {e.Get_error_string().strip()}") from None
+            raise flat_.comm_error(e) from None
         return False
 
     def result(self) -> Any:
