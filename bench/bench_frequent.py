@@ -17,6 +17,10 @@ grows about in proportion to both). Each row trains
   none                  no checkpoint: the baseline step time
   torch.save+fsync      each rank torch.save()s model + optimizer state dicts to its own file,
                         then fsyncs the file and the directory
+  thread:torch.save+fsync  the floor of an asynchronous save of the bytes mpickpt writes: each
+                        rank clones its share of the tensors (about 1/ranks of them, by size)
+                        on the training thread, then torch.save()s and fsyncs them on a thread
+                        of its own, one save in flight; no vote, no commit
   dcp.save              torch.distributed.checkpoint.save into step-N/ (keeps the last 2)
   dcp.async_save        dcp.async_save into step-N/; before the next one it waits for the
                         previous one's future, as DCP requires (that wait is shown apart)
@@ -71,7 +75,8 @@ from bench_cpu import columns, machine_info  # noqa: E402
 
 MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID")
 CHILD = "BENCH_FREQUENT_CHILD"
-METHODS = ("none", "torch.save+fsync", "dcp.save", "dcp.async_save", "mpickpt")
+METHODS = ("none", "torch.save+fsync", "thread:torch.save+fsync", "dcp.save", "dcp.async_save",
+           "mpickpt")
 # mpickpt's stats in this order first (others, as they come, after)
 STAT_ORDER = ("stall_s", "waited_for_buffer_s", "copy_s", "create_s", "data_s", "seal_s",
               "persist_s", "commit_s", "protect_s", "protected_s", "seen_done_s")
@@ -175,6 +180,59 @@ class TorchSave(Method):
         torch.save(self.b.job.state_dicts(), path)
         fsync_path(path)
         fsync_path(self.work)
+
+
+def tensors_of(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of ``Job.state_dicts()``, by a name of their path."""
+    out = {f"model/{k}": t for k, t in sd["model"].items()}
+    for pid, st in sd["optim"]["state"].items():
+        out.update((f"optim/{pid}/{k}", t) for k, t in st.items() if isinstance(t, torch.Tensor))
+    return out
+
+
+def share_of(tensors: dict[str, torch.Tensor], rank: int, size: int) -> list[str]:
+    """This rank's share of ``tensors``: the largest first, each to the rank with the fewest
+    bytes so far (the same on every rank)."""
+    load, mine = [0] * size, []
+    for n in sorted(tensors, key=lambda n: (-tensors[n].nbytes, n)):
+        r = load.index(min(load))
+        load[r] += tensors[n].nbytes
+        if r == rank:
+            mine.append(n)
+    return mine
+
+
+class ThreadSave(Method):
+    """``thread:torch.save+fsync``: this rank's share cloned, written on a background thread."""
+
+    def __init__(self, b: Bench, work: str) -> None:
+        super().__init__(b, work)
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.share = share_of(tensors_of(b.job.state_dicts()), b.rank, b.size)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="bench-save")
+        self.future: Any = None
+        self.nbytes = 0
+
+    def save(self, step: int) -> None:
+        every = tensors_of(self.b.job.state_dicts())
+        copy = {n: every[n].detach().clone() for n in self.share}
+        self.nbytes = sum(t.nbytes for t in copy.values())
+        if self.future is not None:  # one in flight
+            self.future.result()
+        self.future = self.thread.submit(self._write, copy)
+
+    def _write(self, copy: dict[str, torch.Tensor]) -> None:
+        path = os.path.join(self.work, f"rank{self.b.rank}.pt")
+        torch.save(copy, path)
+        fsync_path(path)
+        fsync_path(self.work)
+
+    def finish(self) -> dict[str, Any]:
+        if self.future is not None:
+            self.future.result()
+        self.thread.shutdown()
+        return {"share_bytes": self.nbytes}
 
 
 class DcpSave(Method):
@@ -286,6 +344,8 @@ class Bench:
                 self.rows[m] = lambda w: Method(self, w)
             elif m == "torch.save+fsync":
                 self.rows[m] = lambda w: TorchSave(self, w)
+            elif m == "thread:torch.save+fsync":
+                self.rows[m] = lambda w: ThreadSave(self, w)
             elif m in ("dcp.save", "dcp.async_save"):
                 self.rows[m] = lambda w, a=m == "dcp.async_save": DcpSave(self, w, a)
             else:
@@ -412,7 +472,8 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
     base = b.results.get("none")
     rows = []
     for name, rounds in b.results.items():
-        med, mean, p90, peak, call, tail, slow_med, slow_mean, cpu, csw = ([] for _ in range(10))
+        med, mean, p90, peak, call, tail, slow_med, slow_mean, cpu, csw, extra = (
+            [] for _ in range(11))
         for i, r in enumerate(rounds):
             cpu.append(r["ranks_cpu_s"] / a.steps / b.size)
             csw.append(r["ranks_context_switches"] / a.steps / b.size)
@@ -427,12 +488,15 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
                 s0 = np.array(base[i]["step_s"][a.warmup:])
                 slow_med.append(100 * (med[-1] / float(np.median(s0)) - 1))
                 slow_mean.append(100 * (mean[-1] / float(s0.mean()) - 1))
+                extra.append(cpu[-1] - base[i]["ranks_cpu_s"] / a.steps / b.size)
         row: dict[str, Any] = {
             "method": name, "step_median_s": statistics.median(med),
             "step_mean_s": statistics.median(mean), "step_p90_s": statistics.median(p90),
             "step_max_s": max(peak), "call_median_s": statistics.median(call),
             "tail_s": statistics.median(tail), "rank_cpu_per_step_s": statistics.median(cpu),
             "rank_context_switches_per_step": statistics.median(csw),
+            # a save per step: the CPU a save costs a rank, against none of the same round
+            "rank_cpu_per_save_s": statistics.median(extra) if extra else None,
             "slowdown_median_pct": statistics.median(slow_med) if slow_med else None,
             "slowdown_mean_pct": statistics.median(slow_mean) if slow_mean else None,
         }
@@ -459,7 +523,8 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
         return "-" if x is None else f"{x:+.0f}%"
 
     head = ("method", "step ms", "slower", "mean ms", "slower (mean)", "p90 ms", "max ms",
-            "in ckpt call ms", "tail s", "CPU ms/step/rank", "switches/step/rank",
+            "in ckpt call ms", "tail s", "CPU ms/step/rank", "CPU ms/save/rank",
+            "switches/step/rank",
             "saves ok/aborted/skipped (all)")
     lines = []
     for r in rows:
@@ -470,7 +535,8 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
         lines.append((r["method"], ms(r["step_median_s"]), pct(r["slowdown_median_pct"]),
                       ms(r["step_mean_s"]), pct(r["slowdown_mean_pct"]), ms(r["step_p90_s"]),
                       ms(r["step_max_s"]), call, f"{r['tail_s']:.2f}",
-                      ms(r["rank_cpu_per_step_s"]), f"{r['rank_context_switches_per_step']:.0f}",
+                      ms(r["rank_cpu_per_step_s"]), ms(r["rank_cpu_per_save_s"]),
+                      f"{r['rank_context_switches_per_step']:.0f}",
                       f"{o['committed']}/{o['aborted']}/{o['skipped']}" if o else "-"))
     main = columns(head, lines)
 
@@ -622,7 +688,9 @@ def run(args: argparse.Namespace, comm: Any) -> None:
               "'in ckpt call': the checkpoint call's own time per step (dcp.async_save: of it, "
               "the wait for the previous save); 'tail': waiting for the saves in flight after "
               "the last step; 'CPU ms/step/rank': CPU time of each rank's process, all its "
-              "threads, per step (the ranks share the machine's CPUs); 'switches/step/rank': "
+              "threads, per step (the ranks share the machine's CPUs); 'CPU ms/save/rank': "
+              "the same less none's of the same round, median over rounds (a save per step: "
+              "what a save costs a rank); 'switches/step/rank': "
               "its context switches per step, voluntary and not, every thread's (the row "
               "without checkpoints: the training's own)")
         if stats_table:
