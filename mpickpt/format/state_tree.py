@@ -109,7 +109,12 @@ class _Flattener:
         if len(path) > MAX_DEPTH:
             raise StateTreeError(f"state[{_path_str(path[:8])}/...]: nested more than "
                                  f"{MAX_DEPTH} levels deep; a restore would refuse its tree")
-        if isinstance(x, (torch.Tensor, Piece)):  # the most common first
+        kind = type(x)  # the most common first, by their exact type (a state_dict(): OrderedDict)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            return self.global_tensor(x, path, where)
+        if issubclass(kind, dict) or kind is list or kind is tuple:
+            return self.container(x, path, where)
+        if isinstance(x, (torch.Tensor, Piece)):
             return self.global_tensor(x, path, where)
         # bool before int: bool is a subclass of int
         if x is None:
@@ -145,32 +150,26 @@ class _Flattener:
                     "state": self.node(x.bit_generator.state, path, where)}
         if isinstance(x, random.Random):
             return {"type": "py_random", "state": self.node(py_state(x.getstate()), path, where)}
+        if isinstance(x, Mapping) or kind in (list, tuple):  # (not a named tuple)
+            return self.container(x, path, where)
+        if callable(getattr(x, "state_dict", None)) and callable(
+                getattr(x, "load_state_dict", None)):
+            return {"type": "stateful", "class": f"{kind.__module__}.{kind.__qualname__}",
+                    "state": self.node(x.state_dict(), path, where)}
+        raise StateTreeError(
+            f"state[{where}]: cannot save an object of type {kind.__qualname__}; "
+            "use tensors, numpy arrays, numbers, strings, None, lists, tuples, dicts, or an "
+            "object with state_dict()/load_state_dict()")
+
+    def container(self, x: Any, path: tuple[Any, ...], where: str) -> dict[str, Any]:
+        """A mapping, a list or a tuple."""
         at = f"{where}/" if path else ""  # a child's where: this and its key
         if isinstance(x, Mapping):
-            return {
-                "type": "dict",
-                "items": [[self.key(k, path), self.node(v, (*path, k), f"{at}{_escape(k)}")]
-                          for k, v in x.items()],
-            }
-        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-            return {
-                "type": type(x).__name__,
-                "items": [self.node(v, (*path, i), f"{at}{i}") for i, v in enumerate(x)],
-            }
-        if callable(getattr(x, "state_dict", None)) and callable(
-            getattr(x, "load_state_dict", None)
-        ):
-            cls = type(x)
-            return {
-                "type": "stateful",
-                "class": f"{cls.__module__}.{cls.__qualname__}",
-                "state": self.node(x.state_dict(), path, where),
-            }
-        raise StateTreeError(
-            f"state[{where}]: cannot save an object of type {type(x).__qualname__}; "
-            "use tensors, numpy arrays, numbers, strings, None, lists, tuples, dicts, or an "
-            "object with state_dict()/load_state_dict()"
-        )
+            return {"type": "dict", "items": [
+                [self.key(k, path), self.node(v, (*path, k), f"{at}{_escape(k)}")]
+                for k, v in x.items()]}
+        return {"type": type(x).__name__,
+                "items": [self.node(v, (*path, i), f"{at}{i}") for i, v in enumerate(x)]}
 
     def key(self, k: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(k, (str, int, float, bool)) or k is None:
