@@ -1,14 +1,17 @@
 """Where ``bench_frequent.py``'s CPU goes, by thread, for every row: the training thread's CPU in
 its training steps and in its checkpoint calls, and the CPU of the process's other Python
-threads (a background save's) and of its other threads (gloo's), per step, per rank.
+threads (a background save's), of its other threads (gloo's), and of the threads that ended
+during the row (``dcp.async_save`` starts one per save), per step, per rank.
 
     mpiexec -n 4 python bench/probe_frequent_threads.py --steps 150 --rounds 2 \\
         --methods none,thread:torch.save+fsync,mpickpt --mpickpt '{}' --dir /tmp/bf
 
 Arguments are ``bench_frequent.py``'s. The training steps' own CPU grows with what runs beside
 them (the row without checkpoints is their baseline): that is the part of a save's cost no
-thread of the save spends. Other threads are read from ``/proc/self/task`` before the row's
-``finish()`` (a background thread may end in it) and after its setup; Linux only.
+thread of the save spends. The threads are read from ``/proc/self/task`` before the row's setup
+and before its ``finish()`` (a background thread may end in it); a thread is Python's if
+``threading.enumerate()`` lists it then; what the process spent beyond its live threads is the
+ended threads'. Linux only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import glob
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,20 +30,26 @@ import bench_frequent as bf
 from mpi4py import MPI
 
 SPENT: dict[str, list[float]] = {"step": [], "call": []}
-TICKS: dict[str, dict[int, tuple[str, int]]] = {}
+TICKS: dict[str, tuple[dict[int, int], int, set[int]]] = {}
 
 
-def threads() -> dict[int, tuple[str, int]]:
-    """Every thread of this process: tid -> (name, CPU ticks so far)."""
+def ticks(stat: str) -> int:
+    """utime + stime, in clock ticks, of a ``/proc/.../stat`` line."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def threads() -> tuple[dict[int, int], int, set[int]]:
+    """(every live thread of this process: tid -> CPU ticks so far; the whole process's CPU
+    ticks, ended threads included; the tids of Python's threads)."""
+    python = {t.native_id for t in threading.enumerate() if t.native_id is not None}
     out = {}
     for task in glob.glob("/proc/self/task/*"):
         try:
-            name = Path(task, "comm").read_text().strip()
-            fields = Path(task, "stat").read_text().rsplit(")", 1)[1].split()
-            out[int(Path(task).name)] = (name, int(fields[11]) + int(fields[12]))
+            out[int(Path(task).name)] = ticks(Path(task, "stat").read_text())
         except (OSError, ValueError):  # the thread ended meanwhile
             continue
-    return out
+    return out, ticks(Path("/proc/self/stat").read_text()), python
 
 
 def timed(owner: Any, name: str, key: str) -> None:
@@ -71,14 +81,16 @@ def main() -> None:
             v.clear()
         TICKS["start"] = threads()
         out = one(self, name, rnd, index)
-        start, end, main = TICKS["start"], TICKS["end"], os.getpid()  # (its tid)
-        spent = {t: c - start.get(t, ("", 0))[1] for t, (_, c) in end.items()}
+        (start, total0, _), (end, total, python) = TICKS["start"], TICKS["end"]
+        main = threading.main_thread().native_id
+        spent = {t: c - start.get(t, 0) for t, c in end.items()}
         tick = 1 / os.sysconf("SC_CLK_TCK") / self.args.steps
-        python = sum(c for t, c in spent.items() if t != main and end[t][0] == "python")
-        other = sum(c for t, c in spent.items() if end[t][0] != "python")
+        py = sum(c for t, c in spent.items() if t != main and t in python)
+        other = sum(c for t, c in spent.items() if t not in python)
+        ended = max(0, total - total0 - sum(spent.values()))
         w = self.args.warmup
         mine = (statistics.mean(SPENT["step"][w:]), statistics.mean(SPENT["call"][w:] or [0.0]),
-                python * tick, other * tick)
+                py * tick, other * tick, ended * tick)
         every = self.comm.gather(mine, 0)
         if self.rank == 0 and every:
             cells = ["/".join(f"{x * 1e3:.2f}" for x in r) for r in every]
@@ -88,7 +100,7 @@ def main() -> None:
     bf.Bench.one = row
     if MPI.COMM_WORLD.rank == 0:
         print("per rank, CPU ms per step: training steps / checkpoint call / other Python "
-              "threads / other threads", flush=True)
+              "threads / other threads / threads that ended", flush=True)
     bf.main()
 
 

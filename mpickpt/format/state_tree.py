@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,7 @@ class _Flattener:
         kind = type(x)  # the most common first, by their exact type (a state_dict(): OrderedDict)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             return self.global_tensor(x, path, where)
-        if issubclass(kind, dict) or kind is list or kind is tuple:
+        if kind is dict or kind is OrderedDict or kind is list or kind is tuple:
             return self.container(x, path, where)
         if isinstance(x, (torch.Tensor, Piece)):
             return self.global_tensor(x, path, where)
