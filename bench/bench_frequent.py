@@ -20,7 +20,8 @@ grows about in proportion to both). Each row trains
   thread:torch.save+fsync  the floor of an asynchronous save of the bytes mpickpt writes: each
                         rank clones its share of the tensors (about 1/ranks of them, by size)
                         on the training thread, then torch.save()s and fsyncs them on a thread
-                        of its own, one save in flight; no vote, no commit
+                        of its own, one save in flight, over the same file each time; no vote,
+                        no commit, not crash-safe
   dcp.save              torch.distributed.checkpoint.save into step-N/ (keeps the last 2)
   dcp.async_save        dcp.async_save into step-N/; before the next one it waits for the
                         previous one's future, as DCP requires (that wait is shown apart)
