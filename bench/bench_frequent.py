@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from mpickpt.format.rootdir import fsync_path
+from mpickpt.sharding import writers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -192,15 +193,10 @@ def tensors_of(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def share_of(tensors: dict[str, torch.Tensor], rank: int, size: int) -> list[str]:
-    """This rank's share of ``tensors``: the largest first, each to the rank with the fewest
-    bytes so far (the same on every rank)."""
-    load, mine = [0] * size, []
-    for n in sorted(tensors, key=lambda n: (-tensors[n].nbytes, n)):
-        r = load.index(min(load))
-        load[r] += tensors[n].nbytes
-        if r == rank:
-            mine.append(n)
-    return mine
+    """This rank's share of ``tensors``, as mpickpt splits replicated tensors among their
+    holders (:func:`mpickpt.sharding.writers`)."""
+    who = writers((n, t.nbytes, range(size)) for n, t in tensors.items())
+    return [n for n in tensors if who[n] == rank]
 
 
 class ThreadSave(Method):

@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_frequent as bf
 from mpi4py import MPI
+from restore_parts import timed
 
 SPENT: dict[str, list[float]] = {"step": [], "call": []}
 TICKS: dict[str, tuple[dict[int, int], int, set[int]]] = {}
@@ -52,23 +53,13 @@ def threads() -> tuple[dict[int, int], int, set[int]]:
     return out, ticks(Path("/proc/self/stat").read_text()), python
 
 
-def timed(owner: Any, name: str, key: str) -> None:
-    fn = getattr(owner, name)
-
-    def call(self: Any, *args: Any) -> Any:
-        t = time.thread_time()
-        try:
-            return fn(self, *args)
-        finally:
-            SPENT[key].append(time.thread_time() - t)
-
-    setattr(owner, name, call)
+def spent(qualname: str, start: float, end: float) -> None:
+    SPENT["step" if qualname == "Job.step" else "call"].append(end - start)
 
 
 def main() -> None:
-    timed(bf.Job, "step", "step")
-    for cls in (bf.TorchSave, bf.ThreadSave, bf.DcpSave, bf.Mpickpt):
-        timed(cls, "save", "call")
+    for q in ("Job.step", "TorchSave.save", "ThreadSave.save", "DcpSave.save", "Mpickpt.save"):
+        timed("bench_frequent", q, time.thread_time, spent)
     for cls in (bf.Method, bf.ThreadSave, bf.DcpSave, bf.Mpickpt):
         def finish(self: Any, fn: Any = cls.finish) -> Any:
             TICKS["end"] = threads()
