@@ -47,13 +47,13 @@ class Flat:
         self.started = 0
         self.early: list[Early] = []
         self.stashed = 0  # messages kept for a later gather (a statistic, for the tests)
-        self.sending: list[Any] = []  # a gather's sends not known to be done (they keep their
-        # buffers): its senders go on at once, whatever MPI's eager limit (Open MPI's shared
-        # memory: 4 kB, beyond which a send waits for its receiver); the root's outcome
-        # answers them anyway
+        self.sending: list[Any] = []  # sends not known to be done (they keep their buffers):
+        # a gather's, whose senders go on at once whatever MPI's eager limit (Open MPI's shared
+        # memory: 4 kB, beyond which a send waits for its receiver; the root's outcome answers
+        # them anyway), and the roll call's posts (MpiComm.post)
 
     def sent(self, req: Any) -> None:
-        """Keep ``req`` (a gather's send) until it is done; forget those that are."""
+        """Keep ``req`` (a send nobody waits for) until it is done; forget those that are."""
         self.sending = [r for r in self.sending if not r.Test()] + [req]
 
     def gather(self, obj: Any, root: int) -> FlatGather:

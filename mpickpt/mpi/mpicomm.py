@@ -86,7 +86,6 @@ class MpiComm:
         self.comm = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        self._sends: list[tuple[Any, bytearray]] = []  # never waited on: a dead rank never acks
         self.flat = flat_.Flat(comm)  # the flat collectives' count and early messages
 
     def dup(self) -> MpiComm:
@@ -197,7 +196,8 @@ class MpiComm:
     def post(self, obj: dict[str, Any], dest: int, tag: int) -> None:
         buf = bytearray(json.dumps(obj).encode())
         with contextlib.suppress(MPI.Exception):  # a dead peer: it is reported missing anyway
-            self._sends.append((self.comm.Isend([buf, MPI.BYTE], dest, tag), buf))
+            self.flat.sent(self.comm.Isend([buf, MPI.BYTE], dest, tag))  # never waited on:
+            # a dead rank never receives it
 
     def take(self, tag: int) -> tuple[int, dict[str, Any]] | None:
         status = MPI.Status()
