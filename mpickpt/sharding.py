@@ -92,6 +92,8 @@ def is_dtensor(x: Any) -> bool:
 
 def local_tensor(x: Any) -> Any:
     """The tensor whose storage holds this rank's piece of ``x`` (``x`` itself if plain)."""
+    if type(x) is torch.Tensor:
+        return x
     if isinstance(x, Piece):
         return x.tensor
     if is_dtensor(x):
@@ -146,15 +148,23 @@ def compact(ranks: Sequence[int]) -> Sequence[int]:
 
 def placement_of(x: Any, where: str, replicated: bool, world: int) -> Placement | None:
     """The placement of a state value, or None for a per-rank tensor."""
+    if type(x) is torch.Tensor:  # plain (the most common): no DTensor, no Piece
+        return whole(tuple(x.shape), world) if replicated else None
     if isinstance(x, Piece):
         holders = range(world) if x.replicated else None
         return Placement(x.global_shape, x.offsets, tuple(x.tensor.shape), holders)
     if is_dtensor(x):
         return dtensor_placement(x, where)
     if replicated:
-        shape = tuple(x.shape)
-        return Placement(shape, (0,) * len(shape), shape, range(world))
+        return whole(tuple(x.shape), world)
     return None
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def whole(shape: tuple[int, ...], world: int) -> Placement:
+    """The placement of a tensor of ``shape`` that each of the ``world`` ranks holds whole (one
+    object per shape: a Placement is immutable)."""
+    return Placement(shape, (0,) * len(shape), shape, range(world))
 
 
 def writers(pieces: Iterable[tuple[str, int, Sequence[int]]]) -> dict[str, int]:

@@ -12,6 +12,7 @@ import pytest
 import xxhash
 from harness import never_blocks
 
+import mpickpt.format.entry as entry_module
 from mpickpt.errors import ManifestError
 from mpickpt.format.entry import MAX_BYTES, MAX_TREE_DEPTH, RankEntry
 from mpickpt.format.manifest import Manifest, read_bytes
@@ -120,10 +121,7 @@ def _with_tree(tree: dict) -> str:
     Manifest.to_json (dataclasses.asdict recurses too deep for such trees)."""
     d = json.loads(sample().to_json())
     d["ranks"][1]["tree"] = tree
-    body = {k: v for k, v in d.items() if k != "manifest_checksum"}
-    d["manifest_checksum"] = xxhash.xxh3_64_hexdigest(
-        json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-    return json.dumps(d)
+    return _resum(d)
 
 
 def test_state_trees_deeper_than_the_limit_are_refused():
@@ -133,6 +131,30 @@ def test_state_trees_deeper_than_the_limit_are_refused():
     with pytest.raises(ManifestError, match=f"rank entry 1: the state tree is nested deeper "
                                             f"than {MAX_TREE_DEPTH} levels"):
         Manifest.from_json(_with_tree(_nested(MAX_TREE_DEPTH + 1)), "M")
+
+
+def test_a_tree_like_the_rank_befores_is_not_walked_again_and_a_deeper_one_still_refused():
+    """The depth of a tree equal to the one before it is known; only an equal one skips it."""
+    ok, deep = _nested(MAX_TREE_DEPTH - 1), _nested(MAX_TREE_DEPTH + 1)
+    d = json.loads(_with_tree(ok))
+    d["ranks"][0]["tree"] = ok
+    walked = []
+    real = entry_module._depth
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(entry_module, "_depth", lambda t: walked.append(t) or real(t))
+        assert [r.tree for r in Manifest.from_json(_resum(d), "M").ranks] == [ok, ok]
+        assert len(walked) == 1  # rank 0's alone
+        d["ranks"][1]["tree"] = deep
+        with pytest.raises(ManifestError, match="rank entry 1: the state tree is nested deeper"):
+            Manifest.from_json(_resum(d), "M")
+
+
+def _resum(d: dict) -> str:
+    """``d`` as a manifest's text with its checksum made right."""
+    body = {k: v for k, v in d.items() if k != "manifest_checksum"}
+    d["manifest_checksum"] = xxhash.xxh3_64_hexdigest(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps(d)
 
 
 def _write(directory, text: str = "{}") -> None:

@@ -342,14 +342,16 @@ def _sources(r: Any, w: str, references: frozenset[int] | None) -> dict[str, int
     return raw
 
 
-def parse_entry(i: int, r: Any, w: str, references: frozenset[int] | None = None) -> RankEntry:
+def parse_entry(i: int, r: Any, w: str, references: frozenset[int] | None = None,
+                like: dict[str, Any] | None = None) -> RankEntry:
     """Rank ``i``'s entry with its tree and records (version 1, or a version-2 index part;
-    version 3: records may refer to older shards, of the steps in ``references``)."""
+    version 3: records may refer to older shards, of the steps in ``references``). ``like``: a
+    tree found shallow enough already (a tree equal to it is, without walking it again)."""
     name, size = _shard(i, r, w, references is not None)
     sources = _sources(r, w, references)
     tensors = _records(r, w, sources, references)
     tree = field_of(r, "tree", dict, w)
-    if _depth(tree) > MAX_TREE_DEPTH:
+    if not (like is not None and tree == like) and _depth(tree) > MAX_TREE_DEPTH:
         raise Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
     return RankEntry(i, name, size, tree, tensors, sources=sources, references=references)
 

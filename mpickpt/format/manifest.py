@@ -285,8 +285,11 @@ def _parse(d: Any, directory: str | None = None) -> Manifest:
         parts: dict[str, Any] = {}  # node index parts read once for all their ranks
         ranks = [parse_summary(i, r, f"rank entry {i}", directory, refs, parts)
                  for i, r in enumerate(ranks_raw)]
-    else:
-        ranks = [parse_entry(i, r, f"rank entry {i}", refs) for i, r in enumerate(ranks_raw)]
+    else:  # the ranks of a DDP job have equal trees: the depth of one is checked
+        ranks = []
+        for i, r in enumerate(ranks_raw):
+            ranks.append(parse_entry(i, r, f"rank entry {i}", refs,
+                                     ranks[-1].tree if ranks else None))
     if refs is not None:
         used = set().union(*(r.references if split else set(r.referred_steps())
                              for r in ranks))

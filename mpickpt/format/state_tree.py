@@ -43,7 +43,9 @@ class ArraySpec:
 
 
 def _escape(key: Any) -> str:
-    s = str(key).replace("%", "%25").replace("/", "%2F")
+    s = key if type(key) is str else str(key)
+    if "%" in s or "/" in s:
+        s = s.replace("%", "%25").replace("/", "%2F")
     if s in ("", ".", ".."):  # not valid as an HDF5 path component
         return "%" + s.replace(".", "%2E")
     return s
@@ -60,13 +62,13 @@ class _Flattener:
     def __init__(self, replicated: tuple[str, ...] = (), world: int = 1) -> None:
         self.arrays: dict[str, torch.Tensor] = {}
         self.placements: dict[str, Placement] = {}
-        self.replicated = replicated
+        self.replicated, self._under = frozenset(replicated), tuple(f"{p}/" for p in replicated)
         self.unmatched = set(replicated)  # replicated key paths not met in the state yet
         self.world = world
 
     def is_replicated(self, where: str) -> bool:
         """Whether the key path ``where`` (:func:`_path_str`) is under a replicated one."""
-        return any(where == p or where.startswith(p + "/") for p in self.replicated)
+        return where in self.replicated or where.startswith(self._under)
 
     def name(self, base: str) -> str:
         name, n = base, 1
@@ -84,8 +86,8 @@ class _Flattener:
             dtypes.name_of(t.dtype)
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
-        name = self.name(where)
-        self.arrays[name] = t.detach()
+        name = self.name(where)  # (a state_dict()'s tensors are detached already)
+        self.arrays[name] = t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
         return name
 
     def global_tensor(self, x: Any, path: tuple[Any, ...], where: str) -> dict[str, Any]:
@@ -117,18 +119,17 @@ class _Flattener:
             return self.container(x, path, where)
         if isinstance(x, (torch.Tensor, Piece)):
             return self.global_tensor(x, path, where)
-        # bool before int: bool is a subclass of int
         if x is None:
             return {"type": "none"}
-        if isinstance(x, bool):
+        if isinstance(x, bool):  # bool before int: bool is a subclass of int
             return {"type": "bool", "value": x}
         if isinstance(x, int):
-            return {"type": "int", "value": int(x)}
+            return {"type": "int", "value": x if kind is int else int(x)}
         if isinstance(x, float):
-            v = float(x)
+            v = x if kind is float else float(x)
             return {"type": "float", "value": v if math.isfinite(v) else repr(v)}
         if isinstance(x, str):
-            return {"type": "str", "value": str(x)}
+            return {"type": "str", "value": x if kind is str else str(x)}
         if isinstance(x, bytes):
             return {"type": "bytes", "value": x.hex()}
         if isinstance(x, torch.dtype):
@@ -165,7 +166,7 @@ class _Flattener:
     def container(self, x: Any, path: tuple[Any, ...], where: str) -> dict[str, Any]:
         """A mapping, a list or a tuple."""
         at = f"{where}/" if path else ""  # a child's where: this and its key
-        if isinstance(x, Mapping):
+        if type(x) is dict or type(x) is OrderedDict or isinstance(x, Mapping):
             return {"type": "dict", "items": [
                 [self.key(k, path), self.node(v, (*path, k), f"{at}{_escape(k)}")]
                 for k, v in x.items()]}
@@ -173,7 +174,7 @@ class _Flattener:
                 "items": [self.node(v, (*path, i), f"{at}{i}") for i, v in enumerate(x)]}
 
     def key(self, k: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(k, (str, int, float, bool)) or k is None:
+        if type(k) is str or isinstance(k, (str, int, float, bool)) or k is None:
             return k
         raise StateTreeError(
             f"state[{_path_str(path)}]: dict key {k!r} of type {type(k).__qualname__} cannot be "

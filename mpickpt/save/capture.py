@@ -85,14 +85,14 @@ class Capture:
                 request.elided = self.tracker.elide(tensors, request.placements)
                 for name in request.elided:
                     del tensors[name]
-            lazy, guarded = self.snapshotter.guard(state)
+            maps = self.snapshotter.guard(state)
             waits = self.pool.in_flight() >= self.pool.slots
             if waits and self.skip:  # every rank skips it: see Pipeline._skipped
                 request.busy = True
                 request.stats["stall_s"] = time.perf_counter() - t0
                 return request, None
             locked = self.pool.locked_bytes
-            request.snapshot = self.snapshotter.take(tensors, lazy, guarded)
+            request.snapshot = self.snapshotter.take(tensors, maps)
             if self.pool.locked_bytes > locked:
                 self._hint(request.snapshot.nbytes)
             if self._waits is not None:

@@ -65,6 +65,14 @@ CLONE_MAX = 16 << 20
 # not worth waking: everything is done on the spot
 LAZY_MIN = 8 << 20
 
+# what guard() knows of the optimizers and modules in a state, worked out when first asked for:
+# (CPU data pointer -> bytes only an optimizer changes, the data pointers the hooks guard)
+Maps = Callable[[], tuple[dict[int, int], set[int]]]
+
+
+def _no_maps() -> tuple[dict[int, int], set[int]]:
+    return {}, set()
+
 
 @dataclass
 class Snapshot:
@@ -167,21 +175,21 @@ class Snapshotter:
         self._views = layout.Views()  # of the pool's buffers and the staging buffers
         pool.dropped.append(self._views.forget)
 
-    def take(self, tensors: Mapping[str, torch.Tensor],
-             lazy: Mapping[int, int] | None = None,
-             guarded: set[int] | frozenset[int] = frozenset()) -> Snapshot:
-        """Snapshot ``tensors``; those of CPU whose data pointer ``lazy`` maps to at least their
-        size (an optimizer's, see :meth:`guard`) are copied on the snapshot thread. Unless
-        every CUDA tensor's data pointer is in ``guarded`` (:meth:`guard`), the current streams
-        wait for the copies from now on (:meth:`fence`)."""
+    def take(self, tensors: Mapping[str, torch.Tensor], maps: Maps | None = None) -> Snapshot:
+        """Snapshot ``tensors``; from 8 MB on, those of CPU whose data pointer the first of
+        ``maps()`` maps to at least their size (an optimizer's, see :meth:`guard`) are copied on
+        the snapshot thread. Unless every CUDA tensor's data pointer is in the second, the
+        current streams wait for the copies from now on (:meth:`fence`)."""
         t0 = time.perf_counter()
-        lazy = lazy or {}
+        maps = maps or _no_maps
         by_device, order, offsets, ranges, pos = layout.place(tensors)
         key = layout.key(tensors, offsets)
         cpu = by_device.get(torch.device("cpu"), [])
-        later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= layout.nbytes(tensors[n])]
-        if pos < LAZY_MIN:
-            later = []
+        later = []
+        if pos >= LAZY_MIN and cpu:
+            lazy = maps()[0]
+            later = [n for n in cpu
+                     if lazy.get(tensors[n].data_ptr(), -1) >= layout.nbytes(tensors[n])]
         later_set = set(later)
         now = [n for n in cpu if n not in later_set]
         if self._last is not None:  # its staging buffers must be emptied before reuse
@@ -204,8 +212,8 @@ class Snapshotter:
                     names = by_device[dev]
                     self._copy_cuda(dev, [tensors[n] for n in names], names, offsets, snap,
                                     ranges[dev], staging[dev], key)
-            if any(tensors[n].data_ptr() not in guarded
-                   for dev in order if dev.type == "cuda" for n in by_device[dev]):
+            cuda = [n for dev in order if dev.type == "cuda" for n in by_device[dev]]
+            if cuda and any(tensors[n].data_ptr() not in maps()[1] for n in cuda):
                 self.fence()  # on the GPU: into staging, a few milliseconds for GBs
             held: dict[str, torch.Tensor] = {}
             with torch.no_grad():
@@ -363,23 +371,29 @@ class Snapshotter:
         snap.staging_free.set()
         self.pool.release(snap.lease)
 
-    def guard(self, state: Any) -> tuple[dict[int, int], set[int]]:
+    def guard(self, state: Any) -> Maps:
         """Make the optimizers (and, with CUDA, the modules) in ``state`` wait for the snapshot
         before they change the tensors it copies: an optimizer step pre-hook and a forward
-        pre-hook, registered once per object. Returns the CPU tensors only those optimizers
-        change (data pointer -> bytes: their parameters and state, which :meth:`take` copies
-        lazily), and the data pointers of every tensor those hooks guard (the optimizers'
-        parameters and state, the modules' buffers)."""
+        pre-hook, registered once per object. Returns what :meth:`take` asks for only when it
+        needs them (lazy copies, CUDA tensors): the CPU tensors only those optimizers change
+        (data pointer -> bytes: their parameters and state, which :meth:`take` copies lazily),
+        and the data pointers of every tensor those hooks guard (the optimizers' parameters
+        and state, the modules' buffers)."""
         found: list[Any] = []
         owners.collect(state, found)
-        owned: dict[int, int] = {}
-        guarded: set[int] = set()
-        with self._hook_lock:
+
+        @functools.cache
+        def maps() -> tuple[dict[int, int], set[int]]:
+            owned: dict[int, int] = {}
+            guarded: set[int] = set()
             for obj in found:
                 if isinstance(obj, torch.optim.Optimizer):
                     owners.owned_by(obj, owned, guarded)
                 elif torch.cuda.is_available():
                     guarded.update(owners.buffer_ptrs(obj))
+            return owned, guarded
+        with self._hook_lock:
+            for obj in found:
                 if obj in self._hooked:
                     continue
                 if isinstance(obj, torch.optim.Optimizer):
@@ -389,7 +403,7 @@ class Snapshotter:
                 else:
                     continue
                 self._hooked.add(obj)
-        return owned, guarded
+        return maps
 
     def fence(self) -> None:
         """Make the current stream of each device wait until the last snapshot no longer reads
