@@ -120,8 +120,10 @@ class Pipeline:
         self.scavenge()
         for job in self._jobs:
             job.result()
-        results, self._pending = [h.outcome() for h in self._pending], []
-        failed = [r for r in results if not r.committed and not r.skipped]
+        pending, self._pending = self._pending, []
+        # a failure already raised to the caller (a state it cannot save) is not lost here
+        failed = [r for h in pending if not h.reported
+                  and not (r := h.outcome()).committed and not r.skipped]
         for r in failed:
             self.log.error("%s, and the save of step %d could not commit (%s): it is lost",
                            why, r.step, r.error)

@@ -75,6 +75,14 @@ def test_a_last_save_that_cannot_commit_at_exit_fails_the_job(tmp_path):
     assert "the save of step 2 could not commit" in p.stderr, p.output
 
 
+def test_a_failed_save_already_raised_does_not_fail_the_job_at_exit(tmp_path):
+    """The caller saw the StateTreeError: at exit nothing in flight is lost, and the exit is 0."""
+    p = job(2, "typo-no-close", tmp_path)
+    assert p.returncode == 0, p.output
+    assert all("'modle' matches nothing" in s["error"] for s in seen(tmp_path, "typo-no-close", 2))
+    assert "could not commit" not in p.stderr, p.output
+
+
 @pytest.mark.parametrize("who", ["every rank", "rank 1"])
 def test_metadata_takes_scalars_and_refuses_the_rest_naming_the_key(tmp_path, who):
     extra = ["--only-rank", "1"] if who == "rank 1" else []

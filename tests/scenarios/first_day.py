@@ -10,7 +10,8 @@ Modes:
 * ``no-close``: save steps 1 and 2 and end without ``close()`` (the last save still in flight).
 * ``metadata``: a 0-d tensor, a numpy scalar and NaN as metadata commit; an object does not (on
   every rank, or with ``--only-rank R`` on that rank alone), and the next save commits.
-* ``replicated-typo``: ``replicated=("modle",)`` is refused at the first save.
+* ``replicated-typo``: ``replicated=("modle",)`` is refused at the first save (``typo-no-close``:
+  the same, and the script ends without ``close()``).
 * ``again``: step 2 saved twice; the second replaces the first, with a warning.
 * ``busy``: saves of every step, each slowed down: the log says once that saves wait.
 * ``skip``: ``if_busy="skip"``, saves 0.3 s apart while rank 1's writes are slowed down (1 s):
@@ -99,14 +100,15 @@ def main() -> None:
                bytes=ckpt.restore_info.bytes_read, total=ckpt.restore_info.total_bytes_read)
         ckpt.close()
 
-    elif a.mode == "replicated-typo":
+    elif a.mode in ("replicated-typo", "typo-no-close"):
         ckpt = mpickpt.Checkpointer(root, replicated=("modle",))
         try:
             ckpt.save(1, st)
             error = None
         except mpickpt.StateTreeError as e:
             error = str(e)
-        ckpt.close()
+        if a.mode == "replicated-typo":
+            ckpt.close()
         record(a.base, a.mode, error=error)
 
     elif a.mode == "again":
