@@ -376,8 +376,10 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
         ranks = lv.world_size(nxt["step"])
         out.line(f"{out.style('GOOD', 'green bold')}  the job will resume from step "
                  f"{out.style(str(nxt['step']), 'bold')}, from the node-local level "
-                 f"{lv.path} (newer than ROOT's"
-                 + (f" step {chosen.step}, its fallback)" if chosen is not None else ")"))
+                 f"{lv.path} (" + ("newer than ROOT's)" if chosen is None else
+                                   f"newer than ROOT's step {chosen.step}, its fallback)"
+                                   if nxt["step"] > chosen.step else
+                                   f"ROOT's step {chosen.step} too, its fallback)"))
         out.line(f"  nodes     {', '.join(nxt['nodes'] or [])}")
         out.line(f"  ranks     {ranks}")
         out.line()

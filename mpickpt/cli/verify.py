@@ -133,8 +133,10 @@ def show(out: Out, s: Survey, now: float, local_step: int | None = None) -> None
                  f"(`rm -r {os.path.join(s.root, rootdir.POOL)}` frees them while no job runs)")
     cur = s.current
     if local_step is not None:
+        than = ("newer than ROOT's" if cur is None or local_step > cur.step
+                else "the step ROOT's newest is too")
         out.line(f"Checkpointer.restore() will load step {local_step} from the node-local "
-                 f"level (below), newer than ROOT's"
+                 f"level (below), {than}"
                  + (f" (* = step {cur.step}, its fallback)" if cur is not None else ""))
     elif cur is not None:
         out.line(f"* = the checkpoint Checkpointer.restore() will load: step {cur.step}, "

@@ -125,6 +125,11 @@ def test_drain_commits_the_step_and_a_restore_from_root_is_bit_exact(tmp_path, t
     assert cli_json("verify", root)[0] == EXIT_OK  # every checksum, and the HDF5 metadata
     code, doc = cli_json("ls", root, "--local", local)
     assert code == EXIT_OK and doc["current"] == STEP and doc["local"]["steps"][0]["drained"]
+    out = cli("ls", root, "--local", local)[1]  # the same step in both: not "newer"
+    assert f"will load step {STEP} from the node-local level (below), the step ROOT's newest " \
+           f"is too (* = step {STEP}, its fallback)" in out, out
+    out = cli("restore", root, "--local", local, "--dry-run")[1]
+    assert f"(ROOT's step {STEP} too, its fallback)" in out, out
     # again: the step is in ROOT already, nothing is done
     mtime = final.stat().st_mtime_ns
     code, doc = cli_json("drain", local, root)
