@@ -108,8 +108,9 @@ def _backend(raw: str) -> str:
 BACKEND = Knob("MPICKPT_BACKEND", "auto", _backend, "auto, mpi or torch",
                "what the protocol's collectives run over: auto takes MPI under an MPI launcher "
                "(or where mpi4py is initialised) and torch.distributed's gloo under torchrun "
-               "(RANK, WORLD_SIZE, MASTER_ADDR set); a process that no launcher started runs "
-               "alone, with no communication and MPI not started (mpi: start it anyway)")
+               "(RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set); a process that no launcher "
+               "started runs alone, with no communication and MPI not started (mpi: start it "
+               "anyway)")
 
 
 def _count(raw: str) -> int:

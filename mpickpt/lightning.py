@@ -69,7 +69,7 @@ class MpickptIO(CheckpointIO):
     on ``root`` (created on every rank by :class:`DDPStrategy`'s setup for ``fit``, before
     the first training step: use it with that strategy, which also saves on every rank).
     ``kwargs`` go to the Checkpointer (``keep=N`` or ``keep=mpickpt.Retention(...)``,
-    ``incremental`` ...); ``replicated`` defaults to DDP's model, optimizer and scheduler
+    ``encoding`` ...); ``replicated`` defaults to DDP's model, optimizer and scheduler
     states."""
 
     def __init__(self, root: str | os.PathLike[str], **kwargs: Any) -> None:
