@@ -29,6 +29,10 @@ grows about in proportion to both). Each row trains
                         **--mpickpt-kw, **row) per row, ck.save(step, {"model", "optim"}); one
                         row per --mpickpt JSON (default: {} and {"max_in_flight": 2})
 
+With ``--no-train`` the rows save back to back with no training step between the saves: the
+CPU a save costs each rank alone, without a training loop beside it that its threads slow
+down (a save waits for the one before where the method allows one in flight).
+
 DCP uses a gloo process group of its own, so its background collectives never meet DDP's.
 A step is the time from the start of ``zero_grad`` to the return of the checkpoint call; every
 rank's step times are reduced to the slowest rank's, step by step. Rows run in rounds
@@ -374,7 +378,8 @@ class Bench:
         steps, calls = np.zeros(a.steps), np.zeros(a.steps)
         for i in range(a.steps):
             t0 = time.perf_counter()
-            self.job.step()
+            if not a.no_train:
+                self.job.step()
             t1 = time.perf_counter()
             method.save(i + 1)
             t2 = time.perf_counter()
@@ -481,10 +486,11 @@ def summarize(b: Bench) -> tuple[list[dict[str, Any]], str, str]:
             peak.append(float(s.max()))
             call.append(float(np.median(r["call_s"][a.warmup:])))
             tail.append(r["tail_s"])
-            if base:
+            if base and not a.no_train:  # (without training, none's steps are empty)
                 s0 = np.array(base[i]["step_s"][a.warmup:])
                 slow_med.append(100 * (med[-1] / float(np.median(s0)) - 1))
                 slow_mean.append(100 * (mean[-1] / float(s0.mean()) - 1))
+            if base:
                 extra.append(cpu[-1] - base[i]["ranks_cpu_s"] / a.steps / b.size)
         row: dict[str, Any] = {
             "method": name, "step_median_s": statistics.median(med),
@@ -597,6 +603,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--work", type=int, default=5,
                     help="times the forward pass runs the layer stack: compute, not state (5)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    ap.add_argument("--no-train", action="store_true",
+                    help="no training step between the checkpoints: saves back to back, what "
+                         "a save's own work costs each rank (its CPU less none's, which is "
+                         "then about nothing), without the training beside it")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"comma-separated rows (default: {','.join(METHODS)}); mpickpt: one "
                          "row per --mpickpt")
