@@ -12,7 +12,8 @@
 4. ``--prune --keep N`` removes the good committed checkpoints that no rule of the retention
    policy keeps (:mod:`mpickpt.save.retention`, the Checkpointer's own): the N newest, with
    ``--keep-every K`` every step divisible by K, with ``--best METRIC[:min|max] --keep-best M``
-   the M best by that number in the checkpoints' metadata; the chosen one always stays. The report
+   the M best by that number in the checkpoints' metadata; the chosen one always stays, read in
+   full first whatever ``--verify`` says (newest first until one passes). The report
    says why each one is kept. Neither 3 nor 4 runs while a job holds ROOT's writer lock (refused
    at once, nothing changed); each holds the lock while it changes ROOT.
 5. The report: step, age, world size, size and path of the checkpoint the job will resume from,
@@ -80,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
                    "refused while a job holds ROOT's writer lock")
     p.add_argument("--prune", action="store_true",
                    help="remove the good committed checkpoints that no rule below keeps (the "
-                   "newest always stays); the report says why each one is kept; refused while "
+                   "one restore would load always stays, read in full first: newest first "
+                   "until one passes); the report says why each one is kept; refused while "
                    "a job holds ROOT's writer lock")
     p.add_argument("--keep", type=int, metavar="N",
                    help="with --prune: keep the N newest good ones (>= 1)")
@@ -184,7 +186,11 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
     if guarded and not rootlock.free(root):
         return fail(out, EXIT_ERROR, job_saving(rootlock.who(root), root, rolling), root=root)
     seen = rootdir.committed(root)  # what the plan is made from
-    s = verify.survey(root, "quick" if rolling else args.verify, team, out, chain=True)
+    # a prune deletes what restore would fall back to: the one it keeps as the resume point is
+    # read in full first (a quick check reads none of its data), newest first until one passes
+    full = args.verify == "full" or args.policy is not None
+    s = verify.survey(root, "quick" if rolling else "full" if full else "quick", team, out,
+                      chain=True)
     live = None if rootlock.free(root) else rootlock.who(root)  # as it is after the survey
     changes = Changes(root, args.dry_run)
     left_alone = []
@@ -218,7 +224,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
                     f"{where[0]} {root}/{rootdir.step_name(args.step)}`)") if where else ""
             return fail(out, EXIT_ERROR, f"no committed checkpoint of step {args.step} under "
                         f"{root}{hint}; committed steps: {steps}. Nothing was changed.", root=root)
-        if args.verify == "full":
+        if full:
             s.checked_bytes, s.seconds = team.verify([target], out)
             s.level = "full"
         if target.status == "corrupt":

@@ -210,6 +210,23 @@ def test_prune_keeps_the_chosen_and_the_newest_before_it(root2):
     assert [s for s in (20, 15, 10) if step_dir(root2, s).exists()] == [15]
 
 
+def test_a_prune_reads_the_step_it_keeps_in_full_even_under_the_quick_check(root2):
+    """A flipped bit in the newest passes the quick check: a prune that trusted it deleted
+    every checkpoint restore could fall back to."""
+    flip_data_byte(root2, 20, rank=0)
+    code, doc = cli_json(root2, "--prune", "--keep", "1", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 15, doc
+    assert doc["chosen"]["verified"] == "full" and doc["verify"] == "full"
+    assert by_step(doc)[(20, "corrupt")]
+    assert [s for s in (20, 15, 10) if step_dir(root2, s).exists()] == [15]
+    assert (root2 / "quarantine" / "step-00000020").is_dir()
+    # a rollback with a prune reads its target in full too
+    flip_data_byte(root2, 15, rank=1)
+    code, doc = cli_json(root2, "--step", "15", "--prune", "--keep", "1", restore=True)
+    assert code == EXIT_DAMAGED and "fails verification" in doc["error"], doc
+    assert step_dir(root2, 15).exists()
+
+
 @pytest.mark.quick
 def test_rollback_then_the_next_restore_lands_on_it(root2, tmp_path):
     code, doc = cli_json(root2, "--step", "10", restore=True)
