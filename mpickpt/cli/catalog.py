@@ -2,7 +2,10 @@
 
 * ``step-XXXXXXXX/``: a committed checkpoint, what ``Checkpointer.restore()`` considers (the same
   listing, :func:`mpickpt.format.rootdir.committed` with directories whose manifest is missing).
-  Its status is ``committed`` until a check fails, then ``corrupt``.
+  Its status is ``committed`` until a check fails, then ``corrupt``; ``unreadable`` when this
+  user may not read it (not known to be damaged), ``misnamed`` when its manifest is another
+  step's (moved or copied there: restore refuses it), ``unsupported`` for another format
+  version, ``hdf5-damaged`` when only the HDF5 metadata is wrong (restore still loads it).
 * ``step-XXXXXXXX.partial-<run>/`` (a save that never committed: its note says which ranks'
   shards are incomplete or missing, see :mod:`.diagnose`) and ``*.deleting-<run>`` or
   ``*.replaced-<run>`` (a removal that was interrupted): status ``partial``. Restore never loads
@@ -33,6 +36,8 @@ ROLLBACK = "ROLLBACK.json"
 _ANY_STEP_RE = re.compile(r"^step-(\d{8,})")
 # what Checkpointer.restore() loads: intact, or with damaged HDF5 metadata (it never reads that)
 LOADABLE = ("committed", "hdf5-damaged")
+# the statuses of a committed checkpoint, once checked
+CHECKED = ("committed", "corrupt", "unreadable", "misnamed", "unsupported", "hdf5-damaged")
 
 
 @dataclass
@@ -44,6 +49,8 @@ class Problem:
     file: str | None = None
     unsupported: bool = False  # a manifest of another mpickpt version: not damage
     restorable: bool = False  # HDF5 metadata only: the tensors verify, restore still loads it
+    denied: bool = False  # this user may not read it: not known to be damaged
+    misnamed: bool = False  # the manifest is another step's: intact, but not loadable there
 
     def to_json(self) -> dict[str, Any]:
         return {"reason": self.reason, "rank": self.rank, "file": self.file}
@@ -53,7 +60,8 @@ class Problem:
 class Entry:
     name: str
     path: str
-    status: str  # committed | corrupt | unsupported | hdf5-damaged | partial | quarantined
+    status: str  # committed | corrupt | unreadable | misnamed | unsupported | hdf5-damaged |
+    #              partial | quarantined
     step: int | None
     time: float | None = None  # the manifest's creation time, else the newest mtime inside
     world_size: int | None = None
@@ -72,14 +80,17 @@ class Entry:
         return self.problems[0] if self.problems else None
 
     def fail(self, problems: list[Problem]) -> None:
-        """Mark as corrupt (or unsupported, or hdf5-damaged when only HDF5 metadata is wrong);
-        the problems sorted by rank, the manifest's first."""
+        """Mark as corrupt where any problem is damage, else by what the problems are (see the
+        module); the problems sorted by rank, the manifest's first."""
         self.problems = sorted(self.problems + problems,
                                key=lambda p: -1 if p.rank is None else p.rank)
-        unsupported = any(p.unsupported for p in self.problems)
-        restorable = all(p.restorable for p in self.problems)
-        self.status = ("unsupported" if unsupported else "hdf5-damaged" if restorable
-                       else "corrupt")
+        ps = self.problems
+        damage = [p for p in ps
+                  if not (p.unsupported or p.restorable or p.denied or p.misnamed)]
+        self.status = ("unsupported" if any(p.unsupported for p in ps) else
+                       "corrupt" if damage else
+                       "unreadable" if any(p.denied for p in ps) else
+                       "misnamed" if any(p.misnamed for p in ps) else "hdf5-damaged")
         self.verified = None
 
     def to_json(self, now: float) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ShardError
-from ..format import checksum
+from ..format import checksum, rootdir
 from ..format.blocks import BlockFile
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
@@ -57,6 +57,8 @@ CHUNK = 8 << 20  # the most one reader thread holds
 def _problem(e: ShardError, m: Manifest | None = None, checkpoint: str | None = None) -> Problem:
     """The problem, with where the shard came from when it is another's (given the manifest)."""
     why = str(e)
+    if denied(e.path):
+        return Problem(why, e.rank, e.path, denied=True)
     if m is not None and checkpoint is not None:
         why += provenance.explain(e.rank, e.path, m, checkpoint)
     return Problem(why, e.rank, e.path)
@@ -70,17 +72,31 @@ def _check_shard(checkpoint: str, m: Manifest, r: RankEntry) -> None:
         check_records(r.rank, f.path, f.records, f.bytes, m.checksum_block)
 
 
+def denied(path: str) -> bool:
+    """Whether this user may not read ``path`` or search its directory: a check that fails so
+    says nothing of the bytes (the job's user may read them)."""
+    return not os.access(os.path.dirname(path) or ".", os.X_OK) or (
+        os.path.lexists(path) and not os.access(path, os.R_OK))
+
+
 def quick(entry: Entry) -> None:
-    """Check a committed checkpoint's manifest and shard sizes; mark it corrupt or 'quick'."""
+    """Check a committed checkpoint's manifest and shard sizes; mark it corrupt (unreadable,
+    misnamed, ...: :meth:`Entry.fail`) or 'quick'."""
+    mpath = os.path.join(entry.path, MANIFEST)
     try:
         m = read_manifest(entry.path)
     except ManifestUnreadable as e:
-        entry.fail([Problem(str(e), file=os.path.join(entry.path, MANIFEST),
-                            unsupported=e.unsupported)])
+        entry.fail([Problem(str(e), file=mpath, unsupported=e.unsupported,
+                            denied=denied(mpath))])
         return
     entry.manifest = m
     set_from_manifest(entry, m)
     problems = []
+    if entry.step is not None and m.step != entry.step:  # as restore refuses it
+        problems.append(Problem(
+            f"{mpath} is the manifest of step {m.step}, not of step {entry.step}: it was "
+            "copied or moved here, and restore refuses it (named "
+            f"{rootdir.step_name(m.step)}, it would load)", file=mpath, misnamed=True))
     for r in m.ranks:
         try:
             _check_shard(entry.path, m, r)

@@ -20,7 +20,8 @@ from ..log import human_bytes
 
 _CODES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 STATUS_STYLE = {"committed": "green", "corrupt": "red", "unsupported": "red",
-                "hdf5-damaged": "yellow", "partial": "yellow", "quarantined": "yellow"}
+                "unreadable": "yellow", "misnamed": "yellow", "hdf5-damaged": "yellow",
+                "partial": "yellow", "quarantined": "yellow"}
 
 
 def use_colour(stream: TextIO) -> bool:

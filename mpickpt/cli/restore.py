@@ -256,6 +256,15 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
             left_alone.append({"path": e.path, "reason": (
                 f"{e.problem.reason}: not damaged, so left in place; this mpickpt cannot "
                 "load it")})
+        if e.status == "unreadable" and e.path not in planned:
+            assert e.problem is not None
+            left_alone.append({"path": e.path, "reason": (
+                f"{e.problem.reason}: this user may not read it, which says nothing of its "
+                "bytes, so it is left in place; run this as the job's user")})
+        if e.status == "misnamed" and e.path not in planned:
+            assert e.problem is not None
+            left_alone.append({"path": e.path, "reason": (
+                f"{e.problem.reason}: left in place, intact")})
         if e.status == "hdf5-damaged" and e.path not in planned:
             assert e.problem is not None
             left_alone.append({"path": e.path, "reason": (

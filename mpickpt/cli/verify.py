@@ -54,7 +54,7 @@ class Survey:
     @property
     def committed(self) -> list[Entry]:
         return [e for e in self.entries
-                if e.status in ("committed", "corrupt", "unsupported", "hdf5-damaged")]
+                if e.status in catalog.CHECKED]
 
     @property
     def current(self) -> Entry | None:
@@ -186,10 +186,16 @@ def command(args: argparse.Namespace, out: Out, team: Team, verify_mode: bool) -
               **more})
     show(out, s, now, nxt["step"] if nxt["level"] == "local" else None)
     hdf5 = [e for e in bad if e.status == "hdf5-damaged"]
-    if len(bad) > len(hdf5) and code != EXIT_NO_CHECKPOINT:
-        out.line(f"{len(bad) - len(hdf5)} checkpoint(s) fail verification; restore skips them by "
+    corrupt = [e for e in bad if e.status == "corrupt"]
+    if corrupt and code != EXIT_NO_CHECKPOINT:
+        out.line(f"{len(corrupt)} checkpoint(s) fail verification; restore skips them by "
                  f"itself. `mpickpt-restore {root}` moves the damaged ones into "
                  f"{root}/quarantine/.")
+    if len(bad) > len(hdf5) + len(corrupt):
+        out.line(f"{len(bad) - len(hdf5) - len(corrupt)} checkpoint(s) restore cannot load "
+                 "where they are, and not known to be damaged (their notes say why: "
+                 "misnamed, unreadable by this user, another format version); "
+                 "`mpickpt-restore` leaves them in place.")
     if hdf5:
         out.line(f"{len(hdf5)} checkpoint(s) have damaged HDF5 metadata: restore still loads "
                  "them (it reads the tensors without HDF5 and they verify), but h5py and h5dump "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from clikit import (
@@ -17,7 +20,7 @@ from clikit import (
     listing,
     partial_dirs,
 )
-from harness import flip_data_byte, job_holding, shard, starts, step_dir, train
+from harness import NO_DAC, flip_data_byte, job_holding, shard, starts, step_dir, train
 
 from mpickpt.cli import EXIT_DAMAGED, EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_OK
 
@@ -303,6 +306,38 @@ def test_another_format_version_is_left_in_place(root2):
     assert by_step(doc)[(20, "unsupported")]
     assert step_dir(root2, 20).is_dir()
     assert [x["path"] for x in doc["left_alone"]] == [str(step_dir(root2, 20))]
+
+
+def test_a_step_directory_renamed_is_misnamed_left_in_place_and_never_chosen(root2):
+    """Restore refuses a step whose manifest is another step's: the tools neither choose it nor
+    let a prune delete what restore falls back to because of it, nor remove it."""
+    os.rename(step_dir(root2, 20), step_dir(root2, 30))
+    code, doc = cli_json("verify", root2)
+    assert code == EXIT_DAMAGED and doc["current"] == 15, doc  # one fails verification
+    bad = by_step(doc)[(30, "misnamed")]
+    assert "is the manifest of step 20, not of step 30" in bad["problems"][0]["reason"]
+    code, doc = cli_json(root2, "--prune", "--keep", "1", "--delete", restore=True)
+    assert code == EXIT_OK and doc["chosen"]["step"] == 15, doc
+    assert [x["path"] for x in doc["left_alone"]] == [str(step_dir(root2, 30))]
+    assert [s for s in (30, 15, 10) if step_dir(root2, s).exists()] == [30, 15]
+
+
+def test_a_step_this_user_may_not_read_is_left_in_place_not_called_damaged(root2):
+    """Permission denied says nothing of the bytes: --delete run by a user who may not read one
+    shard (here root without its power over file modes) must not remove the checkpoint."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to act without root's override")
+    shard(root2, 20, 1).chmod(0)
+    p = subprocess.run(["setpriv", *NO_DAC, sys.executable, "-m", "mpickpt.cli.restore",
+                        str(root2), "--delete", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    doc = json.loads(p.stdout)
+    assert p.returncode == EXIT_OK and doc["chosen"]["step"] == 15, p.stderr
+    bad = by_step(doc)[(20, "unreadable")]
+    assert "Permission denied" in bad["problems"][0]["reason"]
+    assert [x["path"] for x in doc["left_alone"]] == [str(step_dir(root2, 20))]
+    assert step_dir(root2, 20).is_dir() and shard(root2, 20, 1).exists()
+    assert [a["step"] for a in doc["actions"]] == [PARTIAL]
 
 
 def test_bad_command_lines_exit_2(root2):
