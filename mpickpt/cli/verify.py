@@ -76,6 +76,10 @@ def survey(root: str, level: str, team: Team, out: Out, chain: bool = False) -> 
     committed = [e for e in entries if e.status == "committed"]
     for e in committed:
         checks.quick(e)
+    # a job's retention may remove a step between the listing and its check: gone, not damaged
+    gone = {e.path for e in committed if e.status != "committed" and not os.path.lexists(e.path)}
+    entries = [e for e in entries if e.path not in gone]
+    committed = [e for e in committed if e.path not in gone]
     s = Survey(root, entries, level, pool=rootdir.pooled(root))
     if level == "full":
         if chain:

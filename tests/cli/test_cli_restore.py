@@ -340,6 +340,27 @@ def test_a_step_this_user_may_not_read_is_left_in_place_not_called_damaged(root2
     assert [a["step"] for a in doc["actions"]] == [PARTIAL]
 
 
+def test_a_step_a_jobs_retention_removes_while_it_is_checked_is_gone_not_damaged(root2,
+                                                                               monkeypatch):
+    """ls, verify and mpickpt-restore run beside a live job: a step its retention removes
+    between the listing and the check is no longer there, not corrupt (it failed the command)."""
+    from mpickpt.cli import checks
+    from mpickpt.format import rootdir
+
+    quick = checks.quick
+
+    def retained_meanwhile(entry):
+        if entry.step == 10:
+            rootdir.remove(entry.path, "another-run")  # as the job's retention does
+        quick(entry)
+
+    monkeypatch.setattr(checks, "quick", retained_meanwhile)
+    code, doc = cli_json("verify", root2, "--verify", "quick")
+    assert code == EXIT_OK and [c["step"] for c in doc["checkpoints"]
+                                if c["status"] == "committed"] == [20, 15], doc
+    assert 10 not in [c["step"] for c in doc["checkpoints"]]
+
+
 def test_bad_command_lines_exit_2(root2):
     for argv in (["--prune"], ["--keep", "2"], ["--prune", "--keep", "0"],
                  ["--list", "--step", "1"]):
