@@ -11,7 +11,8 @@ to
 * **rollback** (``--step N``): the committed checkpoints newer than N are quarantined, so N is the
   newest and the next ``Checkpointer.restore()`` loads it; ``ROOT/ROLLBACK.json`` (atomic write)
   records who rolled back when, from which step to which, what was moved, and the earlier
-  rollbacks. It is written only once every move succeeded.
+  rollbacks. It is written only once every move succeeded; a move that fails moves the ones
+  before it back (the oldest is moved first), so that a failed rollback changes nothing.
 """
 
 from __future__ import annotations
@@ -92,37 +93,60 @@ class Changes:
         return [a for a in self.actions if a.error]
 
     def apply(self) -> None:
-        """Carry out the plan (nothing with dry_run); an action that fails records its error
-        and the others go on."""
+        """Carry out the plan (nothing with dry_run): a rollback's moves first, all or none
+        (see the module); then each other action, one that fails recording its error while the
+        others go on."""
         if self.dry_run:
             return
+        moved: list[Action] = [] if self.rollback is None else self.rollback["moved"]
+        done: list[Action] = []
+        for a in sorted(moved, key=lambda a: a.step if a.step is not None else -1):
+            if not self._do(a):
+                for b in reversed(done):  # back into ROOT: the rollback changes nothing
+                    try:
+                        self._move(b, back=f"the rollback failed at step {a.step}")
+                        b.done, b.error = False, f"moved back: the move of step {a.step} failed"
+                    except OSError as e:
+                        b.error = f"not moved back after step {a.step} failed: {_text(e)}"
+                for b in moved:
+                    if not b.done and b.error is None:
+                        b.error = f"not attempted: the move of step {a.step} failed"
+                break
+            done.append(a)
         for a in self.actions:
-            try:
-                if a.kind == "quarantine":
-                    self._move(a)
-                else:
-                    rootdir.remove(a.path, RUN_ID)
-                a.done = True
-            except OSError as e:
-                a.error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-        if self.rollback is not None:
-            moved: list[Action] = self.rollback["moved"]
-            if all(a.done for a in moved):
-                self._write_rollback()
+            if a not in moved:
+                self._do(a)
+        if moved is not None and self.rollback is not None and all(a.done for a in moved):
+            self._write_rollback()
 
-    def _move(self, a: Action) -> None:
+    def _do(self, a: Action) -> bool:
+        try:
+            if a.kind == "quarantine":
+                self._move(a)
+            else:
+                rootdir.remove(a.path, RUN_ID)
+            a.done = True
+        except OSError as e:
+            a.error = _text(e)
+        return a.done
+
+    def _move(self, a: Action, back: str | None = None) -> None:
+        """Quarantine ``a``'s directory (``back``: move it back into ROOT, and why)."""
         assert a.dest is not None
         if not os.path.lexists(self.qdir):
             os.mkdir(self.qdir, rootdir.DIR_MODE)
             rootdir.fsync_path(self.root)
         if not rootdir.is_real_dir(self.qdir):
             raise NotADirectoryError(0, "is not a directory (it must not be a link)", self.qdir)
-        os.rename(a.path, a.dest)
+        os.rename(*((a.dest, a.path) if back else (a.path, a.dest)))
         rootdir.fsync_path(self.qdir)
         rootdir.fsync_path(self.root)
         rec = {"time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
                "from": a.path, "to_name": os.path.basename(a.dest), "step": a.step,
-               "reason": a.reason}
+               "reason": a.reason} if back is None else {
+            "time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
+            "back": a.path, "from_name": os.path.basename(a.dest), "step": a.step,
+            "reason": back}
         fd = os.open(os.path.join(self.qdir, QUARANTINE_LOG),
                      os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, rootdir.FILE_MODE)
         try:
@@ -153,6 +177,10 @@ class Changes:
             pass
         record["earlier"] = earlier
         rootdir.atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
+
+
+def _text(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
 
 
 def active_rollback(root: str) -> dict[str, Any] | None:

@@ -290,6 +290,10 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         changes.apply()
     finally:
         release()
+    if rolling and not args.dry_run and changes.rollback is not None and not all(
+            a.done for a in changes.rollback["moved"]):  # undone: restore loads what it did
+        s = verify.survey(root, "full" if full else "quick", team, out, chain=True)
+        chosen = s.current
     lv = LocalLook(args.local, team, root, changes, args.dry_run)
     # after a rollback, s.current is its target, and lv.undo the rollback (planned, if a dry run)
     nxt = verify.next_restore(s, lv.steps, lv.undo)
@@ -355,10 +359,16 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
             if a.error:
                 out.line(f"  {'':16} {out.style(a.error, 'red')}")
     record = changes.rollback_record()
-    if record is not None and not args.dry_run and all(a.done for a in changes.actions):
+    failed = record is not None and not args.dry_run and not all(
+        a.done for a in (changes.rollback or {}).get("moved", []))
+    if record is not None and not args.dry_run and not failed:
         out.line(f"  rolled back from step {record['from_step']} to step "
                  f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")
-    if record is not None and lv.path is None:
+    elif failed:
+        out.line(out.style(f"  the rollback to step {record['to_step']} failed (above): the "
+                           "steps it had moved are back in ROOT, nothing was rolled back",
+                           "red bold"))
+    if record is not None and lv.path is None and not failed:
         out.line(f"  a node-local level's steps newer than {record['to_step']}, saved before "
                  "now, are undone too: the job discards them at its next start")
     if lv.gone:

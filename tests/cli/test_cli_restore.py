@@ -361,6 +361,28 @@ def test_a_step_a_jobs_retention_removes_while_it_is_checked_is_gone_not_damaged
     assert 10 not in [c["step"] for c in doc["checkpoints"]]
 
 
+def test_a_rollback_whose_move_fails_changes_nothing_and_says_so(root2):
+    """Rolling back to 10 moves 15, then cannot move 20 (a directory this user may not move):
+    15 comes back, no ROLLBACK.json, exit 1, and the report names step 20, which restore loads,
+    not the step asked for."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to act without root's override")
+    step_dir(root2, 20).chmod(0o555)
+    p = subprocess.run(["setpriv", *NO_DAC, sys.executable, "-m", "mpickpt.cli.restore",
+                        str(root2), "--step", "10", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    step_dir(root2, 20).chmod(0o755)
+    doc = json.loads(p.stdout)
+    assert p.returncode == EXIT_ERROR, p.stdout
+    assert doc["chosen"]["step"] == 20 and doc["next_restore"]["step"] == 20, doc
+    moves = {a["step"]: a for a in doc["actions"] if a["step"] in (15, 20)}
+    assert not moves[15]["done"] and "moved back" in moves[15]["error"]
+    assert not moves[20]["done"] and "Permission denied" in moves[20]["error"]
+    assert [s for s in (20, 15, 10) if step_dir(root2, s).is_dir()] == [20, 15, 10]
+    assert not (root2 / "ROLLBACK.json").exists()
+    assert not (root2 / "quarantine" / "step-00000015").exists()
+
+
 def test_bad_command_lines_exit_2(root2):
     for argv in (["--prune"], ["--keep", "2"], ["--prune", "--keep", "0"],
                  ["--list", "--step", "1"]):
