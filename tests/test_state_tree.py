@@ -120,6 +120,40 @@ def test_shape_mismatch_is_found_by_dry_run_before_anything_changes():
     assert torch.equal(live["a"], torch.zeros(2))
 
 
+@pytest.mark.parametrize("into", ["sgd", "two-groups", "fewer-params"])
+def test_an_optimizer_that_does_not_fit_is_found_by_dry_run_before_the_model_changes(into):
+    """An SGD took an Adam's state without a word, and another layout of parameter groups failed
+    only in load_state_dict, once the model had been overwritten."""
+    def make(seed, kind):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        groups = {"adam": m.parameters(), "two-groups": [{"params": m[0].parameters()},
+                                                         {"params": m[1].parameters()}],
+                  "fewer-params": m[0].parameters()}.get(kind, m.parameters())
+        o = torch.optim.SGD(groups, lr=0.1) if kind == "sgd" else torch.optim.Adam(groups)
+        return {"m": m, "o": o}
+
+    a, b = make(0, "adam"), make(1, into)
+    a["m"](torch.ones(1, 4)).sum().backward()
+    a["o"].step()
+    tree, arrays = state_tree.flatten(a)
+    specs = {k: state_tree.ArraySpec("float32", tuple(v.shape)) if v.is_floating_point()
+             else state_tree.ArraySpec(str(v.dtype).removeprefix("torch."), tuple(v.shape))
+             for k, v in arrays.items()}
+    before = b["m"][0].weight.detach().clone()
+    why = ("checkpoint holds the state of a torch.optim.adam.Adam, the state has a "
+           "torch.optim.sgd.SGD") if into == "sgd" else \
+        r"checkpoint holds an optimizer with parameter groups of \[4\] parameters, the " \
+        r"state's has " + (r"\[2, 2\]" if into == "two-groups" else r"\[2\]")
+    with pytest.raises(StateMismatchError, match=r"state\[o\]: " + why):
+        state_tree.apply(tree, b, specs, dry_run=True)
+    assert torch.equal(b["m"][0].weight, before)
+    c = make(2, "adam")  # the same class and layout: fits
+    state_tree.apply(tree, c, specs, dry_run=True)
+    state_tree.apply(tree, c, arrays)
+    assert torch.equal(c["m"][0].weight, a["m"][0].weight)
+
+
 def test_key_missing_from_checkpoint_is_a_mismatch():
     tree, arrays = state_tree.flatten({"a": 1})
     with pytest.raises(StateMismatchError, match="'extra'"):

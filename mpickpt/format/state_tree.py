@@ -27,7 +27,7 @@ import torch
 from .. import sharding
 from ..errors import StateMismatchError, StateTreeError
 from ..sharding import Piece, Placement
-from ..stateful import py_state, py_unstate
+from ..stateful import misfit, py_state, py_unstate
 from . import dtypes
 
 MAX_DEPTH = 64  # levels of nesting in a state (its JSON tree takes about 3 per level: the
@@ -348,12 +348,8 @@ class _Applier:
             arr = arr.copy()
         if node.get("scalar"):
             return arr[()]
-        if (
-            isinstance(live, np.ndarray)
-            and live.shape == arr.shape
-            and live.dtype == arr.dtype
-            and live.flags.writeable
-        ):
+        if isinstance(live, np.ndarray) and live.shape == arr.shape and \
+                live.dtype == arr.dtype and live.flags.writeable:
             np.copyto(live, arr)
             return live
         return arr
@@ -397,9 +393,12 @@ class _Applier:
             )
         outer, self.strict = self.strict, isinstance(live, torch.nn.Module)
         try:
-            sd = self.node(node.get("state"), live.state_dict(), path)
+            sd = self.node(node.get("state"), mine := live.state_dict(), path)
         finally:
             self.strict = outer
+        why = misfit(node.get("class"), live, node.get("state"), mine)  # in the dry run
+        if why is not None:
+            raise self.fail(path, why)
         if not self.dry:
             load(sd)
         return live
