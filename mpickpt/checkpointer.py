@@ -264,6 +264,11 @@ class Checkpointer:
         Details, including skipped checkpoints and the user metadata, are in ``restore_info``.
         """
         self._check_open()
+        for name, value in (("step", step), ("upto", upto)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ValueError(f"restore({name}=...) takes a step number (an int >= 0) or "
+                                 f"None, not {value!r}")
         self.wait()
         if self._pipeline.root.tracker is not None:  # the state changes: the next save is full
             self._pipeline.root.tracker.forget()

@@ -166,6 +166,19 @@ def test_a_coordinated_restore_takes_the_step_asked_for_or_names_what_is_missing
                                world_change="reshard")
 
 
+@pytest.mark.parametrize("kw", [{"step": "2"}, {"upto": "2"}, {"step": True}, {"upto": -1},
+                                {"step": 2.0}])
+def test_restore_takes_step_numbers_only(tmp_path: Path, kw):
+    """step="2" said 'no checkpoint of step 2' although step 2 was there; upto="2" raised a bare
+    TypeError from deep inside."""
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        assert ck.save(2, state(2)).wait().committed
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"restore\({name}=\.\.\.\) takes a step number"):
+            ck.restore(state(0), **kw)
+        assert ck.restore(fresh := state(0), step=2) == 2 and fresh["step"] == 2
+
+
 def test_shard_options_say_when_a_manifest_is_version_3():
     from mpickpt.save.shards import ShardOptions
 

@@ -110,11 +110,19 @@ def human_age(seconds: float | None) -> str:
 
 
 def local_time(t: float | None) -> str:
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    """A Unix time as local date and time; "-" for None or a time no clock shows (a damaged
+    file's: NaN, 1e300)."""
+    try:
+        return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "-"
 
 
 def iso_utc(t: float | None) -> str | None:
-    return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    try:
+        return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    except (OverflowError, OSError, ValueError, TypeError):
+        return None
 
 
 class Progress:

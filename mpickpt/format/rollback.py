@@ -16,6 +16,7 @@ ROOT (moving them back by hand from ``ROOT/quarantine/`` is the documented undo)
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +83,8 @@ def active(root: str) -> Rollback | None:
         return None
     undone, all_back = undone_steps(root, record)
     to_step, when = record.get("to_step"), record.get("time")
-    if all_back or not isinstance(to_step, int) or not isinstance(when, (int, float)):
+    if all_back or not isinstance(to_step, int) or not isinstance(when, (int, float)) \
+            or not math.isfinite(when):  # (a damaged record: as if none)
         return None
     by = record.get("by")
     frm = record.get("from_step")

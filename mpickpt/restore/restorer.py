@@ -128,10 +128,11 @@ class Restorer:
                 break
             info.skipped.append((step, verdict))
             later = [t for t in tries[n + 1:] if t[0] == step]
-            if self.rank == 0:
-                self.log.warning("checkpoint step %d cannot be restored%s, falling back: %s",
-                                 step, " from the local level" if level == "local" else "",
-                                 verdict)
+            if self.rank == 0:  # (the step asked for: another copy of it, or none)
+                self.log.warning("checkpoint step %d cannot be restored%s, %s: %s", step,
+                                 " from the local level" if level == "local" else "",
+                                 "falling back" if not explicit else "trying its other copy"
+                                 if later else "and it is the step asked for", verdict)
             if explicit and not later:
                 raise CheckpointError(f"checkpoint step {step} cannot be restored: {verdict}")
         if info.step is None and info.skipped and candidates and self.rank == 0 and all(

@@ -383,6 +383,20 @@ def test_a_rollback_whose_move_fails_changes_nothing_and_says_so(root2):
     assert not (root2 / "quarantine" / "step-00000015").exists()
 
 
+@pytest.mark.parametrize("when", ["NaN", "1e300", "-1e300"])
+def test_a_damaged_rollback_record_does_not_crash_the_tools(root2, when):
+    """A ROLLBACK.json whose time is not a time a clock shows: ls and verify said 'internal
+    error' with a traceback."""
+    (root2 / "ROLLBACK.json").write_text(
+        '{"format": "mpickpt-rollback", "version": 1, "time": ' + when + ', "by": "x", '
+        '"from_step": 20, "to_step": 15, "moved": [], "earlier": []}')
+    for argv in (["ls", root2], ["verify", root2, "--verify", "quick"]):
+        code, _, err = cli(*argv)
+        assert code == EXIT_OK and "Traceback" not in err and "internal error" not in err, err
+        code, doc = cli_json(*argv)
+        assert code == EXIT_OK and doc["current"] == 20
+
+
 def test_bad_command_lines_exit_2(root2):
     for argv in (["--prune"], ["--keep", "2"], ["--prune", "--keep", "0"],
                  ["--list", "--step", "1"]):
