@@ -73,6 +73,15 @@ def _agreed(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+
+def step_numbers(**given: Any) -> None:
+    """Refuse what is not a step number (an int >= 0) or None, naming the keyword."""
+    for name, value in given.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise ValueError(f"restore({name}=...) takes a step number (an int >= 0) or None, "
+                             f"not {value!r}")
+
 class Checkpointer:
     """Save and restore consistent global checkpoints of every rank's state under ``root``.
 
@@ -259,16 +268,10 @@ class Checkpointer:
                 upto: int | None = None) -> int | None:
         """Load the newest checkpoint that every rank can load (or ``step``; or the newest of a
         step no later than ``upto``) into ``state`` in place; return its step, or None when there
-        is none. Collective.
-
-        Details, including skipped checkpoints and the user metadata, are in ``restore_info``.
+        is none. Collective. Details (skipped checkpoints, user metadata): ``restore_info``.
         """
         self._check_open()
-        for name, value in (("step", step), ("upto", upto)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 0):
-                raise ValueError(f"restore({name}=...) takes a step number (an int >= 0) or "
-                                 f"None, not {value!r}")
+        step_numbers(step=step, upto=upto)
         self.wait()
         if self._pipeline.root.tracker is not None:  # the state changes: the next save is full
             self._pipeline.root.tracker.forget()

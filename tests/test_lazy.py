@@ -90,6 +90,28 @@ def test_the_step_waits_for_the_lazy_copy_and_the_checkpoint_has_the_values_of_s
         assert torch.equal(got[k], v), k
 
 
+def test_a_tensor_reshaped_in_place_after_save_is_saved_with_the_shape_it_had(tmp_path,
+                                                                              slow_copy):
+    """The snapshot thread lays the host buffer out while the loop runs: a tensor the loop
+    reshapes in place (unsqueeze_) meanwhile must keep, in this checkpoint and the next, the
+    shape it had at save() (d0c89d8 stopped detaching plain tensors, and the new shape went into
+    every later checkpoint)."""
+    model, opt = model_and_adam()
+    t = torch.arange(1000.0)
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        h = ck.save(1, {"model": model, "optim": opt, "t": t})
+        t.unsqueeze_(0)  # in place, while the snapshot thread sleeps
+        assert h.wait().committed
+        t.squeeze_(0)
+        slow_copy[0][0] = 0.0
+        assert ck.save(2, {"model": model, "optim": opt, "t": t}).wait().committed
+        for step in (1, 2):
+            fresh_model, fresh_opt = model_and_adam(seed=1)
+            fresh = {"model": fresh_model, "optim": fresh_opt, "t": torch.zeros(1000)}
+            assert ck.restore(fresh, step=step) == step
+            assert torch.equal(fresh["t"], torch.arange(1000.0)), step
+
+
 def test_buffers_and_tensors_no_optimizer_owns_are_copied_at_once(tmp_path, slow_copy):
     model, opt = model_and_adam()
     counter = torch.zeros(4)

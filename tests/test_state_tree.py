@@ -10,7 +10,7 @@ import torch
 
 from mpickpt import RNGState
 from mpickpt.errors import StateMismatchError, StateTreeError
-from mpickpt.format import state_tree
+from mpickpt.format import state_apply, state_tree
 from mpickpt.format.entry import RankEntry
 from mpickpt.format.manifest import Manifest
 
@@ -19,7 +19,7 @@ def roundtrip(saved: dict, into: dict) -> dict:
     tree, arrays = state_tree.flatten(saved)
     tree = json.loads(json.dumps(tree, allow_nan=False))  # it must survive strict JSON
     copies = {k: v.clone() for k, v in arrays.items()}
-    state_tree.apply(tree, into, copies)
+    state_apply.apply(tree, into, copies)
     return tree
 
 
@@ -75,9 +75,9 @@ def test_arrays_the_state_lacks_go_onto_the_device_named_and_kept_ones_are_not_c
     tree says which device each tensor came from."""
     tree, arrays = state_tree.flatten({"a": torch.arange(4.0), "b": torch.ones(3),
                                        "c": torch.zeros(2), "g": torch.Generator()})
-    assert state_tree.arrays_of(tree) == {"a": "cpu", "b": "cpu", "c": "cpu", "g": ""}
+    assert state_apply.arrays_of(tree) == {"a": "cpu", "b": "cpu", "c": "cpu", "g": ""}
     live: dict = {}
-    state_tree.apply(tree, live, arrays, borrowed=True, keep={"b"},
+    state_apply.apply(tree, live, arrays, borrowed=True, keep={"b"},
                      onto={"a": torch.device("meta"), "b": torch.device("cpu")})
     assert live["a"].device.type == "meta" and live["a"].shape == (4,)
     assert live["b"] is arrays["b"]  # kept: already on its device, in memory of its own
@@ -91,7 +91,7 @@ def test_rng_state_restores_future_draws():
     tree, arrays = state_tree.flatten(saved)
     arrays = {k: v.clone() for k, v in arrays.items()}
     expected = (torch.rand(3), np.random.rand(2))
-    state_tree.apply(tree, {"rng": RNGState()}, arrays)
+    state_apply.apply(tree, {"rng": RNGState()}, arrays)
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(2), expected[1])
 
@@ -114,9 +114,9 @@ def test_sparse_tensor_is_refused():
 def test_shape_mismatch_is_found_by_dry_run_before_anything_changes():
     tree, arrays = state_tree.flatten({"a": torch.ones(2), "b": torch.ones(3)})
     live = {"a": torch.zeros(2), "b": torch.zeros(4)}
-    specs = {k: state_tree.ArraySpec("float32", tuple(v.shape)) for k, v in arrays.items()}
+    specs = {k: state_apply.ArraySpec("float32", tuple(v.shape)) for k, v in arrays.items()}
     with pytest.raises(StateMismatchError, match=r"state\[b\].*float32\[3\].*float32\[4\]"):
-        state_tree.apply(tree, live, specs, dry_run=True)
+        state_apply.apply(tree, live, specs, dry_run=True)
     assert torch.equal(live["a"], torch.zeros(2))
 
 
@@ -137,8 +137,8 @@ def test_an_optimizer_that_does_not_fit_is_found_by_dry_run_before_the_model_cha
     a["m"](torch.ones(1, 4)).sum().backward()
     a["o"].step()
     tree, arrays = state_tree.flatten(a)
-    specs = {k: state_tree.ArraySpec("float32", tuple(v.shape)) if v.is_floating_point()
-             else state_tree.ArraySpec(str(v.dtype).removeprefix("torch."), tuple(v.shape))
+    specs = {k: state_apply.ArraySpec("float32", tuple(v.shape)) if v.is_floating_point()
+             else state_apply.ArraySpec(str(v.dtype).removeprefix("torch."), tuple(v.shape))
              for k, v in arrays.items()}
     before = b["m"][0].weight.detach().clone()
     why = ("checkpoint holds the state of a torch.optim.adam.Adam, the state has a "
@@ -146,25 +146,63 @@ def test_an_optimizer_that_does_not_fit_is_found_by_dry_run_before_the_model_cha
         r"checkpoint holds an optimizer with parameter groups of \[4\] parameters, the " \
         r"state's has " + (r"\[2, 2\]" if into == "two-groups" else r"\[2\]")
     with pytest.raises(StateMismatchError, match=r"state\[o\]: " + why):
-        state_tree.apply(tree, b, specs, dry_run=True)
+        state_apply.apply(tree, b, specs, dry_run=True)
     assert torch.equal(b["m"][0].weight, before)
     c = make(2, "adam")  # the same class and layout: fits
-    state_tree.apply(tree, c, specs, dry_run=True)
-    state_tree.apply(tree, c, arrays)
+    state_apply.apply(tree, c, specs, dry_run=True)
+    state_apply.apply(tree, c, arrays)
     assert torch.equal(c["m"][0].weight, a["m"][0].weight)
+
+
+@pytest.mark.parametrize("key", [float("inf"), float("nan"), "\udcff"])
+def test_a_key_no_checkpoint_can_hold_is_refused_at_save_naming_its_path(key):
+    """A non-finite float or a string that is not UTF-8 failed the save in the background, with
+    no key named."""
+    with pytest.raises(StateTreeError, match=r"state\[hist\]: dict key .* cannot be saved"):
+        state_tree.flatten({"hist": {key: torch.ones(1)}})
+
+
+def test_a_nested_tensor_is_refused_at_save_naming_its_path():
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(StateTreeError, match=r"state\[a/nt\]: nested tensor .* cannot be saved"):
+        state_tree.flatten({"a": {"nt": nt}})
+
+
+def test_numpy_scalars_that_are_python_floats_keep_their_numpy_type():
+    """np.float64 subclasses float: it came back a Python float, without .dtype."""
+    saved = {"f64": np.float64(0.1), "f32": np.float32(0.1), "s": np.str_("x"), "n": 3}
+    tree, arrays = state_tree.flatten(saved)
+    got = roundtrip_into({}, tree, arrays)
+    assert type(got["f64"]) is np.float64 and got["f64"] == saved["f64"]
+    assert type(got["f32"]) is np.float32 and got["s"] == "x" and got["n"] == 3
+
+
+def test_restoring_into_an_expanded_view_is_refused_by_the_dry_run_naming_it():
+    tree, arrays = state_tree.flatten({"a": torch.ones(3), "bias": torch.ones(3, 2)})
+    live = {"a": torch.zeros(3), "bias": torch.zeros(2).expand(3, 2)}
+    specs = {k: state_apply.ArraySpec("float32", tuple(v.shape)) for k, v in arrays.items()}
+    with pytest.raises(StateMismatchError, match=r"state\[bias\]: the state's tensor is an "
+                                                 "expanded view"):
+        state_apply.apply(tree, live, specs, dry_run=True)
+    assert torch.equal(live["a"], torch.zeros(3))
+
+
+def roundtrip_into(into, tree, arrays):
+    copies = {k: v.clone() for k, v in arrays.items()}
+    return state_apply.apply(tree, into, copies)
 
 
 def test_key_missing_from_checkpoint_is_a_mismatch():
     tree, arrays = state_tree.flatten({"a": 1})
     with pytest.raises(StateMismatchError, match="'extra'"):
-        state_tree.apply(tree, {"a": 0, "extra": 2}, arrays, dry_run=True)
+        state_apply.apply(tree, {"a": 0, "extra": 2}, arrays, dry_run=True)
 
 
 def test_malformed_tree_is_a_clear_error_not_a_crash():
     for bad in [{"type": "eval", "value": "1"}, {"nope": 1}, {"type": "dict", "items": 3},
                 {"type": "int", "value": "x"}, {"type": "tensor", "name": "missing"}]:
         with pytest.raises(StateMismatchError):
-            state_tree.apply({"type": "dict", "items": [["k", bad]]}, {"k": None}, {})
+            state_apply.apply({"type": "dict", "items": [["k", bad]]}, {"k": None}, {})
 
 
 def test_a_state_nested_deeper_than_a_restore_accepts_is_refused_at_save():

@@ -24,14 +24,14 @@ import torch
 
 from .. import sharding
 from ..errors import ShardError, StateMismatchError
-from ..format import dtypes, state_tree
+from ..format import dtypes, state_apply, state_tree
 from ..format.blocks import align
 from ..format.entry import RankEntry
 from ..format.manifest import Manifest
 from ..format.reader import MappedSpans, Span, read_spans
 from ..format.records import ByteRange
 from ..format.shard import TensorRecord
-from ..format.state_tree import ArraySpec
+from ..format.state_apply import ArraySpec
 from .device_room import DeviceRoom
 
 # a record used where it lies in its file must start on such a boundary (a tensor's elements
@@ -157,7 +157,7 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
     # a state without some replicated tensors (an optimizer before its first step) gets them
     # from the checkpoint: not a typo here (the save checks the key paths)
     _, live, placements = state_tree.flatten_placed(state, replicated, world, strict=False)
-    names = state_tree.arrays_of(entry.tree)
+    names = state_apply.arrays_of(entry.tree)
     if manifest.world_size == world:
         # the same ranks: this rank's pieces are in its own entry, and the replicated ones in
         # their writers' (those every rank holds: all in the manifest's replicated part, when

@@ -1,7 +1,7 @@
 """Coordinated restore: all ranks agree on the newest checkpoint every one of them can load.
 
 For each candidate, newest first: rank 0 reads the manifest and broadcasts it; every rank checks
-that its part fits the state (a dry run of :func:`mpickpt.format.state_tree.apply`), reads its
+that its part fits the state (a dry run of :func:`mpickpt.format.state_apply.apply`), reads its
 shard into a reused host buffer and verifies sizes and checksums; an allreduce (MAX of verdicts)
 decides. Only when every rank succeeded is anything copied into the state. A corrupt or unreadable
 candidate makes all ranks move to the next older one; a checkpoint that does not fit the state
@@ -25,7 +25,7 @@ import torch
 
 from .. import faults
 from ..errors import CheckpointError, ShardError, StateMismatchError
-from ..format import rootdir, state_tree
+from ..format import rootdir, state_apply
 from ..format.iothreads import pool
 from ..format.manifest import Manifest
 from ..format.reader import Span, let_go_behind
@@ -211,7 +211,7 @@ class Restorer:
             opening.check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
             plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
             where = os.path.join(path, manifest.ranks[source].file)
-            state_tree.apply(plan.tree, state, plan.specs(), dry_run=True)
+            state_apply.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             opening.check_entries(plan, needed - {source}, path, manifest.checksum_block)
             # (a host buffer page-locked where GPU targets take their bytes from it)
@@ -334,7 +334,7 @@ class Restorer:
         err = None
         try:
             assert plan is not None and staged is not None  # (verified: both there)
-            state_tree.apply(plan.tree, state, arrays, borrowed=True, keep=staged.owned,
+            state_apply.apply(plan.tree, state, arrays, borrowed=True, keep=staged.owned,
                              onto={n: plan.devices[n] for n in plan.fresh})
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the host->device copies read the reused buffer
