@@ -192,6 +192,23 @@ def roundtrip_into(into, tree, arrays):
     return state_apply.apply(tree, into, copies)
 
 
+def test_a_sequential_schedulers_last_lr_comes_back_as_it_was_saved():
+    """A fresh SequentialLR shares one list with its first scheduler: restoring into the lists
+    its state_dict() returned wrote the first scheduler's value over its own."""
+    def make():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        lr = torch.optim.lr_scheduler
+        return opt, lr.SequentialLR(opt, [lr.ConstantLR(opt, factor=0.5, total_iters=2),
+                                          lr.ExponentialLR(opt, gamma=0.9)], milestones=[2])
+    opt, sched = make()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    fresh_opt, fresh = make()
+    roundtrip({"o": opt, "s": sched}, {"o": fresh_opt, "s": fresh})
+    assert fresh.get_last_lr() == sched.get_last_lr() == [pytest.approx(0.09)]
+
+
 def test_key_missing_from_checkpoint_is_a_mismatch():
     tree, arrays = state_tree.flatten({"a": 1})
     with pytest.raises(StateMismatchError, match="'extra'"):

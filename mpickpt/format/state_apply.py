@@ -203,8 +203,9 @@ class _Applier:
                 f"the state has {type(live).__qualname__} without load_state_dict()",
             )
         outer, self.strict = self.strict, isinstance(live, torch.nn.Module)
-        try:
-            sd = self.node(node.get("state"), mine := live.state_dict(), path)
+        mine = live.state_dict()
+        try:  # into copies of its lists and dicts (a scheduler's are its own, some shared)
+            sd = self.node(node.get("state"), mine if self.strict else _fresh(mine), path)
         finally:
             self.strict = outer
         why = misfit(node.get("class"), live, node.get("state"), mine)  # in the dry run
@@ -213,6 +214,16 @@ class _Applier:
         if not self.dry:
             load(sd)
         return live
+
+
+def _fresh(x: Any) -> Any:
+    """``x`` with its dicts and lists copied, the values in them not (tensors are restored into
+    in place; the containers are load_state_dict()'s to take)."""
+    if type(x) is dict:
+        return {k: _fresh(v) for k, v in x.items()}
+    if type(x) is list:
+        return [_fresh(v) for v in x]
+    return x
 
 
 def arrays_of(tree: Any, out: dict[str, str] | None = None) -> dict[str, str]:
