@@ -15,6 +15,7 @@ from ..format.manifest import Manifest
 from ..format.rollback import Rollback
 from ..local.recovery import LocalRecovery
 from ..mpi.protocol import Protocol
+from ..ranks import ranks_text
 from ..save.pinned_pool import HostPool
 from .restorer import RestoreInfo, Restorer
 
@@ -29,6 +30,16 @@ def restore(proto: Protocol, pool: HostPool, state: dict[str, Any], root: str, l
     than ``upto``) into ``state``, from ROOT (``listed`` by rank 0) or the node-local level
     (``recovery``); what was loaded, and the manifest it was loaded from (ROOT)."""
     t0 = time.perf_counter()
+    with proto.fatal_timeouts(logger):
+        asked = proto.allgather((step, upto), "restore")
+    if len(set(asked)) > 1:  # else each rank waits for others that load another step
+        by: dict[tuple[int | None, int | None], list[int]] = {}
+        for r, a in enumerate(asked):
+            by.setdefault(a, []).append(r)
+        raise CheckpointError(
+            "restore() was called with other arguments on other ranks (" + "; ".join(
+                f"{ranks_text(rs)}: step={s}, upto={u}" for (s, u), rs in by.items())
+            + "): every rank must ask for the same checkpoint; nothing was restored")
     candidates, undo, unlisted = listed
     if unlisted is not None and recovery is None:
         raise CheckpointError(f"cannot list the checkpoints under ROOT: {unlisted}")

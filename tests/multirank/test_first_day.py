@@ -75,6 +75,17 @@ def test_a_last_save_that_cannot_commit_at_exit_fails_the_job(tmp_path):
     assert "the save of step 2 could not commit" in p.stderr, p.output
 
 
+def test_ranks_that_ask_restore_for_other_steps_are_refused_at_once_naming_them(tmp_path):
+    """Each rank waited for the others to load its step, and the job ended at the deadline."""
+    p = job(2, "other-steps", tmp_path)
+    assert p.returncode == 0, p.output
+    for s in seen(tmp_path, "other-steps", 2):
+        assert s["error"] == ("restore() was called with other arguments on other ranks (rank 0: "
+                              "step=1, upto=None; rank 1: step=2, upto=None): every rank must "
+                              "ask for the same checkpoint; nothing was restored"), s
+        assert s["seconds"] < 30, s
+
+
 def test_a_failed_save_already_raised_does_not_fail_the_job_at_exit(tmp_path):
     """The caller saw the StateTreeError: at exit nothing in flight is lost, and the exit is 0."""
     p = job(2, "typo-no-close", tmp_path)

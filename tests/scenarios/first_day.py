@@ -10,6 +10,8 @@ Modes:
 * ``no-close``: save steps 1 and 2 and end without ``close()`` (the last save still in flight).
 * ``metadata``: a 0-d tensor, a numpy scalar and NaN as metadata commit; an object does not (on
   every rank, or with ``--only-rank R`` on that rank alone), and the next save commits.
+* ``other-steps``: steps 1 and 2 saved, then ``restore(step=1)`` on even ranks and ``step=2``
+  on odd ones.
 * ``replicated-typo``: ``replicated=("modle",)`` is refused at the first save (``typo-no-close``:
   the same, and the script ends without ``close()``).
 * ``again``: step 2 saved twice; the second replaces the first, with a warning.
@@ -99,6 +101,18 @@ def main() -> None:
                restored=ckpt.restore_info.metadata, seconds=ckpt.restore_info.seconds,
                bytes=ckpt.restore_info.bytes_read, total=ckpt.restore_info.total_bytes_read)
         ckpt.close()
+
+    elif a.mode == "other-steps":
+        ckpt = mpickpt.Checkpointer(root)
+        for step in (1, 2):
+            ckpt.save(step, st).wait()
+        t0, error = time.monotonic(), None
+        try:
+            ckpt.restore(state(rank), step=1 + rank % 2)
+        except mpickpt.CheckpointError as e:
+            error = str(e)
+        ckpt.close()
+        record(a.base, a.mode, error=error, seconds=time.monotonic() - t0)
 
     elif a.mode in ("replicated-typo", "typo-no-close"):
         ckpt = mpickpt.Checkpointer(root, replicated=("modle",))
