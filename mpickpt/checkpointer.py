@@ -82,6 +82,13 @@ def step_numbers(**given: Any) -> None:
             raise ValueError(f"restore({name}=...) takes a step number (an int >= 0) or None, "
                              f"not {value!r}")
 
+
+def first_save(ck: Checkpointer) -> bool:
+    """Whether ``ck``'s next save runs collectives on the calling thread: the first one checks
+    that every rank sees one ROOT, and with a local level agrees on its room."""
+    return (not ck._root_shared and ck._root_problem is None) or (
+        ck._local is not None and not ck._local_checked)
+
 class Checkpointer:
     """Save and restore consistent global checkpoints of every rank's state under ``root``.
 
@@ -203,14 +210,15 @@ class Checkpointer:
         manifest. Returns once the state is snapshotted (the training thread's whole cost); the
         write, the vote and the commit go on in the background. A state or metadata mpickpt
         cannot save raises :class:`StateTreeError` or :class:`MetadataError` here, after every
-        rank has aborted the save. With a local level, ``drain`` sends this one to ROOT too.
-        """
+        rank aborted the save. With a local level, ``drain`` sends this one to ROOT too."""
         self._check_open()
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self._pipeline.report_finished()
-        # before the first save writes anything (a ROOT that was unusable at the start is not
-        # written until a drain finds it back, and a drain commits only every rank's shard)
+        if first_save(self):  # its collectives here: a restore's write-back ends before them
+            self._pipeline.settle()  # (on the save thread, on the same communicator)
+        # before the first save writes anything (ROOT unusable at the start: not written until
+        # a drain finds it back; a drain commits only every rank's shard)
         if not self._root_shared and self._root_problem is None:
             shared_root.check(self._proto, self.root, self.run_id, self.log)
             self._root_shared = True

@@ -8,6 +8,7 @@ a shard into chunks) are :mod:`mpickpt.local.topology`'s.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -296,11 +297,25 @@ def copy_over(proto: Protocol, moves: list[tuple[int, int, str, int]], window: i
     return got
 
 
+def _stand_in(proto: Protocol, peer: int, sending: bool, size: int, window: int) -> None:
+    """The windows of a copy this side cannot map, to or from one scratch buffer in turn."""
+    scratch = memoryview(bytearray(max(1, min(window, size))))
+    for off in range(0, size, window):
+        view = [(scratch[:_span(size, off, window)], peer)]
+        proto.start(view if sending else [], [] if sending else view,
+                    "the rebuild from a partner copy").wait()
+
+
 def _copy_one(proto: Protocol, donor: int, receiver: int, path: str, size: int,
               window: int, on_window: Callable[[], None]) -> None:
     """One file, every window posted at once (from and into memory maps)."""
     sending = proto.rank == donor
-    with FileMap(path, size, create=not sending) as f:
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(FileMap(path, size, create=not sending))
+        except OSError:  # (a truncated copy): the windows go all the same, so that the other
+            _stand_in(proto, receiver if sending else donor, sending, size, window)
+            raise  # side does not wait for them; the bytes fail its verification
         views = [(f.view(off, _span(size, off, window)), receiver if sending else donor)
                  for off in range(0, size, window)]
         pending = proto.start(views if sending else [], [] if sending else views,

@@ -5,6 +5,7 @@ them; and the first error of one side of a transfer, kept while the transfer goe
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from collections.abc import Callable
@@ -56,6 +57,10 @@ class FileMap:
         except OSError as e:
             os.close(fd)
             raise OSError(e.errno, e.strerror, self.path) from e
+        except ValueError:  # a file shorter than the map (a truncated copy): an OSError too
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"shorter than the {self.size} bytes expected",
+                          self.path) from None
         return self
 
     def view(self, off: int, n: int) -> np.ndarray:

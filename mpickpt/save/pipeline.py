@@ -19,6 +19,7 @@ write being a copy of the node's committed shard and the manifest the node's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -87,6 +88,11 @@ class Pipeline:
                 job()
 
         self._track(self._thread.submit(run))
+
+    def settle(self) -> None:
+        """Wait for what is queued on the save thread (a restore's write-back), without raising:
+        the calling thread's collectives must not run beside its, on one communicator."""
+        concurrent.futures.wait(self._jobs)
 
     def _track(self, job: Future[None]) -> None:
         self._jobs = [j for j in self._jobs if not j.done()] + [job]

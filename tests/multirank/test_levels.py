@@ -604,3 +604,18 @@ def test_a_root_that_cannot_be_read_does_not_stop_a_restart_from_the_nodes(
     finally:
         root.chmod(0o755)
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000030"]
+
+
+def test_a_save_at_once_after_a_lost_nodes_restore_neither_hangs_nor_crashes(tmp_path):
+    """The restore writes the rebuilt shards back on the save thread; the first save's checks
+    ran beside it on the same communicator (5 of 5 such jobs hung, aborted or failed MPI)."""
+    script = str(SCENARIOS / "level_resume.py")
+    root, local, out = tmp_path / "root", tmp_path / "local", tmp_path / "out"
+    out.mkdir()
+    first = run_mpi(4, [script, "save", str(root), str(local), str(out)], timeout=120)
+    assert first.returncode != 0, first.output  # every rank killed itself after step 3
+    shutil.rmtree(local / "n1")  # the lost node
+    job = run_mpi(4, [script, "resume", str(root), str(local), str(out)], timeout=120)
+    assert job.returncode == 0, job.output
+    seen = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    assert seen == [{"start": 3, "restored": True, "level": "local", "saved": True}] * 4, seen

@@ -103,3 +103,14 @@ def test_a_stream_whose_copy_has_no_room_waits_for_no_landing(tmp_path):
     assert set(ended) == {"0", "1"}, job.output
     assert "No space left on device" in ended["0"] and ended["1"] == "None", job.output
     assert "CollectiveTimeout" not in job.stdout, job.output
+
+
+def test_a_partner_copy_too_short_to_map_fails_its_donor_and_never_hangs_its_receiver(tmp_path):
+    """A truncated copy raised from the donor's memory map before any window went: the receiver
+    waited for them (the job hung until the deadline, or MPI failed)."""
+    job = run_mpi(2, [str(SCENARIOS / "transfers_short_copy.py"), str(tmp_path)], timeout=120)
+    assert job.returncode == 0, job.output
+    donor = (tmp_path / "rank-0.txt").read_text()
+    assert donor.startswith("OSError") and "shorter than the 3145733 bytes expected" in donor
+    assert str(tmp_path / "donor.h5") in donor
+    assert (tmp_path / "rank-1.txt").read_text() == "ok 3145733"
