@@ -609,7 +609,7 @@ def test_a_root_that_cannot_be_read_does_not_stop_a_restart_from_the_nodes(
 def test_a_save_at_once_after_a_lost_nodes_restore_neither_hangs_nor_crashes(tmp_path):
     """The restore writes the rebuilt shards back on the save thread; the first save's checks
     ran beside it on the same communicator (5 of 5 such jobs hung, aborted or failed MPI)."""
-    script = str(SCENARIOS / "level_resume.py")
+    script = str(SCENARIOS / "levels_resume.py")
     root, local, out = tmp_path / "root", tmp_path / "local", tmp_path / "out"
     out.mkdir()
     first = run_mpi(4, [script, "save", str(root), str(local), str(out)], timeout=120)

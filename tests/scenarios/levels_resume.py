@@ -6,7 +6,9 @@ first save's collectives (the ROOT and room checks) met the write-back's on the 
 one communicator (a hang, or MPI's failed assertion). Each rank writes what it saw to
 OUT/rank-R.json.
 
-    mpiexec -n 4 python level_resume.py save|resume ROOT LOCAL OUT
+    mpiexec -n 4 python levels_resume.py save|resume ROOT LOCAL OUT
+
+Run by tests/multirank/test_levels.py.
 """
 
 from __future__ import annotations
