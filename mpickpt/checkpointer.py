@@ -73,7 +73,6 @@ def _agreed(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-
 def step_numbers(**given: Any) -> None:
     """Refuse what is not a step number (an int >= 0) or None, naming the keyword."""
     for name, value in given.items():
@@ -82,12 +81,6 @@ def step_numbers(**given: Any) -> None:
             raise ValueError(f"restore({name}=...) takes a step number (an int >= 0) or None, "
                              f"not {value!r}")
 
-
-def first_save(ck: Checkpointer) -> bool:
-    """Whether ``ck``'s next save runs collectives on the calling thread: the first one checks
-    that every rank sees one ROOT, and with a local level agrees on its room."""
-    return (not ck._root_shared and ck._root_problem is None) or (
-        ck._local is not None and not ck._local_checked)
 
 class Checkpointer:
     """Save and restore consistent global checkpoints of every rank's state under ``root``.
@@ -215,16 +208,16 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self._pipeline.report_finished()
-        if first_save(self):  # its collectives here: a restore's write-back ends before them
-            self._pipeline.settle()  # (on the save thread, on the same communicator)
         # before the first save writes anything (ROOT unusable at the start: not written until
         # a drain finds it back; a drain commits only every rank's shard)
         if not self._root_shared and self._root_problem is None:
+            self._pipeline.settle()  # a restore's write-back: its collectives, not beside ours
             shared_root.check(self._proto, self.root, self.run_id, self.log)
             self._root_shared = True
         request, user_error = self._capture.take(step, state, metadata)
         request.drain = drain
         if self._local is not None and not self._local_checked and user_error is None:
+            self._pipeline.settle()
             full = self._local.agree_room(self._proto, request.snapshot, self.log)
             if full is not None:  # the save aborts, and every rank raises at once
                 request.error = request.error or full

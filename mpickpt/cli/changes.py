@@ -89,6 +89,12 @@ class Changes:
                          "moved": moved}
 
     @property
+    def rollback_failed(self) -> bool:
+        """Whether a rollback was carried out and failed (its moves then undone)."""
+        return self.rollback is not None and not self.dry_run and not all(
+            a.done for a in self.rollback["moved"])
+
+    @property
     def failed(self) -> list[Action]:
         return [a for a in self.actions if a.error]
 
@@ -116,7 +122,7 @@ class Changes:
         for a in self.actions:
             if a not in moved:
                 self._do(a)
-        if moved is not None and self.rollback is not None and all(a.done for a in moved):
+        if self.rollback is not None and all(a.done for a in moved):
             self._write_rollback()
 
     def _do(self, a: Action) -> bool:
@@ -142,11 +148,10 @@ class Changes:
         rootdir.fsync_path(self.qdir)
         rootdir.fsync_path(self.root)
         rec = {"time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
-               "from": a.path, "to_name": os.path.basename(a.dest), "step": a.step,
-               "reason": a.reason} if back is None else {
-            "time": time.time(), "time_iso": iso_utc(time.time()), "by": operator(),
-            "back": a.path, "from_name": os.path.basename(a.dest), "step": a.step,
-            "reason": back}
+               **({"from": a.path, "to_name": os.path.basename(a.dest), "reason": a.reason}
+                  if back is None else
+                  {"back": a.path, "from_name": os.path.basename(a.dest), "reason": back}),
+               "step": a.step}
         fd = os.open(os.path.join(self.qdir, QUARANTINE_LOG),
                      os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, rootdir.FILE_MODE)
         try:

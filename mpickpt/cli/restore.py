@@ -290,8 +290,7 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         changes.apply()
     finally:
         release()
-    if rolling and not args.dry_run and changes.rollback is not None and not all(
-            a.done for a in changes.rollback["moved"]):  # undone: restore loads what it did
+    if changes.rollback_failed:  # undone: restore loads what it did
         s = verify.survey(root, "full" if full else "quick", team, out, chain=True)
         chosen = s.current
     lv = LocalLook(args.local, team, root, changes, args.dry_run)
@@ -359,8 +358,7 @@ def report(out: Out, s: verify.Survey, chosen: catalog.Entry | None, changes: Ch
             if a.error:
                 out.line(f"  {'':16} {out.style(a.error, 'red')}")
     record = changes.rollback_record()
-    failed = record is not None and not args.dry_run and not all(
-        a.done for a in (changes.rollback or {}).get("moved", []))
+    failed = changes.rollback_failed
     if record is not None and not args.dry_run and not failed:
         out.line(f"  rolled back from step {record['from_step']} to step "
                  f"{record['to_step']}: recorded in {s.root}/{catalog.ROLLBACK}")

@@ -91,7 +91,7 @@ class Pipeline:
 
     def settle(self) -> None:
         """Wait for what is queued on the save thread (a restore's write-back), without raising:
-        the calling thread's collectives must not run beside its, on one communicator."""
+        a collective of the calling thread must not run beside its, on one communicator."""
         concurrent.futures.wait(self._jobs)
 
     def _track(self, job: Future[None]) -> None:
