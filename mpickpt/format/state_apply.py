@@ -17,7 +17,7 @@ import torch
 
 from .. import sharding
 from ..errors import StateMismatchError
-from ..stateful import misfit, py_unstate
+from ..stateful import py_unstate
 from . import dtypes
 from .state_tree import _path_str
 
@@ -214,6 +214,47 @@ class _Applier:
         if not self.dry:
             load(sd)
         return live
+
+def misfit(stored_class: Any, live: Any, stored: Any, mine: Mapping[str, Any]) -> str | None:
+    """Why the state dict of a ``stored_class`` object, as its stored tree node ``stored`` holds
+    it, cannot be loaded into ``live`` (whose own state dict is ``mine``) without a partial or
+    silently wrong restore, or None. Modules are checked key by key already; any other object
+    must be of the class it was saved from (an SGD takes an Adam's state without a word), and an
+    optimizer's parameter groups must hold as many parameters each (its ``load_state_dict``
+    raises that only once the rest of the state has been restored)."""
+    if isinstance(live, torch.nn.Module):
+        return None
+    kind = type(live)
+    if isinstance(stored_class, str) and stored_class != f"{kind.__module__}.{kind.__qualname__}" \
+            and not stored_class.endswith(f".{kind.__qualname__}"):
+        return (f"checkpoint holds the state of a {stored_class}, the state has a "
+                f"{kind.__module__}.{kind.__qualname__}: restore it into an object of the class "
+                "it was saved from")
+    if isinstance(live, torch.optim.Optimizer):
+        groups = mine.get("param_groups")
+        want = [len(g["params"]) for g in groups] if isinstance(groups, list) else None
+        have = _group_sizes(stored)
+        if have is not None and have != want:
+            return (f"checkpoint holds an optimizer with parameter groups of {have} "
+                    f"parameters, the state's has {want}")
+    return None
+
+
+def _group_sizes(node: Any) -> list[int] | None:
+    """The number of parameters of each group of an optimizer's state dict, read from its stored
+    tree node (a dict node whose ``param_groups`` item is a list of dict nodes with ``params``
+    lists); None where the node is not so."""
+    def item(n: Any, key: str) -> Any:
+        items = n.get("items") if isinstance(n, Mapping) else None
+        return next((v for k, v in items if k == key), None) if isinstance(items, list) and all(
+            isinstance(i, list) and len(i) == 2 for i in items) else None
+    groups = item(node, "param_groups")
+    if not isinstance(groups, Mapping) or not isinstance(groups.get("items"), list):
+        return None
+    sizes = [item(g, "params") for g in groups["items"]]
+    if not all(isinstance(p, Mapping) and isinstance(p.get("items"), list) for p in sizes):
+        return None
+    return [len(p["items"]) for p in sizes]
 
 
 def _fresh(x: Any) -> Any:
