@@ -18,10 +18,11 @@ grows about in proportion to both). Each row trains
   torch.save+fsync      each rank torch.save()s model + optimizer state dicts to its own file,
                         then fsyncs the file and the directory
   thread:torch.save+fsync  the floor of an asynchronous save of the bytes mpickpt writes: each
-                        rank clones its share of the tensors (about 1/ranks of them, by size)
-                        on the training thread, then torch.save()s and fsyncs them on a thread
-                        of its own, one save in flight, over the same file each time; no vote,
-                        no commit, not crash-safe
+                        rank clones its share of the tensors (as mpickpt's default splits
+                        them: this small state all on the last rank) on the training thread,
+                        then torch.save()s and fsyncs them on a thread of its own, one save
+                        in flight, over the same file each time; no vote, no commit, not
+                        crash-safe
   dcp.save              torch.distributed.checkpoint.save into step-N/ (keeps the last 2)
   dcp.async_save        dcp.async_save into step-N/; before the next one it waits for the
                         previous one's future, as DCP requires (that wait is shown apart)
@@ -73,7 +74,7 @@ import numpy as np
 import torch
 
 from mpickpt.format.rootdir import fsync_path
-from mpickpt.sharding import writers
+from mpickpt.sharding import MIN_WRITE_SHARE, writers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -198,8 +199,9 @@ def tensors_of(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def share_of(tensors: dict[str, torch.Tensor], rank: int, size: int) -> list[str]:
     """This rank's share of ``tensors``, as mpickpt splits replicated tensors among their
-    holders (:func:`mpickpt.sharding.writers`)."""
-    who = writers((n, t.nbytes, range(size)) for n, t in tensors.items())
+    holders by default (:func:`mpickpt.sharding.writers`; this small state: all on the last
+    rank, the others write an empty file)."""
+    who = writers(((n, t.nbytes, range(size)) for n, t in tensors.items()), MIN_WRITE_SHARE)
     return [n for n in tensors if who[n] == rank]
 
 

@@ -148,7 +148,7 @@ class Checkpointer:
                               o.snapshots.max_in_flight)
         self._capture = Capture(self._pool, o.snapshots.device_staging, self.replicated,
                                 self.rank, self.world_size, self.log,
-                                skip=o.snapshots.if_busy == "skip")
+                                skip=o.snapshots.if_busy == "skip", share=o.files.min_write_share)
         self._watch(o.preemption)  # (before the exit vote: a rank that votes watches the signals)
         self._exit_vote = ExitVote(self._proto, functools.partial(slurm.say_ready, self.log)
                                    if self.preemption and self.rank == 0 else None)
@@ -283,7 +283,7 @@ class Checkpointer:
             info, manifest = coordinate.restore(
                 self._proto, self._pool, state, self.root, listed, self._recovery, self.log,
                 step=step, upto=upto, io_threads=self.io_threads, replicated=self.replicated,
-                world_change=self.world_change)
+                share=self._capture.share, world_change=self.world_change)
         self.restore_info = info
         if self._recovery is not None and self._recovery.pending:  # lost shards' files go
             self._pipeline.later(self._recovery.write_back)  # back to their nodes, behind it

@@ -27,6 +27,7 @@ from .format.names import FANOUT
 from .format.shard import DEFAULT_ALIGNMENT
 from .save.incremental import frozen_matcher
 from .save.retention import Policy
+from .sharding import MIN_WRITE_SHARE
 
 SCHEMES = ("partner", "xor")  # the node-local level's redundancy (mpickpt.local.topology)
 
@@ -171,13 +172,18 @@ class Files(_Group):
     the manifest (``"inline"``), in an index part per rank (``"per-rank"``), or ``"auto"``
     (per rank above 64 ranks). In every shard, in ROOT and on the nodes: tensors of
     ``alignment`` bytes or more start on an ``alignment`` boundary (for direct and parallel
-    I/O), and a checksum covers each ``checksum_block`` bytes."""
+    I/O), and a checksum covers each ``checksum_block`` bytes. The tensors several ranks hold
+    alike (``replicated=``) are written by as few of those ranks as gives each writer
+    ``min_write_share`` bytes or more, the highest ranks first (a small DDP state: one rank,
+    not every rank, writes and syncs it; rank 0 commits); ``0`` spreads them over every rank
+    that holds them."""
 
     per: str = "rank"
     fanout: int = FANOUT
     index: str = "auto"
     alignment: int = DEFAULT_ALIGNMENT
     checksum_block: int = DEFAULT_BLOCK
+    min_write_share: int = MIN_WRITE_SHARE
 
     def __post_init__(self) -> None:
         if self.per not in ("rank", "node"):
@@ -187,6 +193,9 @@ class Files(_Group):
         if self.index not in INDEXES:
             raise ValueError(f"Files(index=) must be 'auto', 'inline' or 'per-rank', not "
                              f"{self.index!r}")
+        m = self.min_write_share
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"Files(min_write_share=) must be an int >= 0 (bytes), not {m!r}")
         for name in ("alignment", "checksum_block"):
             value = getattr(self, name)
             if not _positive_int(value) or value & (value - 1):

@@ -11,9 +11,10 @@ A tensor in the state is one of:
   its replica group) holds the same piece - declared with ``Piece(t, replicated=True)``, with the
   Checkpointer's ``replicated`` key paths (DDP), or taken from a DTensor.
 
-Identical pieces held by several ranks are written once, spread over their holders by size
-(:func:`writers`). A restore assembles each rank's new piece from the stored pieces that overlap
-it, whatever the number of ranks or the sharding was (:mod:`mpickpt.restore.reshard`).
+Identical pieces held by several ranks are written once, spread over their holders by size, or over
+as few of them as gives each writer ``Files(min_write_share=)`` bytes (:func:`writers`). A restore
+assembles each rank's new piece from the stored pieces that overlap it, whatever the number of ranks
+or the sharding was (:mod:`mpickpt.restore.reshard`).
 """
 
 from __future__ import annotations
@@ -167,14 +168,22 @@ def whole(shape: tuple[int, ...], world: int) -> Placement:
     return Placement(shape, (0,) * len(shape), shape, range(world))
 
 
-def writers(pieces: Iterable[tuple[str, int, Sequence[int]]]) -> dict[str, int]:
+# the default Files(min_write_share=): replicated bytes per writer, at least (see writers())
+MIN_WRITE_SHARE = 16 << 20
+
+
+def writers(pieces: Iterable[tuple[str, int, Sequence[int]]], share: int = 0
+            ) -> dict[str, int]:
     """Who writes each replicated piece: (name, nbytes, holders) in, name -> rank out.
 
     Every holder computes the same answer from the same input (the pieces of a replica group are
     the same on all its ranks): within each group of holders, largest pieces first, each to the
     holder with the fewest bytes so far (the lowest rank among equals), so the bytes are spread
-    evenly over the holders instead of all falling on the first. O(T log T) for T pieces,
-    whatever the number of holders: the holders given nothing yet wait in rank order.
+    evenly over the holders instead of all falling on the first. ``share`` > 0: a group's
+    pieces go to as few of its holders as gives each writer ``share`` bytes or more (at least
+    one writer), its highest ranks (rank 0 commits): a small state costs one file's writing and
+    syncing, not one per rank. O(T log T) for T pieces, whatever the number of holders: the
+    holders given nothing yet wait in rank order.
     """
     groups: dict[Sequence[int], list[tuple[str, int]]] = {}
     for name, nbytes, holders in pieces:
@@ -182,7 +191,11 @@ def writers(pieces: Iterable[tuple[str, int, Sequence[int]]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for holders, group in groups.items():
         load: list[tuple[int, int]] = []  # (bytes so far, rank) of the holders given a piece
-        fresh = iter(holders if isinstance(holders, range) else sorted(holders))
+        ordered = holders if isinstance(holders, range) else sorted(holders)
+        if share > 0:
+            few = max(1, min(len(ordered), sum(n for _, n in group) // share))
+            ordered = ordered[len(ordered) - few:]
+        fresh = iter(ordered)
         unused = next(fresh, None)
         for name, nbytes in sorted(group, key=lambda p: (-p[1], p[0])):
             if unused is not None and (not load or (0, unused) < load[0]):
@@ -236,21 +249,23 @@ def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
     return None
 
 
-def writers_of(tensors: dict[str, torch.Tensor], placements: dict[str, Placement]
-               ) -> dict[str, int]:
+def writers_of(tensors: dict[str, torch.Tensor], placements: dict[str, Placement],
+               share: int = 0) -> dict[str, int]:
     """Who writes each replicated piece of ``tensors`` (what :func:`keep_mine` keeps on each
-    rank): name -> rank, for the pieces held by more than one rank."""
-    return writers((name, tensors[name].numel() * tensors[name].element_size(), p.holders)
-                   for name, p in placements.items()
-                   if p.holders is not None and len(p.holders) > 1)
+    rank): name -> rank, for the pieces held by more than one rank (``share``: see
+    :func:`writers`)."""
+    return writers(((name, tensors[name].numel() * tensors[name].element_size(), p.holders)
+                    for name, p in placements.items()
+                    if p.holders is not None and len(p.holders) > 1), share)
 
 
 def keep_mine(tensors: dict[str, torch.Tensor], placements: dict[str, Placement],
-              rank: int) -> None:
+              rank: int, share: int = 0) -> None:
     """Drop from ``tensors`` the replicated pieces another holder writes (DDP: each rank writes
-    about 1/N of the model). The pieces of each replica group are spread over its ranks by
-    :func:`writers`, which every holder computes alike."""
-    for name, writer in writers_of(tensors, placements).items():
+    about 1/N of the model, or the highest ranks all of a small one: ``share``). The pieces of
+    each replica group are spread over its ranks by :func:`writers`, which every holder
+    computes alike."""
+    for name, writer in writers_of(tensors, placements, share).items():
         if writer != rank:
             del tensors[name]
 

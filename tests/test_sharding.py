@@ -61,6 +61,25 @@ def test_writers_spread_bytes_evenly_and_agree_whatever_the_order():
     assert only == {"x": 2}
 
 
+def test_a_share_gives_a_small_group_to_its_fewest_highest_holders():
+    """``share``: as many writers as give each ``share`` bytes (at least one, at most every
+    holder), the highest ranks, the bytes spread evenly over them; each group apart."""
+    pieces = [(f"w{i}", 100, (0, 1, 2, 3)) for i in range(20)]  # 2,000 bytes
+    pieces += [(f"v{i}", 100, range(8, 14, 2)) for i in range(6)]  # 600 bytes on 8, 10, 12
+    for share, four, three in [(0, {0, 1, 2, 3}, {8, 10, 12}), (1, {0, 1, 2, 3}, {8, 10, 12}),
+                               (600, {1, 2, 3}, {12}), (1000, {2, 3}, {12}),
+                               (1 << 30, {3}, {12})]:
+        got = sharding.writers(pieces, share)
+        assert got == sharding.writers(list(reversed(pieces)), share)  # every holder agrees
+        assert {got[f"w{i}"] for i in range(20)} == four, share
+        assert {got[f"v{i}"] for i in range(6)} == three, share
+        load = [sum(100 for i in range(20) if got[f"w{i}"] == r) for r in sorted(four)]
+        assert max(load) - min(load) <= 100 and min(load) >= min(share, 2000) // 2, (share, load)
+    # a world of holders stays a range: 10 writers of 100,000 ranks, the last ten
+    many = sharding.writers([(f"t{i}", 10, range(100_000)) for i in range(2000)], 2000)
+    assert set(many.values()) == set(range(99_990, 100_000))
+
+
 def test_writers_pick_as_the_plain_rule_does_and_a_world_of_holders_is_a_range():
     """The heap gives what "each piece, largest first, to the holder with the fewest bytes,
     the lowest rank among equals" gives, for any holders; replicated tensors of a world of

@@ -24,11 +24,13 @@ Listing = tuple[list[tuple[int, str]], Rollback | None, str | None]  # see roots
 
 def restore(proto: Protocol, pool: HostPool, state: dict[str, Any], root: str, listed: Listing,
             recovery: LocalRecovery | None, logger: logging.Logger, *, step: int | None,
-            upto: int | None, io_threads: int, replicated: tuple[str, ...], world_change: str
-            ) -> tuple[RestoreInfo, Manifest | None]:
+            upto: int | None, io_threads: int, replicated: tuple[str, ...], world_change: str,
+            share: int = 0) -> tuple[RestoreInfo, Manifest | None]:
     """Collective: load the newest checkpoint every rank can load (of ``step``, or no later
     than ``upto``) into ``state``, from ROOT (``listed`` by rank 0) or the node-local level
-    (``recovery``); what was loaded, and the manifest it was loaded from (ROOT)."""
+    (``recovery``); what was loaded, and the manifest it was loaded from (ROOT). ``share``:
+    the saves' Files(min_write_share=), where the replicated tensors' records are looked for
+    first."""
     t0 = time.perf_counter()
     with proto.fatal_timeouts(logger):
         asked = proto.allgather((step, upto), "restore")
@@ -51,7 +53,7 @@ def restore(proto: Protocol, pool: HostPool, state: dict[str, Any], root: str, l
         raise CheckpointError(f"no checkpoint of step {step} under {root}"
                               + (" or in the local level" if recovery else ""))
     with proto.fatal_timeouts(logger):
-        restorer = Restorer(proto, pool, io_threads, logger, replicated, world_change)
+        restorer = Restorer(proto, pool, io_threads, logger, replicated, world_change, share)
         info = restorer.run(state, candidates, explicit=step is not None, local=recovery,
                             local_steps=local_steps)
         info.total_bytes_read, info.total_network_bytes, fetched = proto.sums(

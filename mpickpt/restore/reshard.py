@@ -145,8 +145,10 @@ def _merge(ranges: list[ByteRange]) -> list[ByteRange]:
 
 
 def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
-         replicated: tuple[str, ...], where: str) -> Plan:
-    """Work out what this rank reads from ``manifest`` (at ``where``) to restore ``state``.
+         replicated: tuple[str, ...], where: str, share: int = 0) -> Plan:
+    """Work out what this rank reads from ``manifest`` (at ``where``) to restore ``state``
+    (``share``: the saves' Files(min_write_share=), which says whose records hold the
+    replicated tensors when the ranks are the same; else every rank's are searched).
 
     Raises :class:`StateMismatchError` when a sharded tensor of the state does not match the
     stored one (dtype, global shape) and :class:`ShardError` when the stored pieces do not cover
@@ -163,7 +165,7 @@ def plan(manifest: Manifest, rank: int, world: int, state: dict[str, Any],
         # their writers' (those every rank holds: all in the manifest's replicated part, when
         # it has one; the others in their writers' index parts)
         every, some = {source}, {source}
-        for name, writer in sharding.writers_of(live, placements).items():
+        for name, writer in sharding.writers_of(live, placements, share).items():
             (every if len(placements[name].holders or ()) == world else some).add(writer)
         entries = {r: manifest.replica_entry(r) for r in sorted(every - some)}
         entries |= {r: manifest.ranks[r] for r in sorted(some)}

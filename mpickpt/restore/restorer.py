@@ -82,10 +82,10 @@ class Restorer:
 
     def __init__(self, proto: Protocol, pool: HostPool, io_threads: int,
                  log: logging.Logger, replicated: tuple[str, ...] = (),
-                 world_change: str = "reshard") -> None:
+                 world_change: str = "reshard", share: int = 0) -> None:
         self.proto, self.pool, self.io_threads, self.log = proto, pool, io_threads, log
         self.rank, self.world_size = proto.rank, proto.size
-        self.replicated, self.world_change = replicated, world_change
+        self.replicated, self.world_change, self.share = replicated, world_change, share
         self.bytes_read = 0
         self.mapped_bytes = 0  # of bytes_read, used where they lie (a node directory in memory)
         self.room_bytes = 0  # put in GPU memory set aside while the bytes came
@@ -96,6 +96,11 @@ class Restorer:
         # node-local level's transfer), own-read (this node's shards, beside the fetch),
         # apply (the verify vote, then into the state)
         self.phases: dict[str, float] = {}
+
+    def _plan(self, manifest: Manifest, state: dict[str, Any], where: str) -> reshard.Plan:
+        """What this rank reads of ``manifest`` (at ``where``) to restore ``state``."""
+        return reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, where,
+                            self.share)
 
     def run(self, state: dict[str, Any], candidates: list[tuple[int, str]], *,
             explicit: bool = False, local: LocalRecovery | None = None,
@@ -160,8 +165,7 @@ class Restorer:
             return got
 
         def needs(manifest: Manifest) -> set[int]:  # the ranks whose shards this one reads
-            return {rank for rank, _ in reshard.plan(manifest, self.rank, self.world_size, state,
-                                                     self.replicated, local.path(step)).spans}
+            return {rank for rank, _ in self._plan(manifest, state, local.path(step)).spans}
 
         # a lost node's shards come straight into the restore from their partner copies, or
         # from their XOR teams
@@ -209,7 +213,7 @@ class Restorer:
             # state (a mismatch stops the restore) or anything is allocated for them
             source = self.rank % manifest.world_size
             opening.check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
-            plan = reshard.plan(manifest, self.rank, self.world_size, state, self.replicated, path)
+            plan = self._plan(manifest, state, path)
             where = os.path.join(path, manifest.ranks[source].file)
             state_apply.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}

@@ -36,12 +36,14 @@ class Capture:
     """Takes a rank's state into a :class:`SaveRequest`, through ``pool``'s host buffers."""
 
     def __init__(self, pool: HostPool, device_staging: bool, replicated: tuple[str, ...],
-                 rank: int, world_size: int, logger: logging.Logger, skip: bool = False) -> None:
+                 rank: int, world_size: int, logger: logging.Logger, skip: bool = False,
+                 share: int = 0) -> None:
         self.pool = pool
         self.skip = skip  # if_busy="skip": no snapshot while every buffer is in flight
         self.snapshotter = Snapshotter(pool, device_staging)
         self.snapshotter.warm()  # its copy stream and ring, if CUDA is in use already
         self.replicated, self.rank, self.world_size = replicated, rank, world_size
+        self.share = share  # Files(min_write_share=): see sharding.writers
         self._waits = WaitLog(logger, pool.slots) if rank == 0 else None
         self.log = logger
         self._hinted = False  # the prepare() hint is given once
@@ -55,7 +57,7 @@ class Capture:
         """(tree, the tensors this rank writes, placements) of ``state``."""
         tree, tensors, placements = state_tree.flatten_placed(state, self.replicated,
                                                               self.world_size)
-        keep_mine(tensors, placements, self.rank)
+        keep_mine(tensors, placements, self.rank, self.share)
         return tree, tensors, placements
 
     def _hint(self, nbytes: int) -> None:

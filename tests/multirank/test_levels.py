@@ -123,7 +123,8 @@ def outcome(reports: dict[int, dict], n: int, step: int, finals: dict[int, str])
 WINDOW = 7000  # bytes moved at a time in the cases that set it: a shard takes ~15 windows
 LOSSES = [
     # (id, redundancy, ranks, ranks per node, xor_set, nodes wiped, restored from, window,
-    #  replicated: the model is the same on every rank, replicated=("model",) as under DDP)
+    #  replicated: the model is the same on every rank, replicated=("model",) as under DDP;
+    #  True: spread over the ranks, "fewest": the default Files, the last rank writes it all)
     ("partner-2x2-one-node", "partner", 4, 2, None, [1], "local", WINDOW, False),
     ("partner-4x1-two-pairs", "partner", 4, 1, None, [0, 2], "local", None, False),
     ("partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root", None, False),
@@ -136,6 +137,8 @@ LOSSES = [
     ("replicated-partner-2x2-both-nodes", "partner", 4, 2, None, [0, 1], "root", None, True),
     ("replicated-xor-3x2-one-node", "xor", 6, 2, 3, [0], "local", WINDOW, True),
     ("replicated-xor-6x1-two-sets", "xor", 6, 1, 3, [1, 5], "local", None, True),
+    ("fewest-partner-2x2-writer-node", "partner", 4, 2, None, [1], "local", None, "fewest"),
+    ("fewest-xor-3x2-writer-node", "xor", 6, 2, 3, [2], "local", WINDOW, "fewest"),
 ]
 QUICK_LOSSES = ("replicated-partner-2x2-node-0", "xor-3x2-one-node")  # ./launch/test --quick
 
@@ -153,7 +156,7 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
                                       per_node=per_node, xor_set=xor_set, window=window,
                                       replicated=replicated)
     step = CRASH if level == "local" else DRAINED
-    finals = reference[n, replicated]
+    finals = reference[n, bool(replicated)]
     guarantees.record(SUITE, name, outcome(reports, n, step, finals), done.output[-2000:])
     assert done.returncode == 0, done.output
     restored = [reports[r]["restore"] for r in range(n)]
@@ -166,7 +169,7 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
         for r in range(n):
             assert restored[r]["source"].startswith(how if r in lost else "own"), restored[r]
             if r in lost and redundancy == "xor":  # (replicated: others read its shard)
-                assert restored[r]["source"].endswith("into the restore") != replicated
+                assert restored[r]["source"].endswith("into the restore") != bool(replicated)
             # a node directory in memory: a survivor's own tensors are used where they lie
             # (verified in place, no copy; a replicated model is put together from the ranks'
             # shares, and its one other tensor is 8 bytes); on disk, every byte is read
@@ -178,8 +181,16 @@ def test_a_lost_node_is_rebuilt_from_redundancy_else_root(
             assert mapped <= restored[r]["bytes_read"], restored[r]
         assert restored[0]["total_network_bytes"] == sum(r["network_bytes"] for r in restored)
         assert all(restored[r]["network_bytes"] > 0 for r in lost)
-        # a replicated model: every rank gets the shares of other nodes' ranks over MPI
-        assert all((r["fetched_bytes"] > 0) == replicated for r in restored), restored
+        # a replicated model: every rank gets the shares of other nodes' ranks over MPI; all of
+        # it from the last rank when that one writes it all (its node's other ranks: from its
+        # shard's partner copy, or its shard rebuilt in place by XOR)
+        fetched = [r["fetched_bytes"] > 0 for r in restored]
+        if replicated == "fewest":
+            writer_node = (n - 1) // per_node
+            assert not fetched[n - 1], restored
+            assert all(fetched[r] for r in range(n) if r // per_node != writer_node), restored
+        else:
+            assert fetched == [replicated] * n, restored
         for r in lost:  # the wiped node has the step back, committed as a save commits it
             listing = restored[r]["node_dir"]
             assert not [n for n in listing if ".partial-" in n], listing

@@ -83,21 +83,31 @@ def test_replicated_tensor_is_written_once_and_uneven_pieces_tile_the_whole(save
         assert '{"device": "cpu", "name": "rep", "sharded": true' in names, e["rank"]
 
 
-def test_replicated_pieces_are_spread_over_the_ranks(tmp_path):
-    """Many replicated tensors: each is written once, and the bytes are shared out evenly."""
+MANY_TOTAL = sum(4 * (1000 + 97 * i) for i in range(24))
+
+
+@pytest.mark.parametrize("share, writers", [(0, 4), (MANY_TOTAL // 3, 3), (None, 1)],
+                         ids=["spread", "three-writers", "default"])
+def test_replicated_pieces_are_written_once_by_the_fewest_highest_ranks(tmp_path, share, writers):
+    """Many replicated tensors: each is written once, and the bytes are shared out evenly over
+    as many of the highest ranks as gives each ``min_write_share`` bytes (every rank with 0; the
+    last alone for this 203 kB state with the default 16 MiB)."""
     root = tmp_path / "ck"
+    files = "" if share is None else f", files=mpickpt.Files(min_write_share={share})"
     done = save_once(
         tmp_path / "many.py", 4, root,
         "{'model': {f'w{i}': torch.full((1000 + 97 * i,), float(i)) for i in range(24)}}",
-        "assert res.committed", options=", replicated=('model',)")
+        "assert res.committed", options=", replicated=('model',)" + files)
     assert done.returncode == 0, done.output
     m = manifest(root, 1)
     per_rank = [sum(t["nbytes"] for t in e["tensors"]) for e in m["ranks"]]
     names = [t["name"] for e in m["ranks"] for t in e["tensors"]]
     assert sorted(names) == sorted(f"model/w{i}" for i in range(24)), names
-    total = sum(4 * (1000 + 97 * i) for i in range(24))
-    assert sum(per_rank) == total
-    assert max(per_rank) - min(per_rank) <= 4 * (1000 + 97 * 23), per_rank  # within one tensor
+    assert sum(per_rank) == MANY_TOTAL
+    assert per_rank[:4 - writers] == [0] * (4 - writers), per_rank  # rank 0 commits
+    written = per_rank[4 - writers:]
+    assert max(written) - min(written) <= 4 * (1000 + 97 * 23), per_rank  # within one tensor
+    assert min(written) >= (share or 0) - 4 * (1000 + 97 * 23), per_rank
 
 
 @pytest.mark.guarantee("reshard-bit-exact")

@@ -18,8 +18,9 @@ Usage (under mpiexec): ``levels.py PLAN.json``. PLAN keys:
 * ``window``: the bytes the redundancy exchange moves at a time (default 32 MiB: one window
   for this small state; a few KiB make many, in flight two at a time);
 * ``replicated``: the model is the same on every rank (as under DDP) and saved with
-  ``replicated=("model",)``: each rank writes a share of it, and a restore from the local level
-  needs the shares of other nodes' ranks;
+  ``replicated=("model",)``: each rank writes a share of it (``Files(min_write_share=0)``), and a
+  restore from the local level needs the shares of other nodes' ranks; ``"fewest"``: the default
+  share, the last rank writes all of this small model and the others a shard of no tensor;
 * ``device``: where the model's tensors live (default ``cpu``; ``cuda``: on the GPU);
 * ``alignment``: tensors of that many bytes and more start on that boundary (a smaller one
   than the default leaves padding after the tensors of this small state);
@@ -104,7 +105,7 @@ def trained(rank: int, step: int) -> dict[str, Any]:
 def check_root(plan: dict[str, Any], rank: int) -> dict[str, bool]:
     """Every step committed in ROOT, restored from ROOT alone: bit for bit the trained state?"""
     ck = mpickpt.Checkpointer(plan["root"], timeout=plan.get("timeout", 60),
-                              replicated=("model",) if REPLICATED else ())
+                              replicated=("model",) if REPLICATED else (), files=files_of(plan))
     out = {}
     for step, _ in rootdir.committed(plan["root"]):
         state = initial(rank)
@@ -112,6 +113,18 @@ def check_root(plan: dict[str, Any], rank: int) -> dict[str, bool]:
         out[str(step)] = got == step and digest(state) == digest(trained(rank, step))
     ck.close()
     return out
+
+
+def files_of(plan: dict[str, Any]) -> mpickpt.Files:
+    """The plan's file layout: its ``room`` or ``alignment``, and the replicated model's share."""
+    kw: dict[str, int] = {}
+    if plan.get("replicated") is True:
+        kw["min_write_share"] = 0
+    if plan.get("room"):
+        kw.update(checksum_block=plan["room"], alignment=plan["room"])
+    elif plan.get("alignment"):
+        kw["alignment"] = plan["alignment"]
+    return mpickpt.Files(**kw)
 
 
 def _node_listing(local: str, node: str) -> dict[str, list[str]]:
@@ -143,10 +156,7 @@ def main() -> None:
                             persist_every=plan.get("persist_every"),
                             keep=plan.get("keep_local", 1), budget=plan.get("local_budget"),
                             xor_set=plan.get("xor_set")),
-        replicated=("model",) if REPLICATED else (),
-        files=mpickpt.Files(checksum_block=plan["room"], alignment=plan["room"])
-        if plan.get("room") else mpickpt.Files(alignment=plan["alignment"])
-        if plan.get("alignment") else "per-rank")
+        replicated=("model",) if REPLICATED else (), files=files_of(plan))
     faults.configure(plan.get("fault", ""))
     state = initial(rank)
     start = ck.restore(state) or 0

@@ -4,8 +4,9 @@ restore, with index parts (as above 64 ranks).
 Usage: metadata_counts.py ROOT REPORTS replicated|sharded per-rank|per-node [restore]
 
 The state holds 3 x N small tensors under "model" (N ranks), every rank holding each whole
-(``replicated``: DDP, ``Checkpointer(replicated=("model",))``, so that each rank writes about
-three of them) or its own rows of each (``sharded``: FSDP, ``Piece``), and a per-rank tensor
+(``replicated``: DDP, ``Checkpointer(replicated=("model",))``, spread over every rank by
+``Files(min_write_share=0)`` so that each rank writes about three of them) or its own rows
+of each (``sharded``: FSDP, ``Piece``), and a per-rank tensor
 "mine". Steps 1, 2 and 3 are saved (keep=2: the third save's retention deletes step 1), each
 waited for; rank 0 counts the index parts and metadata bytes it read during each. Then every
 rank restores into a zeroed state and counts the same (``restore``: only that). ``per-node``:
@@ -54,7 +55,7 @@ def main() -> None:
         os.environ["MPICKPT_NODE"] = f"n{rank // 2}"
     ck = mpickpt.Checkpointer(root, keep=2, replicated=("model",) if layout == "replicated"
                               else (), files=mpickpt.Files(per=files.removeprefix("per-"),
-                                                           index="per-rank"))
+                                                           index="per-rank", min_write_share=0))
     report: dict = {"rank": rank, "commits": []}
     for step in () if sys.argv[5:] == ["restore"] else (1, 2, 3):
         before = counted()
