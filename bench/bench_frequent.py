@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -279,7 +280,7 @@ class Mpickpt(Method):
     def __init__(self, b: Bench, work: str, kw: dict[str, Any]) -> None:
         super().__init__(b, work)
         import mpickpt
-        from mpickpt.options import SNAPSHOTS_KEYWORDS
+        from mpickpt.options import FILES_KEYWORDS, SNAPSHOTS_KEYWORDS
 
         self.kw = {"keep": 2, "replicated": ("model", "optim"), **kw}
         if isinstance(self.kw["replicated"], list):
@@ -288,6 +289,12 @@ class Mpickpt(Method):
         snap = {k: self.kw.pop(k) for k in SNAPSHOTS_KEYWORDS if k in self.kw}
         if snap:
             self.kw["snapshots"] = mpickpt.Snapshots(**snap)
+        # --mpickpt '{"min_write_share": 0}': a Files field, given flat (the flat fanout=,
+        # index=, alignment= and checksum_block= are Checkpointer's own, deprecated, keywords)
+        files = {f.name: self.kw.pop(f.name) for f in dataclasses.fields(mpickpt.Files)
+                 if f.name in self.kw and f.name not in FILES_KEYWORDS}
+        if files:
+            self.kw["files"] = mpickpt.Files(**files)
         self.ck = mpickpt.Checkpointer(work, **self.kw)
         self.handles: list[tuple[int, Any, float]] = []  # step, handle, when save() was called
         self.seen: dict[int, float] = {}  # step -> seconds from save() to first seen done
