@@ -13,7 +13,7 @@ from .local.nodestore import NodeStore
 from .local.recovery import LocalRecovery
 from .local.topology import Topology
 from .mpi.protocol import Protocol
-from .options import Local
+from .options import Options
 from .save.incremental import Tracker
 from .save.pipeline import Pipeline
 from .save.retention import Policy
@@ -45,14 +45,15 @@ def pipeline(proto: Protocol, root: str, run_id: str, snapshotter: Snapshotter,
                     skip)
 
 
-def local_level(proto: Protocol, level: Local | None, root: str, run_id: str,
+def local_level(proto: Protocol, options: Options, root: str, run_id: str,
                 root_problem: str | None, io_threads: int, logger: logging.Logger
                 ) -> tuple[LocalLevel | None, LocalRecovery | None]:
-    """The node-local level and its recovery, when ``level`` asks for one (collective); rank 0
-    says that the job goes on without ROOT when ``root_problem`` says why it cannot be used."""
-    if level is None:
+    """The node-local level and its recovery, when ``options.local`` asks for one (collective);
+    rank 0 says that the job goes on without ROOT when ``root_problem`` says why it cannot be
+    used."""
+    if options.local is None:
         return None, None
-    lv = open_level(proto, level, root, run_id, logger)
+    lv = open_level(proto, options.local, options.files, root, run_id, logger)
     if root_problem is not None and proto.rank == 0:
         logger.warning(
             "ROOT cannot be used: %s. Restore takes what the node-local level holds; saves are "

@@ -164,7 +164,7 @@ class Checkpointer:
             raise CheckpointError(f"init failed: rank 0: {self._root_problem}")
         self._root_shared = False  # proved at the first save (a restore writes nothing to ROOT)
         self._local, self._recovery = assembly.local_level(
-            self._proto, o.local, self.root, self.run_id, self._root_problem, self.io_threads,
+            self._proto, o, self.root, self.run_id, self._root_problem, self.io_threads,
             self.log)
         self._local_checked = False
         layout = o.files
@@ -218,7 +218,7 @@ class Checkpointer:
         request.drain = drain
         if self._local is not None and not self._local_checked and user_error is None:
             self._pipeline.settle()
-            full = self._local.agree_room(self._proto, request.snapshot, self.log)
+            full = self._local.agree_room(self._proto, request, self.log)
             if full is not None:  # the save aborts, and every rank raises at once
                 request.error = request.error or full
                 user_error = LocalTierFull(full)

@@ -237,16 +237,21 @@ def test_the_root_check_passes_on_one_directory_and_leaves_nothing_behind(tmp_pa
 def test_the_node_level_refuses_a_checkpoint_beyond_its_budget_before_writing(tmp_path: Path):
     """local/level.py: the first save votes on the node's room; a budget that cannot hold the
     kept checkpoints and the one being written aborts it on every rank and raises, naming the
-    budget; nothing is written on the node."""
-    from mpickpt.local.level import HEADER_SLACK
-
-    local = mpickpt.Local(tmp_path / "local", budget=HEADER_SLACK)
+    budget; nothing is written on the node. A budget that holds them is taken, however small
+    the shards (a bound of each file, not 1 MiB a file and 1 MiB a tensor), and holds them."""
+    local = mpickpt.Local(tmp_path / "local", budget=100_000)
     with mpickpt.Checkpointer(tmp_path / "root", local=local) as ck:
-        need = ck._local.need(64 * 64 * 4, 1)
-        assert need > HEADER_SLACK
-        with pytest.raises(mpickpt.LocalTierFull, match=r"Local\(budget=1048576\)"):
+        with pytest.raises(mpickpt.LocalTierFull, match=r"Local\(budget=100000\)"):
             ck.save(1, state(1))
         assert ck._local.nodedir.committed() == []
+    budget = 300_000  # keep 1 and the one being written: two shards of 16 kB and their metadata
+    local = mpickpt.Local(tmp_path / "local2", budget=budget)
+    with mpickpt.Checkpointer(tmp_path / "root2", local=local) as ck:
+        for step in (1, 2, 3):
+            assert ck.save(step, state(step)).wait().committed
+            used = sum(os.path.getsize(os.path.join(d, f))
+                       for d, _, files in os.walk(tmp_path / "local2") for f in files)
+            assert used <= budget, used
 
 
 def test_a_node_directory_belongs_to_one_root_and_keeps_the_newest(tmp_path: Path):

@@ -25,7 +25,7 @@ from .blocks import _open_direct, _pwrite, pwrite_all
 from .framesink import FrameSink
 from .h5image import MetadataImage, padding, place
 from .h5layout import Layout
-from .h5template import Template
+from .h5template import MIN_TREE, Template
 from .hostcopy import host_copy
 from .iothreads import beside, run_tasks, start_tasks
 from .records import (  # the torch-free half, re-exported: mpickpt.format.shard.TensorRecord etc.
@@ -47,6 +47,19 @@ INLINE_BYTES = 4 << 20
 # reads what the hash just read from the CPU's cache rather than from memory again
 PIECE = 512 << 10
 ZERO_PIECE = 1 << 20  # a destination's padding is zeroed this many bytes a write at most
+
+
+def size_bound(nbytes: int, count: int, tree_bytes: int, *,
+               alignment: int = DEFAULT_ALIGNMENT, block: int = checksum.DEFAULT_BLOCK) -> int:
+    """At most the bytes of a raw shard of ``count`` tensors of ``nbytes`` in all, whose state
+    tree is ``tree_bytes`` of JSON: the data; HDF5's own (6 kB), the tree attribute (padded to
+    a power of two) and each dataset's header, attributes and checksums (about 400 bytes and
+    its name, which the tree holds too: ``tests/test_shard_bound.py`` measures them); and the
+    padding before each tensor of ``alignment`` bytes or more (a bound, not an estimate: a
+    budget checked against it never overflows)."""
+    aligned = min(count, nbytes // alignment)
+    return (nbytes + (64 << 10) + 4 * tree_bytes + MIN_TREE + count * (1 << 10)
+            + 8 * (nbytes // block + count) + aligned * alignment)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -20,18 +20,16 @@ from .. import knobs, log
 from ..errors import LocalTierFull
 from ..format import rootdir
 from ..format.names import shard_name
-from ..format.shard import DEFAULT_ALIGNMENT
+from ..format.shard import size_bound
 from .exchange import Exchange
 from .nodedir import NodeDir, parity_name
 from .pool import Mapped, Maps
-from .topology import Topology, partner_source
+from .topology import Topology, partner_source, team_of
 
 if TYPE_CHECKING:
     from ..mpi.protocol import Protocol
-    from ..options import Local
-    from ..save.snapshot import Snapshot
-
-HEADER_SLACK = 1 << 20  # a shard's HDF5 metadata and alignment, at most (an estimate)
+    from ..options import Files, Local
+    from ..save.request import SaveRequest
 
 
 @dataclass
@@ -48,6 +46,9 @@ class LocalLevel:
     keep: int
     budget: int | None  # bytes per node, for the local checkpoints kept and the one written
     drain_bandwidth: float | None  # bytes per second per rank, None: as fast as it goes
+    alignment: int  # of the shards' tensors (Files(alignment=))
+    block: int  # the shards' checksum block (Files(checksum_block=))
+    shards: list[int] = field(default_factory=list)  # every rank's, at most: the first save's
     maps: Maps = field(default_factory=Maps)  # this rank's files kept mapped between saves
 
     @property
@@ -90,33 +91,58 @@ class LocalLevel:
         return json.dumps({"scheme": self.scheme, "nodes": list(self.topology.nodes),
                            "teams": self.teams}).encode()
 
-    def need(self, nbytes: int, tensors: int) -> int:
-        """The node-local bytes one checkpoint of this rank takes at most (shard, its metadata
-        and alignment, and redundancy)."""
-        return int((nbytes + HEADER_SLACK + tensors * DEFAULT_ALIGNMENT) * (1 + self.factor))
+    def need(self, shards: list[int], rank: int) -> int:
+        """The node-local bytes one checkpoint takes at most on ``rank``: its shard and the
+        partner copy or parity it stores (``shards``: every rank's shard, at most). A parity is
+        as large as its team's largest shard over the team's size less one."""
+        if self.scheme == "partner":
+            stored = shards[partner_source(self.teams, rank)]
+        elif self.scheme == "xor":
+            team = team_of(self.teams, rank)
+            stored = -(-max(shards[k] for k in team) // (len(team) - 1))
+        else:
+            stored = 0
+        return shards[rank] + stored
 
-    def check_room(self, nbytes: int, tensors: int, rank: int) -> None:
+    def check_room(self, shards: list[int], rank: int) -> None:
         """Refuse a checkpoint the node cannot hold: ``keep`` kept ones and the one being
-        written must fit the budget, and the one being written the free space."""
-        need = self.need(nbytes, tensors)
-        one = need * self.node_ranks
+        written must fit the budget, and this rank's part of the one being written the free
+        space (``shards``: every rank's shard, at most, :func:`~mpickpt.format.shard.size_bound`).
+        """
+        need = self.need(shards, rank)
+        ranks = self.topology.ranks_of(self.topology.nodes[rank])
+        one = sum(self.need(shards, r) for r in ranks)
         if self.budget is not None and one * (self.keep + 1) > self.budget:
             raise LocalTierFull(
-                f"rank {rank}: the local level {self.nodedir.dir} needs about "
-                f"{log.human_bytes(one)} per checkpoint on this node ({self.node_ranks} ranks, "
-                f"{log.human_bytes(nbytes)} of state each, redundancy {self.scheme}), "
-                f"{log.human_bytes(one * (self.keep + 1))} for the {self.keep} kept and the one "
-                f"being written; its budget is Local(budget={self.budget}) "
+                f"rank {rank}: the local level {self.nodedir.dir} needs up to "
+                f"{log.human_bytes(one)} per checkpoint on this node ({len(ranks)} ranks, "
+                f"{log.human_bytes(sum(shards[r] for r in ranks))} of shards, redundancy "
+                f"{self.scheme}), {log.human_bytes(one * (self.keep + 1))} for the {self.keep} "
+                f"kept and the one being written; its budget is Local(budget={self.budget}) "
                 f"({log.human_bytes(self.budget)}). Raise the budget, keep fewer "
                 "(Local(keep=)), or use another local directory")
         free = self.nodedir.free() + self.recyclable()
         if free < need:
             raise LocalTierFull(
                 f"rank {rank}: the local level {self.nodedir.dir} has {log.human_bytes(free)} "
-                f"free, "
-                f"and this rank's part of the checkpoint needs about "
-                f"{log.human_bytes(need)}: free space there, or keep fewer "
-                "local checkpoints (keep_local)")
+                f"free, and this rank's part of the checkpoint needs up to "
+                f"{log.human_bytes(need)}: free space there, or keep fewer local checkpoints "
+                "(Local(keep=))")
+
+    def bound(self, request: SaveRequest) -> int:
+        """The bytes of this rank's shard of ``request``, at most (0 without a snapshot)."""
+        snap, tree = request.snapshot, request.tree
+        if snap is None or tree is None:
+            return 0
+        return size_bound(snap.nbytes, snap.count, len(json.dumps(tree).encode()),
+                          alignment=self.alignment, block=self.block)
+
+    def check_save(self, request: SaveRequest) -> None:
+        """:meth:`check_room` for a later save, on this rank alone: its own shard as it is
+        now, the others' as at the first save."""
+        shards = self.shards or [0] * len(self.topology.nodes)
+        self.check_room([*shards[:self.rank], self.bound(request), *shards[self.rank + 1:]],
+                        self.rank)
 
     def recyclable(self) -> int:
         """Bytes of this rank's files in the pool, which its next save writes over (its shard,
@@ -131,14 +157,16 @@ class LocalLevel:
                 total += os.stat(os.path.join(self.nodedir.pool_dir, name)).st_blocks * 512
         return total
 
-    def agree_room(self, proto: Protocol, snapshot: Snapshot | None,
+    def agree_room(self, proto: Protocol, request: SaveRequest,
                    logger: logging.Logger) -> str | None:
         """Collective, at the first save: can every node hold the checkpoints it must keep?
         Why not (every node's reasons), or None."""
-        why = None
-        if snapshot is not None:
+        why, snap = None, request.snapshot
+        with proto.fatal_timeouts(logger):
+            self.shards = proto.allgather(self.bound(request), "local-room")
+        if snap is not None:
             try:
-                self.check_room(snapshot.nbytes, snapshot.count, self.rank)
+                self.check_room(self.shards, self.rank)
             except LocalTierFull as e:
                 why = str(e)
         with proto.fatal_timeouts(logger):
@@ -146,8 +174,8 @@ class LocalLevel:
         return None if failed is None else str(failed)
 
 
-def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: logging.Logger
-               ) -> LocalLevel:
+def open_level(proto: Protocol, local: Local, files: Files, root: str, run_id: str,
+               logger: logging.Logger) -> LocalLevel:
     """The node-local level ``local`` describes (it checked its own settings): find the nodes
     and the redundancy teams, prepare this node's directory (its leader does; a failure on one
     node raises on every rank). Collective."""
@@ -170,4 +198,5 @@ def open_level(proto: Protocol, local: Local, root: str, run_id: str, logger: lo
         logger.info("local level %s on %d node(s), redundancy %s, drained to ROOT every %s "
                     "save(s)", base, len(topo.names), redundancy, persist_every or "no")
     return LocalLevel(nodedir, topo, proto.rank, redundancy, teams, exchange, persist_every,
-                      local.keep, local.budget, local.drain_bandwidth)
+                      local.keep, local.budget, local.drain_bandwidth, files.alignment,
+                      files.checksum_block)

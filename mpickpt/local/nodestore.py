@@ -97,7 +97,7 @@ class NodeStore:
 
         try:
             if req.snapshot is not None and req.tree is not None:
-                lv.check_room(req.snapshot.nbytes, req.snapshot.count, self.rank)
+                lv.check_save(req)
                 into = lv.take(partial, shard_name(self.rank))
                 entry = self.shards.write(req, partial, shard_name(self.rank), into=into,
                                           started=started)
