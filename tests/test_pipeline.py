@@ -274,8 +274,10 @@ def test_a_node_directory_belongs_to_one_root_and_keeps_the_newest(tmp_path: Pat
 
 def test_assembly_makes_no_level_without_local_and_the_root_store_first(tmp_path: Path):
     from mpickpt import assembly
+    from mpickpt.options import gather
 
     with mpickpt.Checkpointer(tmp_path) as ck:
-        assert assembly.local_level(ck._proto, None, str(tmp_path), ck.run_id, None, 2,
+        o = gather(None, "per-rank", None, None, None, True, {})
+        assert assembly.local_level(ck._proto, o, str(tmp_path), ck.run_id, None, 2,
                                     LOG) == (None, None)
         assert isinstance(ck._pipeline.store, RootStore)
