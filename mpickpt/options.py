@@ -159,6 +159,7 @@ def _positive_int(value: object) -> bool:
 
 
 INDEXES = ("auto", "inline", "per-rank")
+MIN_CHECKSUM_BLOCK = 4096
 # the flat keywords of Checkpointer that became fields of Files
 FILES_KEYWORDS = ("fanout", "index", "alignment", "checksum_block")
 
@@ -168,15 +169,15 @@ class Files(_Group):
     """How a checkpoint is laid out in ROOT: a shard per rank (``per="rank"``) or per node
     (``per="node"``: the node's ranks write disjoint aligned regions of one file, for parallel
     file systems whose metadata servers are the limit); no directory holds more than ``fanout``
-    shards or index parts (more go into sub-directories); ``index``: every rank's records in
-    the manifest (``"inline"``), in an index part per rank (``"per-rank"``), or ``"auto"``
-    (per rank above 64 ranks). In every shard, in ROOT and on the nodes: tensors of
-    ``alignment`` bytes or more start on an ``alignment`` boundary (for direct and parallel
-    I/O), and a checksum covers each ``checksum_block`` bytes. The tensors several ranks hold
-    alike (``replicated=``) are written by as few of those ranks as gives each writer
-    ``min_write_share`` bytes or more, the highest ranks first (a small DDP state: one rank,
-    not every rank, writes and syncs it; rank 0 commits); ``0`` spreads them over every rank
-    that holds them."""
+    shards or index parts (more go into sub-directories); ``index``: every rank's records in the
+    manifest (``"inline"``), in an index part per rank (``"per-rank"``), or ``"auto"`` (per rank
+    above 64 ranks). In every shard, in ROOT and on the nodes: tensors of ``alignment`` bytes or
+    more start on an ``alignment`` boundary (for direct and parallel I/O), and a checksum covers
+    each ``checksum_block`` bytes (4096 or more). The tensors several ranks hold alike
+    (``replicated=``) are written by as few of those ranks as gives each writer
+    ``min_write_share`` bytes or more, the highest ranks first (a small DDP state: one rank, not
+    every rank, writes and syncs it; rank 0 commits); ``0`` spreads them over every rank that
+    holds them."""
 
     per: str = "rank"
     fanout: int = FANOUT
@@ -200,6 +201,10 @@ class Files(_Group):
             value = getattr(self, name)
             if not _positive_int(value) or value & (value - 1):
                 raise ValueError(f"Files({name}=) must be a power of two, not {value!r}")
+        if self.checksum_block < MIN_CHECKSUM_BLOCK:  # 8 bytes of checksum per block
+            raise ValueError(f"Files(checksum_block={self.checksum_block}) is below 4096: a "
+                             "checksum of 8 bytes per block would make the records as large as "
+                             "the data they describe; give 4096 or more (default 1 MiB)")
 
     @property
     def per_node(self) -> bool:

@@ -149,6 +149,8 @@ def test_retention_checks_its_rules_and_the_flat_keywords_say_what_to_write():
      "Snapshots(pinned_budget=) must be a positive"),
     (lambda: mpickpt.Files(alignment=3000), "Files(alignment=) must be a power of two"),
     (lambda: mpickpt.Files(checksum_block=0), "Files(checksum_block=) must be a power of two"),
+    (lambda: mpickpt.Files(checksum_block=1), "Files(checksum_block=1) is below 4096"),
+    (lambda: mpickpt.Files(checksum_block=2048), "Files(checksum_block=2048) is below 4096"),
     (lambda: mpickpt.Files(min_write_share=-1), "Files(min_write_share=) must be an int >= 0"),
     (lambda: mpickpt.Files(min_write_share=1.5), "Files(min_write_share=) must be an int >= 0"),
 ])
