@@ -397,12 +397,33 @@ class Failures:
         return {f.rank: f.reason for f in self.records}
 
     def __str__(self) -> str:
-        """The reasons as they were given (each usually names its rank), ``; ``-separated."""
-        return "; ".join(f.reason for f in self.records)
+        """The reasons as they were given (each usually names its rank), ``; ``-separated; the
+        same reason from more than two ranks once, after their ranks (``ranks 0-31: ...``,
+        not 32 times over)."""
+        return "; ".join(grouped([(f.rank, f.reason) for f in self.records]))
 
     def named(self) -> str:
         """Each reason after its rank: ``rank 1: ...; rank 3: ...``."""
         return "; ".join(str(f) for f in self.records)
+
+
+def grouped(reasons: list[tuple[int, str]]) -> list[str]:
+    """``(rank, reason)`` pairs as texts, in rank order: a reason that more than two ranks
+    gave alike (but for the ``rank N: `` it starts with) once, after their ranks."""
+    by: dict[str, list[int]] = {}
+    for rank, text in reasons:
+        own = f"rank {rank}: "
+        by.setdefault(text[len(own):] if text.startswith(own) else text, []).append(rank)
+    out: list[tuple[int, str]] = []
+    for rank, text in reasons:
+        own = f"rank {rank}: "
+        rest = text[len(own):] if text.startswith(own) else text
+        ranks = by[rest]
+        if len(ranks) <= 2:
+            out.append((rank, text))
+        elif ranks[0] == rank:
+            out.append((rank, f"{ranks_text(ranks)}: {rest}"))
+    return [t for _, t in sorted(out, key=lambda p: p[0])]
 
 
 def prestart() -> None:
