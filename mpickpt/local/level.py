@@ -56,19 +56,6 @@ class LocalLevel:
         """Whether this rank writes its node's shared files (the lowest rank of the node)."""
         return self.topology.leader(self.rank) == self.rank
 
-    @property
-    def node_ranks(self) -> int:
-        return len(self.topology.ranks_of(self.topology.nodes[self.rank]))
-
-    @property
-    def factor(self) -> float:
-        """Redundancy bytes per shard byte on the node."""
-        if self.scheme == "partner":
-            return 1.0
-        if self.scheme == "xor":
-            return 1.0 / (len(self.teams[0]) - 1)
-        return 0.0
-
     def take(self, directory: str, name: str) -> Mapped:
         """This rank's file ``directory/name`` of a save, recycled from the pool when it can
         be, open and mapped (:meth:`Maps.take`); ``directory`` is made if need be."""
