@@ -15,7 +15,7 @@ from harness import never_blocks
 import mpickpt.format.entry as entry_module
 from mpickpt.errors import ManifestError
 from mpickpt.format.entry import MAX_BYTES, MAX_TREE_DEPTH, RankEntry
-from mpickpt.format.manifest import Manifest, read_bytes
+from mpickpt.format.manifest import Manifest, Memo, entry_text, read_bytes, tree_text
 from mpickpt.format.names import shard_name
 from mpickpt.format.shard import TensorRecord
 
@@ -94,6 +94,59 @@ def test_the_manifest_assembles_itself_from_the_ranks_entries():
         mutate(bad)
         with pytest.raises(ManifestError, match=f"the manifest of step 7: .*{message}"):
             Manifest.assemble(7, 2, "run1", bad, {}, m.checksum_block)
+
+
+def odd_entries() -> list[RankEntry]:
+    """Entries whose JSON has every kind of value: escapes, non-ASCII, floats, nesting, a
+    source; and one without records (a rank that writes no tensor)."""
+    tree = {"type": "dict", "items": [
+        ["é\"/\\", {"type": "float", "value": 0.1}], [3, {"type": "str", "value": "\u2603\n"}],
+        ["z", {"type": "list", "items": [{"type": "int", "value": -7}, {"type": "none"}]}]]}
+    recs = [TensorRecord("a/é", "float32", [2, 3], 4096, 24, ["x1"], [4, 3], [2, 0]),
+            TensorRecord("c", "int64", [], 0, 8, source="step-00000002/rank-00000.h5")]
+    return [RankEntry(0, shard_name(0), 8192, tree, recs,
+                      sources={"step-00000002/rank-00000.h5": 4104}),
+            RankEntry(1, shard_name(1), 4096, tree, [])]
+
+
+def test_an_entry_sent_as_text_is_the_canonical_json_of_its_dict():
+    """A rank sends its entry as the manifest's canonical JSON, its tree spliced in from the
+    shard's attribute; rank 0 splices the texts into the manifest: the same bytes, checksum
+    included, as serializing the whole manifest, so a reader's check of the checksum holds."""
+    for e in odd_entries():
+        d = e.to_dict()
+        canonical = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        assert entry_text(d, tree_text(e.tree)) == entry_text(d) == canonical
+    entries = odd_entries()
+    texts = [entry_text(e.to_dict(), tree_text(e.tree)) for e in entries]
+    built = Manifest.assemble(7, 2, "run1", texts, {"ranks": [], "x": "],["}, 4096,
+                              extended=True)
+    spliced = built.to_json()
+    built._texts = None  # serialized whole, as from parsed entries
+    assert spliced == built.to_json()
+    assert Manifest.from_json(spliced, "M") == built
+    with pytest.raises(ManifestError, match="the manifest of step 7: an entry is not JSON"):
+        Manifest.assemble(7, 2, "run1", [texts[0], texts[1][:-1]], {}, 4096)
+
+
+def test_the_memo_spares_the_parse_of_an_entry_sent_again_as_it_was():
+    m = sample()
+    texts = [entry_text(e.to_dict()) for e in m.ranks]
+    memo = Memo()
+    first = Manifest.assemble(7, 2, "run1", texts, {}, m.checksum_block, memo=memo)
+    changed = texts[1].replace('"bytes":8192', '"bytes":8200')
+    second = Manifest.assemble(8, 2, "run1", [texts[0], changed], {}, m.checksum_block,
+                               memo=memo)
+    assert second.ranks[0] is first.ranks[0]  # the same text: the same entry, not parsed again
+    assert second.ranks[1] is not first.ranks[1] and second.ranks[1].bytes == 8200
+    bad = texts[0].replace('"shape":[2,2]', '"shape":["2",2]')
+    with pytest.raises(ManifestError, match="not a list of integers"):  # another text: parsed
+        Manifest.assemble(9, 2, "run1", [bad, changed], {}, m.checksum_block, memo=memo)
+    third = Manifest.assemble(10, 2, "run1", [texts[0], changed], {}, m.checksum_block,
+                              memo=memo, extended=True)
+    assert third.ranks[0] is not first.ranks[0]  # version 3: records are checked against the
+    # steps referred to, always parsed
+    assert third.to_json() and Manifest.from_json(second.to_json(), "M") == second
 
 
 def test_garbled_json_names_the_file():
@@ -216,6 +269,7 @@ def test_to_dict_gives_what_asdict_gives():
     expected = dataclasses.asdict(m)
     expected["ranks"] = [entry.to_dict()]
     assert expected.pop("references") == [] and "references" not in text  # version 1
-    for unwritten in ("replicated", "directory", "_replicas"):  # none with index parts alone
+    # (replicated: none with index parts alone; _texts: an assembled manifest's alone)
+    for unwritten in ("replicated", "directory", "_replicas", "_texts"):
         assert expected.pop(unwritten) is None and unwritten not in text
     assert {k: text[k] for k in expected} == expected

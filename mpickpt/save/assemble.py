@@ -22,7 +22,7 @@ from .. import faults, knobs, sharding
 from ..errors import CheckpointError, RankFailure
 from ..format import checksum, rootdir
 from ..format.entry import IndexRef, RankEntry
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, Memo, entry_text
 from ..format.names import REPLICATED_PART
 from ..mpi.protocol import Protocol
 from . import metadata as user_metadata
@@ -31,6 +31,7 @@ from .request import SaveRequest
 from .shards import error_text
 
 FAILED = "failed"  # the key of a rank's payload that says why it has no entry
+TEXT = "entry"  # the key of its entry, in the manifest's canonical JSON (entry_text)
 
 
 class Vote(NamedTuple):
@@ -44,10 +45,11 @@ class Vote(NamedTuple):
 
 def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
              entry: RankEntry | None, error: str | None, block: int, extended: bool,
-             logger: logging.Logger) -> Vote:
+             logger: logging.Logger, memo: Memo | None = None) -> Vote:
     """Collective (the phase ``"vote"``): rank 0's manifest of step ``req.step`` from every
     rank's ``entry``, or why it cannot be made; ``error``: why this rank has no entry. Rank 0's
-    time for it is ``req.stats["commit_s"]`` (the store's publish adds its own)."""
+    time for it is ``req.stats["commit_s"]`` (the store's publish adds its own); ``memo``: rank
+    0's entries of the last manifest, not parsed again if a rank sends the same."""
     step, rank = req.step, proto.rank
     payload: dict[str, Any] | None = None
     try:
@@ -57,9 +59,9 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
             if rank != 0:  # voting yes; rank 0 cannot write the manifest without its entry
                 faults.hit("after-vote-before-manifest", rank, step)
             if entry is not None and entry.index is None:  # the records inline, in the manifest
-                payload = entry.to_dict()
+                payload = {TEXT: entry_text(entry.to_dict(), req.tree_json)}
             elif entry is not None:  # a summary, and the records of the replicated part
-                payload = entry.summary()
+                payload = {TEXT: entry_text(entry.summary())}
                 shared = replicated_records(entry, req.placements, proto.size)
                 if shared is not None:
                     payload["replicated"] = shared
@@ -83,11 +85,17 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
         if failed:
             raise CheckpointError("; ".join(failed))
         metadata = user_metadata.resolve(req.metadata)
-        replicas = [{"rank": i, **e.pop("replicated")} for i, e in enumerate(entries or [])
+        replicas = [{"rank": i, **e["replicated"]} for i, e in enumerate(entries or [])
                     if isinstance(e, dict) and "replicated" in e]
-        manifest = Manifest.assemble(step, proto.size, run_id, entries or [],
+        texts = [e[TEXT] if isinstance(e, dict) and isinstance(e.get(TEXT), str) else
+                 CheckpointError(f"rank {i} sent {type(e).__name__} for its entry")
+                 for i, e in enumerate(entries or [])]
+        if bad := [str(t) for t in texts if not isinstance(t, str)]:
+            raise CheckpointError("; ".join(bad))
+        manifest = Manifest.assemble(step, proto.size, run_id, texts,
                                      metadata, block, directory=partial, extended=extended,
-                                     replicated=write_replicated(partial, replicas))
+                                     replicated=write_replicated(partial, replicas),
+                                     memo=memo)
         # with index parts, reading every part to check the tiling is for small jobs; beyond,
         # a restore checks the pieces it reads (and names any that do not tile)
         if not manifest.split or proto.size <= knobs.CHECK_PIECES_RANKS.get():

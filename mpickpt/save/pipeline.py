@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
 from ..errors import RankFailure
+from ..format.manifest import Memo
 from ..mpi.protocol import Protocol
 from .assemble import assemble
 from .request import SaveHandle, SaveRequest, SaveResult, SkipLog
@@ -57,6 +58,7 @@ class Pipeline:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-persist")
         self._pending: list[SaveHandle] = []
         self._jobs: list[Future[None]] = []  # every job on the thread, drains included
+        self._entries = Memo()  # rank 0: the entries of the last manifest assembled
 
     @property
     def drains(self) -> bool:
@@ -204,7 +206,8 @@ class Pipeline:
             error = store.protect(req, partial, entry, error)
             before = self.proto.collectives
             vote = assemble(self.proto, self.run_id, req, partial, entry, error,
-                            self.root.shards.options.block, store.extended, self.log)
+                            self.root.shards.options.block, store.extended, self.log,
+                            self._entries)
             out = store.publish(step, partial, vote.manifest, vote.error, stats, req.started,
                                 vote.failures)
             result = SaveResult(step, out.error is None, path=out.path, error=out.error,
