@@ -109,44 +109,50 @@ def odd_entries() -> list[RankEntry]:
             RankEntry(1, shard_name(1), 4096, tree, [])]
 
 
-def test_an_entry_sent_as_text_is_the_canonical_json_of_its_dict():
-    """A rank sends its entry as the manifest's canonical JSON, its tree spliced in from the
-    shard's attribute; rank 0 splices the texts into the manifest: the same bytes, checksum
-    included, as serializing the whole manifest, so a reader's check of the checksum holds."""
+def test_the_manifest_splices_its_entries_in_as_their_canonical_json():
+    """Rank 0 serializes each rank's entry on its own (its tree apart), and the manifest's
+    text is spliced from those: the same bytes, checksum included, as serializing the whole
+    manifest, so a reader's check of the checksum holds."""
     for e in odd_entries():
         d = e.to_dict()
         canonical = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
         assert entry_text(d, tree_text(e.tree)) == entry_text(d) == canonical
-    entries = odd_entries()
-    texts = [entry_text(e.to_dict(), tree_text(e.tree)) for e in entries]
-    built = Manifest.assemble(7, 2, "run1", texts, {"ranks": [], "x": "],["}, 4096,
+    entries = [e.to_dict() for e in odd_entries()]
+    built = Manifest.assemble(7, 2, "run1", entries, {"ranks": [], "x": "],["}, 4096,
                               extended=True)
     spliced = built.to_json()
     built._texts = None  # serialized whole, as from parsed entries
     assert spliced == built.to_json()
     assert Manifest.from_json(spliced, "M") == built
-    with pytest.raises(ManifestError, match="the manifest of step 7: an entry is not JSON"):
-        Manifest.assemble(7, 2, "run1", [texts[0], texts[1][:-1]], {}, 4096)
 
 
-def test_the_memo_spares_the_parse_of_an_entry_sent_again_as_it_was():
+def test_the_memo_spares_what_a_rank_sends_again_alike_and_checks_the_rest():
     m = sample()
-    texts = [entry_text(e.to_dict()) for e in m.ranks]
+    entries = [e.to_dict() for e in m.ranks]
     memo = Memo()
-    first = Manifest.assemble(7, 2, "run1", texts, {}, m.checksum_block, memo=memo)
-    changed = texts[1].replace('"bytes":8192', '"bytes":8200')
-    second = Manifest.assemble(8, 2, "run1", [texts[0], changed], {}, m.checksum_block,
+    first = Manifest.assemble(7, 2, "run1", copy.deepcopy(entries), {}, m.checksum_block,
+                              memo=memo)
+    changed = copy.deepcopy(entries)
+    changed[1]["tensors"][0]["checksums"] = ["def"]
+    second = Manifest.assemble(8, 2, "run1", copy.deepcopy(changed), {}, m.checksum_block,
                                memo=memo)
-    assert second.ranks[0] is first.ranks[0]  # the same text: the same entry, not parsed again
-    assert second.ranks[1] is not first.ranks[1] and second.ranks[1].bytes == 8200
-    bad = texts[0].replace('"shape":[2,2]', '"shape":["2",2]')
-    with pytest.raises(ManifestError, match="not a list of integers"):  # another text: parsed
-        Manifest.assemble(9, 2, "run1", [bad, changed], {}, m.checksum_block, memo=memo)
-    third = Manifest.assemble(10, 2, "run1", [texts[0], changed], {}, m.checksum_block,
-                              memo=memo, extended=True)
-    assert third.ranks[0] is not first.ranks[0]  # version 3: records are checked against the
-    # steps referred to, always parsed
-    assert third.to_json() and Manifest.from_json(second.to_json(), "M") == second
+    assert second.ranks[0] is first.ranks[0]  # sent alike: the same entry, not parsed again
+    assert second.ranks[1] is not first.ranks[1]
+    assert second.ranks[1].tensors[0].checksums == ["def"]
+    assert Manifest.from_json(second.to_json(), "M") == second  # its text is the new one's
+    bad = copy.deepcopy(changed)
+    bad[0]["tensors"][0]["shape"] = ["2", 2]
+    with pytest.raises(ManifestError, match="not a list of integers"):  # not alike: checked
+        Manifest.assemble(9, 2, "run1", bad, {}, m.checksum_block, memo=memo)
+    bad = copy.deepcopy(changed)
+    bad[1]["tree"] = {"type": "dict", "items": [["deep", {"type": "dict", "items": []}]]}
+    bad[1]["tree"]["items"][0][1]["items"] = [["x", {"type": "int", "value": 1}]]
+    third = Manifest.assemble(10, 2, "run1", bad, {}, m.checksum_block, memo=memo)
+    assert Manifest.from_json(third.to_json(), "M").ranks[1].tree == bad[1]["tree"]
+    fourth = Manifest.assemble(11, 2, "run1", copy.deepcopy(changed), {}, m.checksum_block,
+                               memo=memo, extended=True)
+    assert fourth.ranks[0] is not third.ranks[0]  # version 3: records are checked against
+    # the steps referred to, always parsed
 
 
 def test_garbled_json_names_the_file():

@@ -169,24 +169,19 @@ class Manifest:
 
     @classmethod
     def assemble(cls, step: int, world_size: int, run_id: str,
-                 entries: list[str | dict[str, Any]], metadata: dict[str, Any],
+                 entries: list[dict[str, Any]], metadata: dict[str, Any],
                  checksum_block: int, directory: str | None = None,
                  extended: bool = False, replicated: IndexRef | None = None,
                  memo: Memo | None = None) -> Manifest:
         """The manifest of the ranks' entries (each a :class:`RankEntry` as a dict, or its
         :meth:`RankEntry.summary` with its index part in ``directory``, as the ranks send
-        them: in canonical JSON, :func:`entry_text`, or as the dict), held to the rules a
-        parsed manifest obeys; ManifestError otherwise. ``extended``: version 3 (incremental or
-        compressed records) whatever the records say; ``replicated``: the replicated part rank
-        0 wrote into ``directory``; ``memo``: the last manifest's entries (:class:`Memo`)."""
-        texts = [e if isinstance(e, str) else _canonical(e, allow_nan=False) for e in entries]
-        known = memo.known(texts) if memo is not None and not extended else {}
-        try:
-            entries = [known[i][0] if i in known else json.loads(t) if isinstance(e, str) else e
-                       for i, (e, t) in enumerate(zip(entries, texts, strict=True))]
-        except ValueError as e:
-            raise ManifestError(f"the manifest of step {step}: an entry is not JSON: {e}"
-                                ) from None
+        them), held to the rules a parsed manifest obeys; ManifestError otherwise.
+        ``extended``: version 3 (incremental or compressed records) whatever the records say;
+        ``replicated``: the replicated part rank 0 wrote into ``directory``; ``memo``: the
+        entries of the last manifest assembled, each neither checked nor serialized again if
+        its rank sent it alike (:class:`Memo`)."""
+        memo = memo if memo is not None else Memo()
+        texts, known = memo.texts(entries, use=not extended)
         split = bool(entries) and all(isinstance(e, dict) and "index" in e for e in entries)
         refs: set[int] = set()
         for e in entries:
@@ -202,12 +197,11 @@ class Manifest:
         if replicated is not None:
             d["replicated"] = replicated.to_dict()
         try:
-            manifest = _parse(d, directory, {i: e for i, (_, e) in known.items()})
+            manifest = _parse(d, directory, known)
         except Bad as e:
             raise ManifestError(f"the manifest of step {step}: {e}") from None
-        manifest._texts = texts
-        if memo is not None:
-            memo.keep(texts, entries, manifest)
+        manifest._texts = [t for t, _ in texts]
+        memo.keep(entries, texts, manifest)
         return manifest
 
     @classmethod
@@ -305,27 +299,40 @@ def tree_text(tree: dict[str, Any]) -> str:
 
 
 class Memo:
-    """Rank 0's entries of the last manifest it assembled, each with the canonical JSON it came
-    in: an entry sent again as the same text is not parsed and checked again (a rank that
-    writes no tensor sends the same entry every save while its tree stays the same). Entries
-    with index parts or of version 3 are always parsed."""
+    """Rank 0's entries of the last manifest it assembled, each as its rank sent it, in
+    canonical JSON and parsed: an entry sent again alike (a rank that writes no tensor sends
+    the same entry every save while its state's tree stays the same) is neither checked nor
+    serialized again, and the tree of one whose records changed is not serialized again.
+    Entries with index parts or of version 3 are always parsed."""
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[str, Any, RankEntry]] = {}
+        # by rank: (the entry as sent, its text, its tree's text, the parsed entry)
+        self._last: dict[int, tuple[Any, str, str | None, RankEntry]] = {}
 
-    def known(self, texts: list[str]) -> dict[int, tuple[Any, RankEntry]]:
-        """The entries of ``texts`` (by rank) that are those of the last manifest."""
-        out = {}
-        for i, t in enumerate(texts):
-            hit = self._last.get(i)
-            if hit is not None and hit[0] == t:
-                out[i] = hit[1:]
-        return out
+    def texts(self, entries: list[Any], use: bool = True
+              ) -> tuple[list[tuple[str, str | None]], dict[int, RankEntry]]:
+        """Each entry's canonical JSON and that of its tree (:func:`entry_text`), and the
+        parsed entries (by rank) of those sent alike last time; with ``use`` False, none."""
+        texts, known = [], {}
+        for i, e in enumerate(entries):
+            hit = self._last.get(i) if use else None
+            if hit is not None and hit[0] == e:
+                texts.append(hit[1:3])
+                known[i] = hit[3]
+                continue
+            tree = None
+            if isinstance(e, dict) and isinstance(e.get("tree"), dict):
+                same = hit is not None and hit[2] is not None and hit[0].get("tree") == e["tree"]
+                tree = hit[2] if same and hit is not None else tree_text(e["tree"])
+            texts.append((entry_text(e, tree) if isinstance(e, dict)
+                          else _canonical(e, allow_nan=False), tree))
+        return texts, known
 
-    def keep(self, texts: list[str], entries: list[Any], manifest: Manifest) -> None:
+    def keep(self, entries: list[Any], texts: list[tuple[str, str | None]],
+             manifest: Manifest) -> None:
         self._last = {} if manifest.split or manifest.extended else {
-            i: (t, d, e) for i, (t, d, e) in enumerate(zip(texts, entries, manifest.ranks,
-                                                            strict=True))}
+            i: (e, t, tree, parsed) for i, (e, (t, tree), parsed) in enumerate(
+                zip(entries, texts, manifest.ranks, strict=True))}
 
 
 def _parse(d: Any, directory: str | None = None, known: dict[int, RankEntry] | None = None

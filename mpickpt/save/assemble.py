@@ -22,7 +22,7 @@ from .. import faults, knobs, sharding
 from ..errors import CheckpointError, RankFailure
 from ..format import checksum, rootdir
 from ..format.entry import IndexRef, RankEntry
-from ..format.manifest import Manifest, Memo, entry_text
+from ..format.manifest import Manifest, Memo
 from ..format.names import REPLICATED_PART
 from ..mpi.protocol import Protocol
 from . import metadata as user_metadata
@@ -31,7 +31,6 @@ from .request import SaveRequest
 from .shards import error_text
 
 FAILED = "failed"  # the key of a rank's payload that says why it has no entry
-TEXT = "entry"  # the key of its entry, in the manifest's canonical JSON (entry_text)
 
 
 class Vote(NamedTuple):
@@ -49,7 +48,8 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
     """Collective (the phase ``"vote"``): rank 0's manifest of step ``req.step`` from every
     rank's ``entry``, or why it cannot be made; ``error``: why this rank has no entry. Rank 0's
     time for it is ``req.stats["commit_s"]`` (the store's publish adds its own); ``memo``: rank
-    0's entries of the last manifest, not parsed again if a rank sends the same."""
+    0's entries of the last manifest, not parsed nor serialized again if a rank sends the
+    same."""
     step, rank = req.step, proto.rank
     payload: dict[str, Any] | None = None
     try:
@@ -59,9 +59,9 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
             if rank != 0:  # voting yes; rank 0 cannot write the manifest without its entry
                 faults.hit("after-vote-before-manifest", rank, step)
             if entry is not None and entry.index is None:  # the records inline, in the manifest
-                payload = {TEXT: entry_text(entry.to_dict(), req.tree_json)}
+                payload = entry.to_dict()
             elif entry is not None:  # a summary, and the records of the replicated part
-                payload = {TEXT: entry_text(entry.summary())}
+                payload = entry.summary()
                 shared = replicated_records(entry, req.placements, proto.size)
                 if shared is not None:
                     payload["replicated"] = shared
@@ -85,14 +85,9 @@ def assemble(proto: Protocol, run_id: str, req: SaveRequest, partial: str,
         if failed:
             raise CheckpointError("; ".join(failed))
         metadata = user_metadata.resolve(req.metadata)
-        replicas = [{"rank": i, **e["replicated"]} for i, e in enumerate(entries or [])
+        replicas = [{"rank": i, **e.pop("replicated")} for i, e in enumerate(entries or [])
                     if isinstance(e, dict) and "replicated" in e]
-        texts = [e[TEXT] if isinstance(e, dict) and isinstance(e.get(TEXT), str) else
-                 CheckpointError(f"rank {i} sent {type(e).__name__} for its entry")
-                 for i, e in enumerate(entries or [])]
-        if bad := [str(t) for t in texts if not isinstance(t, str)]:
-            raise CheckpointError("; ".join(bad))
-        manifest = Manifest.assemble(step, proto.size, run_id, texts,
+        manifest = Manifest.assemble(step, proto.size, run_id, entries or [],
                                      metadata, block, directory=partial, extended=extended,
                                      replicated=write_replicated(partial, replicas),
                                      memo=memo)

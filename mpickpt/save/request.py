@@ -82,7 +82,6 @@ class SaveRequest:
     # incremental, frozen=: tensors not snapshotted, referred to (see Tracker.elide)
     elided: dict[str, TensorRecord] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
-    tree_json: str | None = None  # the tree in canonical JSON, once the shard's writer made it
 
 
 class WaitLog:

@@ -23,7 +23,6 @@ from ..format.checksum import DEFAULT_BLOCK
 from ..format.codec import MIN_BYTES as MIN_COMPRESS
 from ..format.entry import IndexRef, RankEntry
 from ..format.h5template import Templates
-from ..format.manifest import tree_text
 from ..format.names import FANOUT, index_name
 from ..format.records import TensorRecord
 from ..format.shard import DEFAULT_ALIGNMENT, ShardWriter
@@ -190,11 +189,8 @@ class RankShards:
 
     def _attrs(self, req: SaveRequest) -> dict[str, str | int]:
         """The attributes of a rank's shard (or of its group in a node's file)."""
-        assert req.tree is not None
-        if req.tree_json is None:  # canonical: the rank's entry in the manifest reuses it
-            req.tree_json = tree_text(req.tree)
         return {"rank": self.rank, "step": req.step, "world_size": self.world_size,
-                "tree": req.tree_json}
+                "tree": json.dumps(req.tree, allow_nan=False)}
 
     def _entry(self, req: SaveRequest, name: str, size: int, records: list[TensorRecord],
                decision: Decision, t0: float) -> RankEntry:
