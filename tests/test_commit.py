@@ -17,7 +17,7 @@ class Stop(Exception):
     pass
 
 
-def entry(rank: int, file: str, nbytes: int) -> RankEntry:
+def entry(rank: int, file: str | None, nbytes: int) -> RankEntry:
     return RankEntry(rank=rank, file=file, bytes=nbytes, tensors=[], tree={})
 
 
@@ -82,6 +82,8 @@ def test_presence_names_missing_and_wrong_sized_shards_in_sub_directories_too(tm
     assert (found.missing, found.wrong_size, found.complete) == ([1], [3], False)
     whole = commit.presence(str(partial), [ranks[0], ranks[2]])
     assert whole.complete
+    # a rank that wrote no tensor has no file, and none is looked for
+    assert commit.presence(str(partial), [ranks[0], entry(1, None, 0), ranks[2]]).complete
 
 
 def test_a_link_in_place_of_a_shard_is_not_a_shard(tmp_path):

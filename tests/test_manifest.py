@@ -67,12 +67,30 @@ def test_a_manifest_in_the_older_layout_still_reads():
     (lambda d: d["ranks"][0].update(bytes=-1), "negative"),
     (lambda d: d.pop("step"), "missing field 'step'"),
     (lambda d: d.update(step=True), "'step' has type bool"),
+    # a rank without a file has no bytes and no records
+    (lambda d: d["ranks"][1].update(file=None), "no file, and a size of 8192 bytes"),
+    (lambda d: d["ranks"][1].update(file=None, bytes=False), "no file, and a size of False"),
+    (lambda d: d["ranks"][1].update(file=None, bytes=0), "no file, and 1 tensor record"),
 ])
 def test_bad_manifests_are_refused(mutate, message):
     d = json.loads(sample().to_json())
     mutate(d)
     with pytest.raises(ManifestError, match=message):
         Manifest.from_json(json.dumps(d), "/r/step-7/MANIFEST.json")
+
+
+def test_a_rank_that_wrote_no_tensor_has_no_file_and_reads_back_so():
+    """The ranks of a small replicated state that others write: ``file`` null, 0 bytes, no
+    records; no file to check, read or count, and the manifest round-trips."""
+    m = sample()
+    m.ranks[0] = RankEntry(0, None, 0, {"type": "none"}, [])
+    back = Manifest.from_json(m.to_json(), "M")
+    assert back == m and back.ranks[0].file is None
+    assert back.ranks[0].files("/r/step-7") == [] and back.total_bytes == 8192
+    assert json.loads(m.to_json())["ranks"][0]["file"] is None
+    built = Manifest.assemble(7, 2, "run1", [e.to_dict() for e in m.ranks], {"lr": 0.1},
+                              m.checksum_block)
+    assert built.ranks == m.ranks
 
 
 def test_the_manifest_assembles_itself_from_the_ranks_entries():

@@ -114,6 +114,8 @@ def verify_shard(checkpoint: str, m: Manifest, rank: int, threads: int = 4,
     records refer to) and compare its checksum, then the shard's HDF5 metadata; the first
     problem."""
     entry = m.ranks[rank]
+    if entry.file is None:  # it wrote no tensor: nothing of its own to read
+        return None
     path = shard_path(checkpoint, entry)
     try:
         _check_shard(checkpoint, m, entry)

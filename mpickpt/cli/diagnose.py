@@ -199,7 +199,8 @@ def _rank_files(path: str) -> list[str]:
 
 def absent_ranks(path: str, m: Manifest) -> list[int]:
     """The ranks of ``m`` whose shard file is not in the checkpoint directory ``path``."""
-    return [r.rank for r in m.ranks if not os.path.lexists(os.path.join(path, r.file))]
+    return [r.rank for r in m.ranks
+            if r.file is not None and not os.path.lexists(os.path.join(path, r.file))]
 
 
 def not_shared(committed: list[tuple[str, Manifest | None]],

@@ -105,9 +105,12 @@ def command(args: argparse.Namespace, out: Out, team: Team) -> int:
         data = sum(t["nbytes"] for t in rj["tensors"])
         out.line()
         label = out.style(f"rank {rj['rank']}", "bold")
-        out.line(f"{label}: {rj['file']}, "
-                 f"{human_bytes(rj['bytes'])}, {len(rj['tensors'])} tensors, "
-                 f"{human_bytes(data)} of tensor data")
+        if rj["file"] is None:  # its replicated tensors are in other ranks' shards
+            out.line(f"{label}: no file (it wrote no tensor), {len(rj['tensors'])} tensors")
+        else:
+            out.line(f"{label}: {rj['file']}, "
+                     f"{human_bytes(rj['bytes'])}, {len(rj['tensors'])} tensors, "
+                     f"{human_bytes(data)} of tensor data")
         out.table(["NAME", "DTYPE", "SHAPE", "BYTES", "CHECKSUM"],
                   [[t["name"], t["dtype"], _shape(t), str(t["nbytes"]),
                     _checksum(t["checksums"])] for t in rj["tensors"]],

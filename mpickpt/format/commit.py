@@ -5,7 +5,8 @@ renamed ``step-XXXXXXXX/`` with its ``MANIFEST.json`` inside. :func:`publish` is
 the side files, then the manifest (each written atomically: a temporary file, fsync, rename),
 then the rename of the directory into place and an fsync of its parent, so the new entry is
 durable. :func:`presence` is the check that comes before it: every rank's shard is in the
-partial directory as this process sees it, at the size its rank wrote. The save pipeline
+partial directory as this process sees it, at the size its rank wrote (a rank that wrote no
+tensor has no shard). The save pipeline
 (ROOT), the node-local level's commit on every node and the drain (``mpickpt drain``) all
 commit through here.
 """
@@ -48,7 +49,7 @@ def presence(partial: str, ranks: Iterable[RankEntry]) -> Presence:
                 sizes[name if rel == "." else f"{rel}/{name}"] = st.st_size
         for d in dirs:
             rootdir.fsync_path(os.path.join(top, d))
-    entries = list(ranks)
+    entries = [e for e in ranks if e.file is not None]  # (a rank without a file: nothing to see)
     missing = [e.rank for e in entries if e.file not in sizes]
     wrong = [e.rank for e in entries if e.file in sizes and sizes[e.file] != e.bytes]
     return Presence(missing, wrong)

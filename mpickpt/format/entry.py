@@ -45,13 +45,15 @@ class IndexRef:
 
 
 class RankEntry:
-    """One rank's shard: file name, exact byte size, state tree and tensor records.
+    """One rank's shard: file name, exact byte size, state tree and tensor records. A rank that
+    wrote no tensor (a small replicated state that other ranks write) has no file: ``file`` is
+    None and ``bytes`` 0.
 
     In a version-2 manifest the tree and the records are in the rank's index part, read and
     checked the first time either is asked for (:class:`ManifestError` naming the part if it
     is missing, of another size or checksum, or not a valid entry of this rank)."""
 
-    def __init__(self, rank: int, file: str, bytes: int, tree: dict[str, Any] | None = None,
+    def __init__(self, rank: int, file: str | None, bytes: int, tree: dict[str, Any] | None = None,
                  tensors: list[TensorRecord] | None = None, *, index: IndexRef | None = None,
                  directory: str | None = None, sources: dict[str, int] | None = None,
                  references: frozenset[int] | None = None,
@@ -105,9 +107,10 @@ class RankEntry:
 
     def files(self, directory: str) -> list[ShardFile]:
         """Every file this rank's records lie in, in checkpoint ``directory``: its own shard
-        (first, even without records), then each older one an incremental record refers to."""
+        (first, even without records; none if it has no file), then each older one an
+        incremental record refers to."""
         own = [r for r in self.tensors if r.source is None]
-        out = [ShardFile(os.path.join(directory, self.file), self.bytes, own)]
+        out = [ShardFile(os.path.join(directory, f), self.bytes, own) for f in [self.file] if f]
         parent = os.path.dirname(os.path.normpath(directory))
         for src, size in sorted(self.sources.items()):
             out.append(ShardFile(os.path.join(parent, src), size,
@@ -116,8 +119,8 @@ class RankEntry:
 
     def file_of(self, directory: str, record: TensorRecord) -> tuple[str, int]:
         """(path, exact size) of the file ``record`` lies in."""
-        if record.source is None:
-            return os.path.join(directory, self.file), self.bytes
+        if record.source is None:  # (an entry without a file has no records: parse_entry)
+            return os.path.join(directory, self.file), self.bytes  # type: ignore[arg-type]
         parent = os.path.dirname(os.path.normpath(directory))
         return os.path.join(parent, record.source), self.sources[record.source]
 
@@ -294,11 +297,15 @@ def _depth(node: Any) -> int:
 _CONTAINERS = (dict, list)
 
 
-def _shard(i: int, r: Any, w: str, extended: bool) -> tuple[str, int]:
+def _shard(i: int, r: Any, w: str, extended: bool) -> tuple[str | None, int]:
     """Rank ``i``'s shard file name and size from its entry, checked (node files and
-    sub-directories: version 3 only)."""
+    sub-directories: version 3 only); (None, 0) for a rank that wrote no file."""
     if field_of(r, "rank", int, w) != i:
         raise Bad(f"{w}: rank field is {r['rank']}")
+    if "file" in r and r["file"] is None:
+        if type(r.get("bytes")) is int and r["bytes"] == 0:
+            return None, 0
+        raise Bad(f"{w}: no file, and a size of {r.get('bytes')!r} bytes")
     name = field_of(r, "file", str, w)
     m = SHARD_RE.match(name)
     if m is None or (m.group(1) == "rank" and int(m.group(2)) != i):
@@ -350,6 +357,8 @@ def parse_entry(i: int, r: Any, w: str, references: frozenset[int] | None = None
     name, size = _shard(i, r, w, references is not None)
     sources = _sources(r, w, references)
     tensors = _records(r, w, sources, references)
+    if name is None and (tensors or sources):
+        raise Bad(f"{w}: no file, and {len(tensors)} tensor record(s)")
     tree = field_of(r, "tree", dict, w)
     if not (like is not None and tree == like) and _depth(tree) > MAX_TREE_DEPTH:
         raise Bad(f"{w}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")

@@ -214,7 +214,7 @@ class Restorer:
             source = self.rank % manifest.world_size
             opening.check_entry(source, manifest.ranks[source], path, manifest.checksum_block)
             plan = self._plan(manifest, state, path)
-            where = os.path.join(path, manifest.ranks[source].file)
+            where = os.path.join(path, *filter(None, [manifest.ranks[source].file]))
             state_apply.apply(plan.tree, state, plan.specs(), dry_run=True)
             needed = {rank for rank, _ in plan.spans}
             opening.check_entries(plan, needed - {source}, path, manifest.checksum_block)

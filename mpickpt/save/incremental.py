@@ -81,7 +81,7 @@ class Base:
 
     @classmethod
     def of(cls, step: int, entry: RankEntry) -> Base:
-        own = f"{rootdir.step_name(step)}/{entry.file}"
+        own = f"{rootdir.step_name(step)}/{entry.file}"  # (unused where it has no file)
         records, used = {}, {}
         for r in entry.tensors:
             src = r.source or own

@@ -71,8 +71,10 @@ class RootStore:
                         entry.index = ref
             elif req.snapshot is not None and req.tree is not None:
                 o = self.shards.options
-                name = shard_name(self.rank, self.proto.size, o.fanout)
-                entry = self.shards.write(req, partial, name, pool=self.pool)
+                entry = None if split else self.shards.fileless(req)
+                if entry is None:
+                    name = shard_name(self.rank, self.proto.size, o.fanout)
+                    entry = self.shards.write(req, partial, name, pool=self.pool)
                 if split:
                     self.shards.write_index(partial, entry)
         except Exception as e:

@@ -126,6 +126,19 @@ class RankShards:
             raise
         return self._entry(req, name, size, writer.records, decision, t0)
 
+    def fileless(self, req: SaveRequest) -> RankEntry | None:
+        """This rank's entry without a file, where it has no tensor to write (the replicated
+        tensors of a small state go to other ranks: ``Files(min_write_share=)``) and nothing to
+        refer to (a full save): its tree goes in the manifest and nothing needs to be made
+        durable. None where it has a shard to write."""
+        assert req.snapshot is not None and req.tree is not None
+        if req.snapshot.count or self.tracker is not None:  # (its tensors may still be landing)
+            return None
+        t0 = time.perf_counter()
+        self._landed(req)
+        req.stats.update(create_s=0.0, data_s=0.0, seal_s=0.0)
+        return self._entry(req, None, 0, [], Decision(), t0)
+
     def write_node(self, node: NodeFiles, proto: Protocol, req: SaveRequest, partial: str,
                    error: str | None) -> tuple[RankEntry | None, str | None]:
         """One file per node: this rank's regions of its node's file, written and fsynced with
@@ -192,7 +205,7 @@ class RankShards:
         return {"rank": self.rank, "step": req.step, "world_size": self.world_size,
                 "tree": json.dumps(req.tree, allow_nan=False)}
 
-    def _entry(self, req: SaveRequest, name: str, size: int, records: list[TensorRecord],
+    def _entry(self, req: SaveRequest, name: str | None, size: int, records: list[TensorRecord],
                decision: Decision, t0: float) -> RankEntry:
         """This rank's entry once its shard is durable: the written records with their pieces'
         placements, and those an incremental save refers to."""

@@ -108,6 +108,11 @@ def test_replicated_pieces_are_written_once_by_the_fewest_highest_ranks(tmp_path
     written = per_rank[4 - writers:]
     assert max(written) - min(written) <= 4 * (1000 + 97 * 23), per_rank  # within one tensor
     assert min(written) >= (share or 0) - 4 * (1000 + 97 * 23), per_rank
+    # a rank that wrote no tensor has no file: its entry says so, and there is none
+    assert [(e["file"], e["bytes"]) for e in m["ranks"][:4 - writers]] == [(None, 0)] * (
+        4 - writers), m["ranks"]
+    shards = sorted(p.name for p in step_dir(root, 1).iterdir() if p.suffix == ".h5")
+    assert shards == [f"rank-{r:05d}.h5" for r in range(4 - writers, 4)], shards
 
 
 @pytest.mark.guarantee("reshard-bit-exact")
