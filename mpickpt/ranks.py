@@ -39,3 +39,22 @@ def ranks_text(ranks: Iterable[int]) -> str:
     """``"rank 2"``, ``"ranks 1,3-5"``."""
     ranks = sorted(set(ranks))
     return f"rank{'s' if len(ranks) != 1 else ''} {rank_ranges(ranks)}"
+
+
+def by_reason(reasons: list[tuple[int, str]]) -> list[str]:
+    """``(rank, reason)`` pairs as texts, in rank order: a reason that more than two ranks
+    gave alike (but for the ``rank N: `` it starts with) once, after their ranks."""
+    by: dict[str, list[int]] = {}
+    for rank, text in reasons:
+        own = f"rank {rank}: "
+        by.setdefault(text[len(own):] if text.startswith(own) else text, []).append(rank)
+    out: list[tuple[int, str]] = []
+    for rank, text in reasons:
+        own = f"rank {rank}: "
+        rest = text[len(own):] if text.startswith(own) else text
+        ranks = by[rest]
+        if len(ranks) <= 2:
+            out.append((rank, text))
+        elif ranks[0] == rank:
+            out.append((rank, f"{ranks_text(ranks)}: {rest}"))
+    return [t for _, t in sorted(out, key=lambda p: p[0])]

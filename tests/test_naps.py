@@ -4,6 +4,9 @@ short, a save's up to ``POLL_NAP_MAX_S``."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from mpickpt.mpi.polling import (
     POLL_NAP_S,
     POLL_SPINS,
     Patience,
+    Waker,
     poll,
 )
 from mpickpt.mpi.protocol import Protocol
@@ -101,9 +105,9 @@ def test_a_restores_collectives_are_brisk_and_a_saves_are_not(tmp_path, monkeypa
     seen: list[tuple[str, float]] = []
     complete = Protocol.complete
 
-    def recording(self, req, roll, phase):
+    def recording(self, req, roll, phase, *args):
         seen.append((phase, self.nap_max))
-        return complete(self, req, roll, phase)
+        return complete(self, req, roll, phase, *args)
 
     monkeypatch.setattr(Protocol, "complete", recording)
     state = {"w": torch.arange(10.0)}
@@ -204,9 +208,9 @@ def test_only_a_saves_commit_phases_expect_their_last_wait(tmp_path, monkeypatch
     phase = [""]
     complete = Protocol.complete
 
-    def naming(self, req, roll, ph):
+    def naming(self, req, roll, ph, *args):
         phase[0] = ph
-        return complete(self, req, roll, ph)
+        return complete(self, req, roll, ph, *args)
 
     monkeypatch.setattr(polling, "poll", recording)
     monkeypatch.setattr(Protocol, "complete", naming)
@@ -222,3 +226,82 @@ def test_only_a_saves_commit_phases_expect_their_last_wait(tmp_path, monkeypatch
         else:
             assert seen[0] == 0.0  # then the last one's
     assert any(e > 0.0 for e in expected["vote"][1:])  # the first save's wait, at the second
+
+
+def dozed(lasts: float, woken_at: int | None = None, roll=None, timeout: float = 900.0,
+          expect: float = 0.0) -> tuple[list[float], list[float], int, str | None]:
+    """The dozes and naps of :func:`poll` for a request done ``lasts`` s from now, waited for
+    idly (``doze``); someone waits from the ``woken_at``-th doze on; on a clock that each doze
+    and nap moves on."""
+    now, dozes, naps = [0.0], [], []
+
+    def doze(s: float) -> bool:
+        dozes.append(s)
+        woken = woken_at is not None and len(dozes) >= woken_at
+        now[0] += 0.0 if woken else s
+        return woken
+
+    def sleep(s: float) -> None:
+        naps.append(s)
+        now[0] += s
+
+    req = At(now, lasts)
+    error = poll(req, roll or Protocol()._roll, timeout, POLL_NAP_MAX_S, expect=expect,
+                 doze=doze, sleep=sleep, clock=lambda: now[0])
+    return dozes, naps, req.tests, error
+
+
+def test_an_outcome_nobody_waits_for_dozes_once_it_is_late():
+    # no expectation: tests and naps, as any wait, for PATIENT_S; then a test a doze
+    dozes, naps, tests, error = dozed(0.12)
+    assert error is None and dozes and all(d == POLL_LOOK_S for d in dozes)
+    assert PATIENT_S <= sum(naps) < PATIENT_S + POLL_NAP_MAX_S
+    assert naps == waited(POLL_NAP_MAX_S, POLL_SPINS + len(naps) + 1)[:len(naps)]
+    assert sum(naps) + sum(dozes) >= 0.12 > sum(naps) + sum(dozes) - POLL_LOOK_S
+    assert tests == POLL_SPINS + 1 + len(naps) + len(dozes)
+    # expected to last 20 ms, as the last one did: its long nap, then naps until 20 ms, then dozes
+    dozes, naps, tests, error = dozed(0.12, expect=0.020)
+    assert error is None and naps[0] == 0.010 and 0.020 <= sum(naps) < 0.020 + POLL_NAP_MAX_S
+    assert dozes and tests == 1 + len(naps) + len(dozes)
+    # done when expected: no doze, the naps and tests of any wait
+    for lasts, expect in ((0.003, 0.0), (0.020, 0.020), (0.001, 0.010)):
+        dozes, naps, tests, error = dozed(lasts, expect=expect)
+        assert error is None and dozes == []
+        assert (naps, tests) == timed_wait(lasts, expect=expect), (lasts, expect)
+
+
+def test_once_someone_waits_for_the_outcome_it_is_waited_for_as_without_dozes():
+    for expect in (0.0, 0.020):
+        plain = timed_wait(0.12, expect=expect)
+        dozes, naps, tests, error = dozed(0.12, woken_at=1, expect=expect)  # waited for at once
+        assert error is None and len(dozes) == 1 and (naps, tests) == plain
+        dozes, naps, tests, error = dozed(0.12, woken_at=2, expect=expect)  # after a doze
+        assert error is None and len(dozes) == 2 and max(naps[-3:]) == POLL_NAP_MAX_S
+
+
+def test_a_doze_never_outlasts_the_deadline_or_the_roll_call():
+    for roll, timeout in ((Protocol()._roll, 0.2), (Alarmed(), 900.0)):
+        dozes, _, _, error = dozed(float("inf"), roll=roll, timeout=timeout)
+        assert error == "" and sum(dozes) <= timeout + POLL_LOOK_S
+
+
+def test_a_waker_wakes_a_doze_when_a_job_is_queued_or_a_result_waited_for():
+    waker = Waker()
+    assert waker.doze(0.0) is False  # nobody waits
+    with waker.wanted():
+        assert waker.doze(5.0) is True and waker.doze(5.0) is True  # as long as someone waits
+    assert waker.doze(0.0) is False
+    got: list[tuple[bool, float]] = []
+
+    def dozing() -> None:
+        t = time.monotonic()
+        got.append((waker.doze(30.0), time.monotonic() - t))
+
+    thread = threading.Thread(target=dozing)
+    thread.start()
+    time.sleep(0.1)
+    waker.want(1)  # from another thread, mid-doze: a job queued
+    thread.join(10.0)
+    assert got and got[0][0] is True and 0.05 <= got[0][1] < 10.0, got
+    waker.want(-1)  # the job started
+    assert waker.doze(0.0) is False

@@ -136,6 +136,7 @@ class FlatBcast:
     """The root's pickled object sent to every other rank."""
 
     __slots__ = ("flat", "obj", "recv", "root", "sends", "seq")
+    direct = True  # a receiver's tests hold up no other rank (Protocol.bcast's idle waits)
 
     def __init__(self, flat: Flat, obj: Any, root: int, seq: int) -> None:
         comm = flat.comm
@@ -157,7 +158,10 @@ class FlatBcast:
                 return bool(MPI.Request.Testall(self.sends))
             if self.recv is None:
                 status = MPI.Status()
-                msg = comm.Improbe(self.root, TAG_BCAST, status)
+                # twice: after a nap MPICH's first probe only takes in what arrived meanwhile
+                # (its second matches it), which left a dozing rank a nap behind the outcome
+                msg = (comm.Improbe(self.root, TAG_BCAST, status)
+                       or comm.Improbe(self.root, TAG_BCAST, status))
                 if msg is None:
                     return False
                 buf = bytearray(status.Get_count(MPI.BYTE))

@@ -25,11 +25,11 @@ import numpy as np
 from .. import knobs
 from ..errors import CheckpointError, CollectiveTimeout, RankFailure
 from ..exitcodes import EXIT_COLLECTIVE_TIMEOUT
-from ..ranks import ranks_text
+from ..ranks import by_reason, ranks_text
 from .backend import abort_world, open_comm
 from .backend import world_rank as world_rank  # re-exported
 from .comm import ObjectRequest, Request
-from .polling import BRISK_NAP_S, POLL_NAP_MAX_S, Patience
+from .polling import BRISK_NAP_S, POLL_NAP_MAX_S, Patience, Waker
 from .rollcall import RollCall
 
 T = TypeVar("T")
@@ -68,6 +68,7 @@ class Protocol:
         self.collectives = 0  # collective operations this rank has completed (a statistic)
         self.nap_max = POLL_NAP_MAX_S  # the longest nap between two tests of a collective
         self._patience = Patience()  # how long a save's last waits lasted, phase by phase
+        self.waker = Waker()  # who waits for the save thread (its idle waits doze meanwhile)
         self._on_free: list[Callable[[], None]] = []
 
     def local_size(self) -> int:
@@ -153,58 +154,18 @@ class Protocol:
         when it is posted (they name the transfer in errors); the first groups are then posted
         on the transfer thread too, after the sends have started, so that a group whose
         buffers are not there yet does not hold the sends up."""
-        if ahead < 1:
-            raise ValueError(f"ahead must be 1 or more, not {ahead}")
-        lazy = peers is not None
-        peers = sorted({p for _, p in sends} | set(
-            peers if peers is not None else (p for g in groups for _, p in g)))
-        what = f"{phase} with {ranks_text(peers)}"
-        recvs: list[list[Request]] = [[] for _ in range(len(groups))]
-        broken: list[str] = []
-
-        def post(k: int) -> None:
-            if k < len(groups):
-                if before_post is not None:
-                    before_post(k)
-                recvs[k] = [self.comm.irecv(buf, src, TAG_DATA) for buf, src in groups[k]]
-
-        def arrival(k: int) -> Callable[[], str | None]:
-            def job() -> str | None:  # on the transfer thread, after the group before it
-                if not k and lazy:  # the first groups (the docstring says why)
-                    try:
-                        for j in range(min(ahead, len(groups))):
-                            post(j)
-                    except Exception as e:
-                        broken.append(f"posting receives: {type(e).__name__}: {e}")
-                if broken:  # an earlier group, or posting one, failed: the transfer is off
-                    return broken[0]
-                error = self.comm.waitall(recvs[k])
-                if error is not None:
-                    broken.append(error)
-                    return error
-                try:
-                    post(k + ahead)
-                except Exception as e:  # reported by the wait of the group it was for
-                    broken.append(f"posting receives: {type(e).__name__}: {e}")
-                return None
-            return job
-
-        if not lazy:
-            for k in range(min(ahead, len(groups))):
-                post(k)
-        reqs = [self.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
-        return ([Pending(self, [], what, arrival(k)) for k in range(len(groups))]
-                + [Pending(self, reqs, what)])
+        return _grouped(self, sends, groups, phase, ahead, before_post, peers)
 
     def transfer(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]],
                  phase: str) -> None:
         """:meth:`start`, and wait for it."""
         self.start(sends, recvs, phase).wait()
 
-    def complete(self, req: Request, roll: RollCall, phase: str) -> None:
-        """:func:`poll` ``req``; past the deadline (or on rank 0's roll call, or an MPI error)
-        account for the missing ranks and raise :class:`CollectiveTimeout`."""
-        error = self._patience.poll(req, roll, phase, self.timeout, self.nap_max)
+    def complete(self, req: Request, roll: RollCall, phase: str, idle: bool = False) -> None:
+        """:func:`poll` ``req`` (``idle``: it may doze); past the deadline (or on rank 0's roll
+        call, or an MPI error) account for the missing ranks and raise CollectiveTimeout."""
+        error = self._patience.poll(req, roll, phase, self.timeout, self.nap_max,
+                                    doze=self.waker.doze if idle else None)
         if error is None:
             return
         details = roll.account()
@@ -226,11 +187,11 @@ class Protocol:
         finally:
             self.nap_max = before
 
-    def _wait(self, req: Request, phase: str, joint: bool = True) -> None:
+    def _wait(self, req: Request, phase: str, joint: bool = True, idle: bool = False) -> None:
         """``joint``: the collective completes here only once every rank joined it (not so a
         gather's on a rank that only sends: the roll call's "last seen" stays before it)."""
         self._roll.enter(f"phase {phase!r} (collective #{self._roll.seq + 1})")
-        self.complete(req, self._roll, phase)
+        self.complete(req, self._roll, phase, idle)
         if joint:
             self._roll.complete()
         self.collectives += 1
@@ -279,9 +240,13 @@ class Protocol:
         self._wait(req, phase, joint)
         return req.result()
 
-    def bcast(self, obj: Any, phase: str, root: int = 0, flat: bool = False) -> Any:
-        """``flat`` (also a gather's): point to point, see :mod:`mpickpt.mpi.flat`."""
-        return self._objects(self.comm.ibcast(obj, root, flat), phase)
+    def bcast(self, obj: Any, phase: str, root: int = 0, flat: bool = False,
+              idle: bool = False) -> Any:
+        """``flat`` (also a gather's): point to point, see :mod:`mpickpt.mpi.flat`. ``idle``: an
+        outcome the others may doze for, where none forwards it (:class:`~.polling.Waker`)."""
+        req = self.comm.ibcast(obj, root, flat)
+        self._wait(req, phase, idle=idle and self.rank != root and getattr(req, "direct", False))
+        return req.result()
 
     def gather(self, obj: Any, phase: str, root: int = 0, flat: bool = False) -> list[Any] | None:
         return self._objects(self.comm.igather(obj, root, flat), phase, joint=self.rank == root)
@@ -400,30 +365,11 @@ class Failures:
         """The reasons as they were given (each usually names its rank), ``; ``-separated; the
         same reason from more than two ranks once, after their ranks (``ranks 0-31: ...``,
         not 32 times over)."""
-        return "; ".join(grouped([(f.rank, f.reason) for f in self.records]))
+        return "; ".join(by_reason([(f.rank, f.reason) for f in self.records]))
 
     def named(self) -> str:
         """Each reason after its rank: ``rank 1: ...; rank 3: ...``."""
         return "; ".join(str(f) for f in self.records)
-
-
-def grouped(reasons: list[tuple[int, str]]) -> list[str]:
-    """``(rank, reason)`` pairs as texts, in rank order: a reason that more than two ranks
-    gave alike (but for the ``rank N: `` it starts with) once, after their ranks."""
-    by: dict[str, list[int]] = {}
-    for rank, text in reasons:
-        own = f"rank {rank}: "
-        by.setdefault(text[len(own):] if text.startswith(own) else text, []).append(rank)
-    out: list[tuple[int, str]] = []
-    for rank, text in reasons:
-        own = f"rank {rank}: "
-        rest = text[len(own):] if text.startswith(own) else text
-        ranks = by[rest]
-        if len(ranks) <= 2:
-            out.append((rank, text))
-        elif ranks[0] == rank:
-            out.append((rank, f"{ranks_text(ranks)}: {rest}"))
-    return [t for _, t in sorted(out, key=lambda p: p[0])]
 
 
 def prestart() -> None:
@@ -440,3 +386,51 @@ def _waiter() -> concurrent.futures.ThreadPoolExecutor:
         _WAITER.append(concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mpickpt-transfer"))
     return _WAITER[0]
+
+
+def _grouped(proto: Protocol, sends: list[tuple[Any, int]], groups: Sequence[list[tuple[Any, int]]],
+             phase: str, ahead: int, before_post: Callable[[int], None] | None,
+             peers: list[int] | None) -> list[Pending]:
+    """:meth:`Protocol.start_grouped`'s work."""
+    if ahead < 1:
+        raise ValueError(f"ahead must be 1 or more, not {ahead}")
+    lazy = peers is not None
+    peers = sorted({p for _, p in sends} | set(
+        peers if peers is not None else (p for g in groups for _, p in g)))
+    what = f"{phase} with {ranks_text(peers)}"
+    recvs: list[list[Request]] = [[] for _ in range(len(groups))]
+    broken: list[str] = []
+
+    def post(k: int) -> None:
+        if k < len(groups):
+            if before_post is not None:
+                before_post(k)
+            recvs[k] = [proto.comm.irecv(buf, src, TAG_DATA) for buf, src in groups[k]]
+
+    def arrival(k: int) -> Callable[[], str | None]:
+        def job() -> str | None:  # on the transfer thread, after the group before it
+            if not k and lazy:  # the first groups (the docstring says why)
+                try:
+                    for j in range(min(ahead, len(groups))):
+                        post(j)
+                except Exception as e:
+                    broken.append(f"posting receives: {type(e).__name__}: {e}")
+            if broken:  # an earlier group, or posting one, failed: the transfer is off
+                return broken[0]
+            error = proto.comm.waitall(recvs[k])
+            if error is not None:
+                broken.append(error)
+                return error
+            try:
+                post(k + ahead)
+            except Exception as e:  # reported by the wait of the group it was for
+                broken.append(f"posting receives: {type(e).__name__}: {e}")
+            return None
+        return job
+
+    if not lazy:
+        for k in range(min(ahead, len(groups))):
+            post(k)
+    reqs = [proto.comm.isend(buf, dest, TAG_DATA) for buf, dest in sends]
+    return ([Pending(proto, [], what, arrival(k)) for k in range(len(groups))]
+            + [Pending(proto, reqs, what)])

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from .. import faults
 from ..errors import RankFailure
@@ -71,8 +72,8 @@ class Pipeline:
         """Queue a save; its handle resolves once it is committed in its store (a drain to
         ROOT that follows runs on in the background)."""
         first: Future[SaveResult] = Future()
-        handle = SaveHandle(request.step, first, self.raise_on_error)
-        self._track(self._thread.submit(self._job, request, first))
+        handle = SaveHandle(request.step, first, self.raise_on_error, self.proto.waker)
+        self._queue(self._job, request, first)
         self._pending.append(handle)
         return handle
 
@@ -80,7 +81,7 @@ class Pipeline:
         """Queue the drain to ROOT of the newest node-local checkpoint, unless it is there
         already (the end of a job: SCR's scavenge)."""
         if self.drains:
-            self._track(self._thread.submit(self._scavenge))
+            self._queue(self._scavenge)
 
     def later(self, job: Callable[[], None]) -> None:
         """Run ``job`` (collective, on every rank alike) on the save thread, after what is
@@ -89,15 +90,30 @@ class Pipeline:
             with self.proto.fatal_timeouts(self.log):
                 job()
 
-        self._track(self._thread.submit(run))
+        self._queue(run)
 
     def settle(self) -> None:
         """Wait for what is queued on the save thread (a restore's write-back), without raising:
         a collective of the calling thread must not run beside its, on one communicator."""
-        concurrent.futures.wait(self._jobs)
+        with self.proto.waker.wanted():
+            concurrent.futures.wait(self._jobs)
 
-    def _track(self, job: Future[None]) -> None:
-        self._jobs = [j for j in self._jobs if not j.done()] + [job]
+    def _queue(self, job: Callable[..., None], *args: Any) -> None:
+        """Run ``job(*args)`` on the save thread after what is queued there; until it starts,
+        the waits of the one running do not doze (:class:`~mpickpt.mpi.polling.Waker`)."""
+        waker = self.proto.waker
+
+        def started() -> None:
+            waker.want(-1)
+            job(*args)
+
+        waker.want(1)
+        try:
+            future = self._thread.submit(started)
+        except BaseException:
+            waker.want(-1)
+            raise
+        self._jobs = [j for j in self._jobs if not j.done()] + [future]
 
     def report_finished(self) -> None:
         """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
@@ -113,8 +129,9 @@ class Pipeline:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
-        for job in self._jobs:
-            job.result()
+        with self.proto.waker.wanted():
+            for job in self._jobs:
+                job.result()
         results = [h.outcome() for h in self._pending]
         self.report_finished()
         return results
@@ -126,8 +143,9 @@ class Pipeline:
             steps = ", ".join(str(h.step) for h in self._pending)
             self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
         self.scavenge()
-        for job in self._jobs:
-            job.result()
+        with self.proto.waker.wanted():
+            for job in self._jobs:
+                job.result()
         pending, self._pending = self._pending, []
         # a failure already raised to the caller (a state it cannot save) is not lost here
         failed = [r for h in pending if not h.reported
@@ -158,7 +176,8 @@ class Pipeline:
         return False
 
     def shutdown(self) -> None:
-        self._thread.shutdown()
+        with self.proto.waker.wanted():
+            self._thread.shutdown()
 
     # ----------------------------------------------------------------- the background thread
 

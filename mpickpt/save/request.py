@@ -18,6 +18,7 @@ from typing import Any
 from .. import sharding
 from ..errors import RankFailure, SaveAborted
 from ..format.records import TensorRecord
+from ..mpi.polling import Waker
 from .snapshot import Snapshot
 
 
@@ -40,25 +41,35 @@ class SaveHandle:
     """Returned by :meth:`Checkpointer.save`: ``done()`` polls, ``wait()`` gives the
     :class:`SaveResult` once the checkpoint is committed or aborted on every rank."""
 
-    def __init__(self, step: int, future: Future[SaveResult], raise_on_error: bool) -> None:
+    def __init__(self, step: int, future: Future[SaveResult], raise_on_error: bool,
+                 waker: Waker | None = None) -> None:
         self.step = step
         self._future = future
         self._raise = raise_on_error
+        self._waker = waker  # told while the outcome is waited for (the save thread may doze)
         self.reported = False  # whether the caller has seen the outcome through wait()
 
     def done(self) -> bool:
+        """Whether the outcome is known here (on the ranks other than rank 0, a save nobody
+        waits for learns it within 50 ms of the commit: see :class:`~mpickpt.mpi.polling.Waker`)."""
         return self._future.done()
 
     def outcome(self) -> SaveResult:
         """The result, once there is one; never raises for an aborted save."""
-        return self._future.result()
+        return self._result(None)
+
+    def _result(self, timeout: float | None) -> SaveResult:
+        if self._future.done() or self._waker is None:
+            return self._future.result(timeout)
+        with self._waker.wanted():
+            return self._future.result(timeout)
 
     def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
         """Call ``fn(self)`` once the outcome is known (on the thread that learns it)."""
         self._future.add_done_callback(lambda _: fn(self))
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        result = self._future.result(timeout)
+        result = self._result(timeout)
         self.reported = True
         if self._raise and not result.committed and not result.skipped:
             raise SaveAborted(f"checkpoint of step {result.step} aborted: {result.error}")

@@ -112,7 +112,8 @@ class RootStore:
                 stats: dict[str, float], started: float = 0.0,
                 failures: tuple[RankFailure, ...] = (), phase: str = "commit") -> Published:
         """Rank 0 commits (or discards, after a failed vote), every rank learns the outcome (one
-        broadcast)."""
+        broadcast; the other ranks wait for it dozing while nobody waits for them: see
+        :class:`~mpickpt.mpi.polling.Waker`)."""
         outcome = Published(None, error, {}, failures)
         if self.rank == 0:
             if error is None:
@@ -130,7 +131,7 @@ class RootStore:
                 if not outcome.failures:
                     outcome = outcome._replace(failures=(
                         RankFailure(0, phase, outcome.error.removeprefix("rank 0: ")),))
-        return Published(*self.proto.bcast(tuple(outcome), phase, flat=True))
+        return Published(*self.proto.bcast(tuple(outcome), phase, flat=True, idle=True))
 
     def discard(self, partial: str) -> None:
         if self.rank == 0:
