@@ -115,6 +115,12 @@ class Pipeline:
             raise
         self._jobs = [j for j in self._jobs if not j.done()] + [future]
 
+    def _join(self) -> None:
+        """Wait for every job on the save thread (raising its error), which then dozes not."""
+        with self.proto.waker.wanted():
+            for job in self._jobs:
+                job.result()
+
     def report_finished(self) -> None:
         """Forget finished saves; with on_error="raise", raise for a failure nobody waited for."""
         still, failed = [], None
@@ -129,9 +135,7 @@ class Pipeline:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save in flight is committed or aborted; their results."""
-        with self.proto.waker.wanted():
-            for job in self._jobs:
-                job.result()
+        self._join()
         results = [h.outcome() for h in self._pending]
         self.report_finished()
         return results
@@ -143,9 +147,7 @@ class Pipeline:
             steps = ", ".join(str(h.step) for h in self._pending)
             self.log.warning("%s: waiting for the save of step %s to commit", why, steps)
         self.scavenge()
-        with self.proto.waker.wanted():
-            for job in self._jobs:
-                job.result()
+        self._join()
         pending, self._pending = self._pending, []
         # a failure already raised to the caller (a state it cannot save) is not lost here
         failed = [r for h in pending if not h.reported
