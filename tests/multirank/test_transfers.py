@@ -21,7 +21,9 @@ def test_objects_broadcast_and_gathered_arrive_whole_whatever_their_size():
     """Tree collectives and flat ones (a save's vote and outcome). Flat: rank 3 has rank 0's
     broadcast, and rank 0 the gather, while rank 2 sleeps 3 s without a test (in a tree, rank 2
     forwards rank 3's part); a root that comes last to three gathers in a row keeps the later
-    ones' messages for them; a rank out of step raises."""
+    ones' messages for them; what came while its receiver made no MPI call is taken by its
+    first test, and the roll call's answers without a nap between them; a rank out of step
+    raises."""
     job = run_mpi(4, [str(SCENARIOS / "transfers_objects.py")], timeout=120)
     assert job.returncode == 0, job.output
     for rank in range(4):
@@ -31,6 +33,11 @@ def test_objects_broadcast_and_gathered_arrive_whole_whatever_their_size():
                 re.findall(rf"rank (\d): flat {what} in ([\d.]+) s", job.stdout)}
         assert set(took) == {0, 1, 2, 3} and took[2] >= 3, job.output
         assert max(took[r] for r in first) < 1.5, job.output
+    for rank, what in [(0, "gather"), *((r, "broadcast") for r in (1, 2, 3))]:
+        assert f"rank {rank}: quiet {what}: first test True" in job.stdout, job.output
+    assert re.search(r"rank 0: roll call: 0 naps: every rank answered rank 0's roll call \("
+                     r"rank 0 waiting in  and ranks 1-3 waiting in the test\)", job.stdout), \
+        job.output
     kept = re.search(r"rank 0: (\d+) messages kept for a later gather", job.stdout)
     assert kept and int(kept.group(1)) > 0, job.output
     assert re.search(r"rank 1: out of step: CommError: rank 0's message is of flat collective "

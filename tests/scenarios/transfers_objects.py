@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pickle
 import time
+from types import SimpleNamespace
 
+from mpickpt.mpi import rollcall
 from mpickpt.mpi.protocol import Protocol
 
 proto = Protocol(timeout=60)
@@ -82,6 +84,38 @@ for shift in range(3):
     assert got == ([(r, shift) for r in range(size)] if rank == 0 else None), got
 if rank == 0:
     print(f"rank 0: {proto.comm.flat.stashed} messages kept for a later gather", flush=True)
+
+# a message that came while its receiver made no MPI call (a nap, a doze) is taken by the
+# receiver's first test: the gather's on rank 0, the broadcast's on the others (after a nap,
+# MPICH's first probe only takes in what arrived)
+for what in ("broadcast", "gather"):
+    proto.barrier("before")
+    req = (proto.comm.ibcast(b"quiet", 0, flat=True) if what == "broadcast"
+           else proto.comm.igather(rank, 0, flat=True))
+    if (rank == 0) == (what == "gather"):
+        time.sleep(0.5)
+        print(f"rank {rank}: quiet {what}: first test {req.test()}", flush=True)
+    while not req.test():
+        time.sleep(0.001)
+
+# rank 0's roll call takes in the answers that came while it made no MPI call without a nap
+# between them (the ranks post theirs at once here, as if rank 0's call had reached them; on a
+# communicator of its own, which rank 0's call and report leave unread)
+proto.barrier("before")
+roll = rollcall.RollCall(proto.comm.dup(), grace=10)
+if rank != 0:
+    roll.comm.post({"seq": 0, "where": "the test"}, 0, rollcall.TAG_HERE)
+else:
+    time.sleep(0.5)
+    naps: list[float] = []
+    clock = rollcall.time
+    rollcall.time = SimpleNamespace(  # type: ignore[assignment]
+        monotonic=time.monotonic, sleep=lambda s: naps.append(s) or time.sleep(s))
+    try:
+        said = roll.account()
+    finally:
+        rollcall.time = clock  # type: ignore[assignment]
+    print(f"rank 0: roll call: {len(naps)} naps: {said}", flush=True)
 
 # a rank out of step (rank 1 skips a gather the others start) raises, not takes another
 # collective's object
