@@ -71,8 +71,9 @@ class Flat:
 def _probe(comm: Any, source: int, tag: int, status: Any) -> Any:
     """A matched probe for a message, tried up to :data:`PROBES` times: a probe of MPICH's that
     finds nothing takes in at most one message that arrived (shared memory: one a progress
-    poll), for the next probe to match. A rank that tests between naps found one message a
-    test, a nap behind its outcome, and the vote's root one rank's entry a nap."""
+    poll), for the next probe to match; Open MPI's takes in all of them. A rank that tests
+    between naps found one message a test, a nap behind its outcome, and the vote's root one
+    rank's entry a nap."""
     for _ in range(PROBES):
         if (msg := comm.Improbe(source, tag, status)) is not None:
             return msg
