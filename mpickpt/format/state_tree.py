@@ -61,10 +61,11 @@ class _Flattener:
         self.replicated, self._under = frozenset(replicated), tuple(f"{p}/" for p in replicated)
         self.unmatched = set(replicated)  # replicated key paths not met in the state yet
         self.world = world
+        self._devices: dict[torch.device, str] = {}  # str() of a device, once per device
 
     def is_replicated(self, where: str) -> bool:
         """Whether the key path ``where`` (:func:`_path_str`) is under a replicated one."""
-        return where in self.replicated or where.startswith(self._under)
+        return where in self.replicated or (bool(self._under) and where.startswith(self._under))
 
     def name(self, base: str) -> str:
         name, n = base, 1
@@ -82,11 +83,11 @@ class _Flattener:
             dtypes.name_of(t.dtype)
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
-        name = self.name(where)
+        name = where if where not in self.arrays else self.name(where)
         self.arrays[name] = t.detach()  # (its own shape: the user's may change after save())
         return name
 
-    def global_tensor(self, x: Any, path: tuple[Any, ...], where: str) -> dict[str, Any]:
+    def global_tensor(self, x: Any, where: str) -> dict[str, Any]:
         """A tensor node; for a sharded or replicated one (DTensor, :class:`Piece`, declared
         replicated) its placement is recorded and the node marked ``sharded``."""
         try:
@@ -94,27 +95,39 @@ class _Flattener:
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
         local = sharding.local_tensor(x)
-        node = {"type": "tensor", "name": self.tensor(local, where),
-                "device": str(local.device)}
+        dev = local.device
+        device = self._devices.get(dev)
+        if device is None:
+            device = self._devices[dev] = str(dev)
+        node = {"type": "tensor", "name": self.tensor(local, where), "device": device}
         if placement is not None:
             self.placements[node["name"]] = placement
             node["sharded"] = True
         return node
 
-    def node(self, x: Any, path: tuple[Any, ...], where: str = "<root>") -> dict[str, Any]:
-        """``where``: ``_path_str(path)``, built a key at a time by the caller."""
+    def node(self, x: Any, depth: int, where: str = "<root>") -> dict[str, Any]:
+        """``where``: the key path (:func:`_path_str`), built a key at a time by the caller;
+        ``depth``: its number of keys."""
         if self.unmatched:
             self.unmatched.discard(where)
-        if len(path) > MAX_DEPTH:
-            raise StateTreeError(f"state[{_path_str(path[:8])}/...]: nested more than "
-                                 f"{MAX_DEPTH} levels deep; a restore would refuse its tree")
+        if depth > MAX_DEPTH:
+            raise StateTreeError(f"state[{'/'.join(where.split('/')[:8])}/...]: nested more "
+                                 f"than {MAX_DEPTH} levels deep; a restore would refuse its tree")
         kind = type(x)  # the most common first, by their exact type (a state_dict(): OrderedDict)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
-            return self.global_tensor(x, path, where)
+            return self.global_tensor(x, where)
         if kind is dict or kind is OrderedDict or kind is list or kind is tuple:
-            return self.container(x, path, where)
+            return self.container(x, depth, where)
+        if kind is float:  # (an optimizer's hyperparameters: exact types, no conversion)
+            return {"type": "float", "value": x if math.isfinite(x) else repr(x)}
+        if kind is int:
+            return {"type": "int", "value": x}
+        if kind is bool:
+            return {"type": "bool", "value": x}
+        if kind is str:
+            return {"type": "str", "value": x}
         if isinstance(x, (torch.Tensor, Piece)):
-            return self.global_tensor(x, path, where)
+            return self.global_tensor(x, where)
         if isinstance(x, np.generic) and not isinstance(x, (str, bytes)):  # (np.float64: a float)
             return self.ndarray(np.asarray(x), where) | {"scalar": True}
         if x is None:
@@ -145,36 +158,39 @@ class _Flattener:
             }
         if isinstance(x, np.random.Generator):
             return {"type": "np_generator",
-                    "state": self.node(x.bit_generator.state, path, where)}
+                    "state": self.node(x.bit_generator.state, depth, where)}
         if isinstance(x, random.Random):
-            return {"type": "py_random", "state": self.node(py_state(x.getstate()), path, where)}
+            return {"type": "py_random",
+                    "state": self.node(py_state(x.getstate()), depth, where)}
         if isinstance(x, Mapping) or kind in (list, tuple):  # (not a named tuple)
-            return self.container(x, path, where)
+            return self.container(x, depth, where)
         if callable(getattr(x, "state_dict", None)) and callable(
                 getattr(x, "load_state_dict", None)):
             return {"type": "stateful", "class": f"{kind.__module__}.{kind.__qualname__}",
-                    "state": self.node(x.state_dict(), path, where)}
+                    "state": self.node(x.state_dict(), depth, where)}
         raise StateTreeError(
             f"state[{where}]: cannot save an object of type {kind.__qualname__}; "
             "use tensors, numpy arrays, numbers, strings, None, lists, tuples, dicts, or an "
             "object with state_dict()/load_state_dict()")
 
-    def container(self, x: Any, path: tuple[Any, ...], where: str) -> dict[str, Any]:
+    def container(self, x: Any, depth: int, where: str) -> dict[str, Any]:
         """A mapping, a list or a tuple."""
-        at = f"{where}/" if path else ""  # a child's where: this and its key
+        at = f"{where}/" if depth else ""  # a child's where: this and its key
+        node, down = self.node, depth + 1
         if type(x) is dict or type(x) is OrderedDict or isinstance(x, Mapping):
+            key = self.key
             return {"type": "dict", "items": [
-                [self.key(k, path), self.node(v, (*path, k), f"{at}{_escape(k)}")]
-                for k, v in x.items()]}
+                [key(k, where), node(v, down, f"{at}{_escape(k)}")] for k, v in x.items()]}
         return {"type": type(x).__name__,
-                "items": [self.node(v, (*path, i), f"{at}{i}") for i, v in enumerate(x)]}
+                "items": [node(v, down, f"{at}{i}") for i, v in enumerate(x)]}
 
-    def key(self, k: Any, path: tuple[Any, ...]) -> Any:
+    def key(self, k: Any, where: str) -> Any:
+        """A dict key of the container at ``where``, as the tree keeps it."""
         if (type(k) is str and k.isascii()) or isinstance(k, int) or k is None or (
                 isinstance(k, float) and math.isfinite(k)) or (isinstance(k, str) and _utf8(k)):
             return k
         raise StateTreeError(
-            f"state[{_path_str(path)}]: dict key {k!r} of type {type(k).__qualname__} cannot be "
+            f"state[{where}]: dict key {k!r} of type {type(k).__qualname__} cannot be "
             "saved; keys must be str (of valid UTF-8), int, finite float, bool or None")
 
     def ndarray(self, a: np.ndarray, where: str) -> dict[str, Any]:
@@ -207,7 +223,7 @@ def flatten_placed(state: Any, replicated: tuple[str, ...] = (), world: int = 1,
     ``world`` ranks holds alike; ``strict``: one that matches no tensor is an error (a typo, at
     a save; a restore may build those tensors from the checkpoint)."""
     f = _Flattener(replicated, world)
-    tree = f.node(state, ())
+    tree = f.node(state, 0)
     if f.unmatched and strict:
         keys = ", ".join(repr(k) for k in state) if isinstance(state, Mapping) else "none"
         raise StateTreeError(
