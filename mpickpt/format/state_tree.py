@@ -65,7 +65,7 @@ class _Flattener:
 
     def is_replicated(self, where: str) -> bool:
         """Whether the key path ``where`` (:func:`_path_str`) is under a replicated one."""
-        return where in self.replicated or (bool(self._under) and where.startswith(self._under))
+        return where in self.replicated or where.startswith(self._under)
 
     def name(self, base: str) -> str:
         name, n = base, 1
@@ -83,7 +83,7 @@ class _Flattener:
             dtypes.name_of(t.dtype)
         except ValueError as e:
             raise StateTreeError(f"state[{where}]: {e}") from None
-        name = where if where not in self.arrays else self.name(where)
+        name = self.name(where)
         self.arrays[name] = t.detach()  # (its own shape: the user's may change after save())
         return name
 

@@ -26,7 +26,7 @@ from .comm import CommError
 # tags of the flat collectives' messages (the roll call's are 0x6D71-0x6D74; the node-local
 # level's shard copies 0x6D80)
 TAG_GATHER, TAG_BCAST = 0x6D75, 0x6D76
-PROBES = 4  # matched probes a test tries before it takes none (see _probe: on this VM, 16
+PROBES = 4  # matched probes a test tries before it takes none (see probe(): on this VM, 16
 # ranks, MPICH took in the next message after 1 empty probe in 93 % of 450, 2 in 6 %, 3 or 4
 # in 1 %; a probe costs 0.3 us)
 BCAST_RANKS = 256  # past this many ranks a broadcast is a tree again (root sends P - 1 flat)
@@ -68,12 +68,12 @@ class Flat:
         return FlatBcast(self, obj, root, self.started)
 
 
-def _probe(comm: Any, source: int, tag: int, status: Any) -> Any:
+def probe(comm: Any, source: int, tag: int, status: Any) -> Any:
     """A matched probe for a message, tried up to :data:`PROBES` times: a probe of MPICH's that
     finds nothing takes in at most one message that arrived (shared memory: one a progress
     poll), for the next probe to match; Open MPI's takes in all of them. A rank that tests
-    between naps found one message a test, a nap behind its outcome, and the vote's root one
-    rank's entry a nap."""
+    between naps found one message a test, a nap behind its outcome, the vote's root one rank's
+    entry a nap, and the roll call two answers a nap (:meth:`~.mpicomm.MpiComm.take`)."""
     for _ in range(PROBES):
         if (msg := comm.Improbe(source, tag, status)) is not None:
             return msg
@@ -123,8 +123,8 @@ class FlatGather:
             return True
         try:
             status = MPI.Status()
-            while self.left and (msg := _probe(self.flat.comm, MPI.ANY_SOURCE, TAG_GATHER,
-                                               status)):
+            while self.left and (msg := probe(self.flat.comm, MPI.ANY_SOURCE, TAG_GATHER,
+                                              status)):
                 buf = bytearray(status.Get_count(MPI.BYTE))
                 item = (status.Get_source(), msg.Irecv([buf, MPI.BYTE]), buf)
                 if item[0] in self.left:
@@ -173,7 +173,7 @@ class FlatBcast:
                 return bool(MPI.Request.Testall(self.sends))
             if self.recv is None:
                 status = MPI.Status()
-                msg = _probe(comm, self.root, TAG_BCAST, status)
+                msg = probe(comm, self.root, TAG_BCAST, status)
                 if msg is None:
                     return False
                 buf = bytearray(status.Get_count(MPI.BYTE))

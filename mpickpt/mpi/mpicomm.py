@@ -202,7 +202,7 @@ class MpiComm:
     def take(self, tag: int) -> tuple[int, dict[str, Any]] | None:
         status = MPI.Status()
         try:
-            msg = self.comm.Improbe(MPI.ANY_SOURCE, tag, status)
+            msg = flat_.probe(self.comm, MPI.ANY_SOURCE, tag, status)
             if msg is None:
                 return None
             buf = bytearray(status.Get_count(MPI.BYTE))

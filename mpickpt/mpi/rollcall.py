@@ -21,11 +21,6 @@ from ..ranks import ranks_text, spans, unspan
 
 # point-to-point tags of the roll call on the private communicators (collectives never match them)
 TAG_ALARM, TAG_CALL, TAG_HERE, TAG_REPORT = 0x6D71, 0x6D72, 0x6D73, 0x6D74  # <= 32767, always valid
-# rank 0 naps only after this many rounds of takes found nothing: a probe of MPICH's that finds
-# nothing takes in at most one message that arrived, for the next to match (flat.PROBES), and a
-# nap after each such round took in 770 answers a second (31 ranks on this VM: 40 ms; 4 rounds:
-# 0.5 ms), slower than a roll call of 10,000 ranks needs within its 5 s of grace
-EMPTY_TAKES = 4
 
 
 class RollCall:
@@ -92,14 +87,13 @@ class RollCall:
             here[int(self._heard["from"])] = str(self._heard.get("where", "?"))
         for r in range(1, self.size):
             self._send(self._me(), r, TAG_CALL)
-        end, empty = time.monotonic() + self.grace, 0
+        end = time.monotonic() + self.grace
         while len(here) < self.size and time.monotonic() < end:
             got = self._take(TAG_HERE) or self._take(TAG_ALARM)
-            if got is not None:
-                here[got[0]], empty = str(got[1].get("where", "?")), 0
-            elif (empty := empty + 1) >= EMPTY_TAKES:  # (see EMPTY_TAKES)
+            if got is None:
                 time.sleep(0.002)
-                empty = 0
+            else:
+                here[got[0]] = str(got[1].get("where", "?"))
         missing = [r for r in range(self.size) if r not in here]
         groups: dict[str, list[int]] = {}
         for r, where in here.items():
