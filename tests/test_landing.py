@@ -18,8 +18,8 @@ import torch
 from harness import never_blocks
 
 from mpickpt.errors import CheckpointError
-from mpickpt.format import reader, shard
-from mpickpt.format.hostcopy import host_copy
+from mpickpt.format import hostcopy, reader, shard
+from mpickpt.format.hostcopy import copy_all, host_copy
 from mpickpt.local.pool import Maps
 from mpickpt.save.landing import Landing
 
@@ -253,6 +253,26 @@ def test_the_rings_host_copy_runs_on_the_calling_thread_alone_and_the_snapshots_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out[0] == "0" and int(out[1]) >= 1, out
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_a_snapshots_copies_in_one_batch_are_the_tensors_whatever_their_kind(
+        monkeypatch: pytest.MonkeyPatch, foreach: bool) -> None:
+    """copy_all: the small tensors in one call into torch (or a loop, where torch has no
+    ``_foreach_copy_``), the large ones by memmove; strided, negative-bit and bfloat16 sources
+    come out as their values."""
+    if not foreach:
+        monkeypatch.setattr(hostcopy, "_FOREACH_COPY", None)
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(16, 16, generator=g) for _ in range(200)]
+    srcs += [torch.randn(8, 32, generator=g).t(), torch.randn(64, generator=g).neg().conj(),
+             torch.randn(5, generator=g).to(torch.bfloat16), torch.arange(7)[::2],
+             torch.randn(hostcopy.SMALL + 1, generator=g), torch.randn(300, 300, generator=g)]
+    srcs.append(torch.randn(4, 4, generator=g)._neg_view())
+    dsts = [torch.zeros(s.shape, dtype=s.dtype) for s in srcs]
+    copy_all(zip(dsts, srcs, strict=True))
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d, s.resolve_neg().resolve_conj())
 
 
 def test_the_rings_host_copy_refuses_what_is_not_two_contiguous_byte_runs_in_host_memory():

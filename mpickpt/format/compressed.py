@@ -20,7 +20,7 @@ from .records import TensorRecord
 
 
 def write(records: Sequence[TensorRecord], datasets: Sequence[Any], sink: FrameSink | None,
-          fds: tuple[int, int], views: list[memoryview], block: int, threads: int,
+          fds: tuple[int, int], views: Sequence[memoryview], block: int, threads: int,
           on_block: Callable[[], None] | None, known: list[bool],
           gate: Callable[[int, int], None] | None = None,
           addrs: list[int] | None = None) -> None:

@@ -55,8 +55,9 @@ class Template:
     places: tuple[tuple[int, int, int], ...]  # (run, position in it, length), by value
 
     def fresh_records(self) -> list[TensorRecord]:
-        """Copies of the layout's records, to be given this save's checksums."""
-        return [TensorRecord(r.name, r.dtype, list(r.shape), r.offset, r.nbytes)
+        """Copies of the layout's records, to be given this save's checksums (their shapes are
+        the template's lists: a record's shape is not changed)."""
+        return [TensorRecord(r.name, r.dtype, r.shape, r.offset, r.nbytes)
                 for r in self.records]
 
     def render(self, step: int, tree: str, sums: list[list[str]]) -> Runs:

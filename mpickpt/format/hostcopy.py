@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -68,6 +69,31 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         _copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
     else:
         dst.copy_(src)
+
+
+SMALL = 16384  # elements: below half of torch's parallel grain (32768), its copy_ is serial
+
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`copy_into` for each (``dst``, ``src``); the small ones (under :data:`SMALL`
+    elements, which torch copies on the calling thread) in one call into torch
+    (``_foreach_copy_``): :func:`copy_into`'s checks were 3.6 µs a tensor on this project's VM,
+    29 ms for the 8,000 tensors of a thousand small layers and their Adam state, against 6 ms."""
+    dsts, srcs = [], []
+    for dst, src in pairs:
+        if src.is_cpu and src.numel() < SMALL:
+            dsts.append(dst)
+            srcs.append(src)
+        else:
+            copy_into(dst, src)
+    if len(dsts) > 1 and _FOREACH_COPY is not None:
+        _FOREACH_COPY(dsts, srcs)
+    else:
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # (torch 2.1 on; a loop of copy_ before)
 
 
 @functools.cache

@@ -68,11 +68,13 @@ class TensorRecord:
     chunks: list[list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """As JSON values (what ``dataclasses.asdict`` gives, without its deep copies)."""
-        d = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-             "offset": self.offset, "nbytes": self.nbytes, "checksums": list(self.checksums),
-             "global_shape": None if self.global_shape is None else list(self.global_shape),
-             "offsets": None if self.offsets is None else list(self.offsets)}
+        """As JSON values (what ``dataclasses.asdict`` gives, without its copies: the lists are
+        shared, as a record's are not changed once it is complete; a copy of each per tensor
+        and save was a third of the objects a save of many small tensors keeps for Python's
+        collector to scan)."""
+        d = {"name": self.name, "dtype": self.dtype, "shape": self.shape,
+             "offset": self.offset, "nbytes": self.nbytes, "checksums": self.checksums,
+             "global_shape": self.global_shape, "offsets": self.offsets}
         if self.source is not None:
             d["source"] = self.source
         if self.codec is not None:

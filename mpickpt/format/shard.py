@@ -67,6 +67,21 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+class _Views(Sequence[memoryview]):
+    """Each record's bytes (:func:`byte_view`), made when asked for: a list of them, alive
+    through the write, was four objects a tensor for Python's collector to scan."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], records: Sequence[TensorRecord]
+                 ) -> None:
+        self._tensors, self._records = tensors, records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i: int) -> memoryview:  # type: ignore[override]  # (no slices)
+        return byte_view(self._tensors[self._records[i].name])
+
+
 def _io_tasks(records: Iterable[TensorRecord], block: int) -> list[tuple[int, int]]:
     """(record index, block index) for every block of every record, largest tensors first."""
     order = sorted(enumerate(records), key=lambda r: -r[1].nbytes)
@@ -217,15 +232,12 @@ class ShardWriter:
         blocks in the order of their addresses, each once ``gate(start, end)`` (its bytes'
         addresses) returns: the tensors' bytes may still be landing (:mod:`mpickpt.save.landing`).
         """
-        views = [byte_view(tensors[r.name]) for r in self.records]
+        views = _Views(tensors, self.records)
         addrs = [tensors[r.name].data_ptr() for r in self.records]
         known = [digests is not None and r.name in digests for r in self.records]
         for r, k in zip(self.records, known, strict=True):
             r.checksums = (list(digests[r.name]) if k and digests is not None
                            else [""] * checksum.block_count(r.nbytes, block))
-
-        sources = ([tensors[r.name].reshape(-1).view(torch.uint8) for r in self.records]
-                   if self._dst is not None else [])
 
         def task(i: int, b: int) -> None:
             r, lo = self.records[i], b * block
@@ -234,7 +246,7 @@ class ShardWriter:
                 gate(addrs[i] + lo, addrs[i] + lo + len(buf))
             if self._dst is not None:  # hash and copy a piece at a time: read once, from cache
                 hasher = None if known[i] else checksum.hasher()
-                at, src = r.offset + lo, sources[i]
+                at, src = r.offset + lo, tensors[r.name].reshape(-1).view(torch.uint8)
                 for p in range(0, len(buf), PIECE):
                     n = min(PIECE, len(buf) - p)
                     if hasher is not None:
@@ -279,7 +291,7 @@ class ShardWriter:
         if compressed:
             self._write_compressed(views, block, threads, on_block, known)
 
-    def _write_compressed(self, views: list[memoryview], block: int, threads: int,
+    def _write_compressed(self, views: _Views, block: int, threads: int,
                           on_block: Callable[[], None] | None, known: list[bool],
                           gate: Callable[[int, int], None] | None = None,
                           addrs: list[int] | None = None) -> None:

@@ -127,7 +127,7 @@ class SelfComm:
 
     def igather(self, obj: Any, root: int, flat: bool = False) -> _Done:
         self._check(root)
-        return _Done([_copy(obj)])
+        return _Done([obj if flat else _copy(obj)])  # as MpiComm's flat root keeps its own
 
     def iallgather(self, obj: Any) -> _Done:
         return _Done([_copy(obj)])

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..format.hostcopy import copy_into
+from ..format.hostcopy import copy_all
 from . import layout, owners
 from .landing import Landing, unstage
 from .pinned_pool import HostPool, Lease
@@ -217,11 +217,10 @@ class Snapshotter:
                 self.fence()  # on the GPU: into staging, a few milliseconds for GBs
             held: dict[str, torch.Tensor] = {}
             with torch.no_grad():
-                for n in now:
-                    if lease.buffer is not None:
-                        copy_into(snap.tensors[n], tensors[n])
-                    else:
-                        held[n] = tensors[n].detach().clone()
+                if lease.buffer is not None:
+                    copy_all((snap.tensors[n], tensors[n]) for n in now)
+                else:
+                    held.update((n, tensors[n].detach().clone()) for n in now)
             held.update((n, tensors[n]) for n in later)
             if held or lease.buffer is None:
                 snap.ready = self._thread.submit(self._fill, snap, key, offsets, tensors, held)
@@ -318,8 +317,7 @@ class Snapshotter:
         if not snap.tensors:
             snap.tensors = self._host_views(buf, key, offsets, tensors)
         with torch.no_grad():
-            for n, t in held.items():
-                copy_into(snap.tensors[n], t)
+            copy_all((snap.tensors[n], t) for n, t in held.items())
         snap.lazy_s = time.perf_counter() - t0
 
     def _copy_cuda(self, dev: torch.device, srcs: list[torch.Tensor], names: list[str],
