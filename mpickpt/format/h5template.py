@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import checksum
+from . import checksum, dtypes
 from .h5image import MetadataImage
 from .h5layout import Layout
 from .records import TensorRecord
@@ -176,7 +176,7 @@ class Templates:
         """The template of this layout, built on first sight; None where there is none."""
         key = (alignment, block, tree_capacity(len(str(attrs["tree"]).encode())),
                tuple((k, None if k in ("step", "tree") else v) for k, v in attrs.items()),
-               tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()))
+               tuple((n, dtypes.name_of(t.dtype), tuple(t.shape)) for n, t in tensors.items()))
         if key in self._by_key:
             t = self._by_key.pop(key)
         else:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..format.blocks import align
+from ..format.dtypes import name_of
 
 V = TypeVar("V")
 
@@ -41,8 +42,10 @@ def place(tensors: Mapping[str, torch.Tensor]) -> tuple[
 
 
 def key(tensors: Mapping[str, torch.Tensor], offsets: Mapping[str, int]) -> tuple[Any, ...]:
-    """What the views of a buffer for ``tensors`` at ``offsets`` depend on."""
-    return tuple((n, offsets[n], t.dtype, t.shape) for n, t in tensors.items())
+    """What the views of a buffer for ``tensors`` at ``offsets`` depend on: of strings and
+    integers alone, which Python's collector stops tracking (a ``torch.dtype`` or a
+    ``torch.Size`` in it kept two objects a tensor tracked for as long as the key is kept)."""
+    return tuple((n, offsets[n], name_of(t.dtype), tuple(t.shape)) for n, t in tensors.items())
 
 
 def nbytes(t: torch.Tensor) -> int:
