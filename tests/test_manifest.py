@@ -173,6 +173,29 @@ def test_the_memo_spares_what_a_rank_sends_again_alike_and_checks_the_rest():
     # the steps referred to, always parsed
 
 
+@pytest.mark.parametrize("where,old,new", [("key", 1, True), ("key", 1, 1.0),
+                                           ("value", 0.0, -0.0)])
+def test_the_memo_takes_trees_alike_only_if_their_values_are_exactly_the_same(
+        where: str, old: object, new: object) -> None:
+    """== takes 1, True and 1.0 as equal, and 0.0 and -0.0: a tree whose key or value changed
+    so must not be written with the last save's text."""
+    m = sample()
+    memo = Memo()
+
+    def entries(x: object) -> list[dict[str, object]]:
+        key, value = (x, "v") if where == "key" else ("k", x)
+        out = [e.to_dict() for e in m.ranks]
+        for e in out:
+            e["tree"] = {"type": "dict", "items": [[key, {"type": "any", "value": value}]]}
+        return copy.deepcopy(out)
+
+    Manifest.assemble(7, 2, "run1", entries(old), {}, m.checksum_block, memo=memo)
+    second = Manifest.assemble(8, 2, "run1", entries(new), {}, m.checksum_block, memo=memo)
+    for e in json.loads(second.to_json())["ranks"]:
+        [[key, node]] = e["tree"]["items"]
+        assert repr(key if where == "key" else node["value"]) == repr(new)
+
+
 def test_garbled_json_names_the_file():
     with pytest.raises(ManifestError, match=r"/r/MANIFEST.json: not valid JSON"):
         Manifest.from_json('{"format": "mpickpt", ', "/r/MANIFEST.json")

@@ -5,11 +5,13 @@ rank in this process: real Checkpointers, real files, injected faults."""
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from mpickpt import faults
 from mpickpt.errors import CheckpointError, RankFailure
 from mpickpt.format import rootdir, rootstart
 from mpickpt.format.entry import RankEntry
+from mpickpt.format.manifest import Manifest
 from mpickpt.format.records import TensorRecord
 from mpickpt.local.nodestore import NodeStore
 from mpickpt.restore import coordinate
@@ -281,3 +284,23 @@ def test_assembly_makes_no_level_without_local_and_the_root_store_first(tmp_path
         assert assembly.local_level(ck._proto, o, str(tmp_path), ck.run_id, None, 2,
                                     LOG) == (None, None)
         assert isinstance(ck._pipeline.store, RootStore)
+
+
+def test_a_state_saved_again_with_values_only_equal_to_the_last_is_stored_as_it_is_now(
+        tmp_path: Path) -> None:
+    """The writer and rank 0 reuse the last save's JSON of a tree that is the same value; a
+    value == takes as the same (0.0 and -0.0; the keys 1 and True) is not: the shard's
+    attribute and the manifest hold what the second save was given."""
+    t = torch.arange(4.0)
+    with mpickpt.Checkpointer(str(tmp_path), keep=3) as ck:
+        ck.save(1, {"t": t, "x": 0.0, "d": {1: "a"}}).wait()
+        ck.save(2, {"t": t, "x": -0.0, "d": {True: "a"}}).wait()
+    step = tmp_path / "step-00000002"
+    m = Manifest.read(str(step))
+    with h5py.File(step / m.ranks[0].file, "r") as f:
+        attr = json.loads(f.attrs["tree"])
+    for tree in (m.ranks[0].tree, attr):
+        items = dict((k, v) for k, v in tree["items"])
+        assert repr(items["x"]["value"]) == "-0.0"
+        [[key, _]] = items["d"]["items"]
+        assert key is True

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import faults
 from ..format import checksum, nodefile, rootdir
@@ -23,6 +23,7 @@ from ..format.checksum import DEFAULT_BLOCK
 from ..format.codec import MIN_BYTES as MIN_COMPRESS
 from ..format.entry import IndexRef, RankEntry
 from ..format.h5template import Templates
+from ..format.manifest import tree_key
 from ..format.names import FANOUT, index_name
 from ..format.records import TensorRecord
 from ..format.shard import DEFAULT_ALIGNMENT, ShardWriter
@@ -72,6 +73,7 @@ class RankShards:
         self.rank, self.world_size = rank, world_size
         self.options, self.tracker, self.log = options, tracker, logger
         self.templates = Templates()  # the HDF5 metadata of the layouts saved lately
+        self._tree: tuple[bytes, str] | None = None  # the last tree written: tree_key, JSON
 
     def write(self, req: SaveRequest, partial: str, name: str,
               into: Destination | None = None,
@@ -203,7 +205,18 @@ class RankShards:
     def _attrs(self, req: SaveRequest) -> dict[str, str | int]:
         """The attributes of a rank's shard (or of its group in a node's file)."""
         return {"rank": self.rank, "step": req.step, "world_size": self.world_size,
-                "tree": json.dumps(req.tree, allow_nan=False)}
+                "tree": self._tree_text(req.tree)}
+
+    def _tree_text(self, tree: Any) -> str:
+        """``tree`` as JSON; the last save's text where the tree is the same value
+        (:func:`~mpickpt.format.manifest.tree_key`: 1.2 ms for 8,000 tensors' tree, its JSON
+        9 ms)."""
+        key, last = tree_key(tree), self._tree
+        if key is not None and last is not None and last[0] == key:
+            return last[1]
+        text = json.dumps(tree, allow_nan=False)
+        self._tree = None if key is None else (key, text)
+        return text
 
     def _entry(self, req: SaveRequest, name: str | None, size: int, records: list[TensorRecord],
                decision: Decision, t0: float) -> RankEntry:
