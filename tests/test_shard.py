@@ -87,6 +87,58 @@ def test_flipped_byte_names_file_tensor_and_block(tmp_path, tensors):
         reader.read_shard(3, str(tmp_path / "s.h5"), records, size, block=BLOCK)
 
 
+def small_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    out = {f"t{i}": torch.randn(1 + 37 * i, generator=g) for i in range(300)}  # up to 44 KB
+    out["edge"] = torch.randn(reader.SMALL_SPAN // 4, generator=g)  # the largest read in runs
+    out["over"] = torch.randn(reader.SMALL_SPAN // 4 + 1, generator=g)  # read alone
+    out["empty"] = torch.empty(0)
+    return out
+
+
+@pytest.mark.parametrize("run_bytes", [reader.RUN_BYTES, 16 << 10])
+def test_small_tensors_read_in_runs_are_bit_exact(tmp_path, monkeypatch, run_bytes):
+    """Spans of SMALL_SPAN bytes or fewer are read a run at a time and each block checked in
+    memory; runs of at most RUN_BYTES (here also 16 KiB: many runs)."""
+    monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
+    tensors = small_tensors()
+    w = shard.ShardWriter(str(tmp_path / "s.h5"), tensors, {"tree": "{}"}, alignment=1 << 20,
+                          block=4096)
+    w.write(tensors, block=4096, threads=3)
+    records, size = w.records, w.seal()
+    spans = [reader.Span(r, 0, r.nbytes, torch.empty(r.nbytes, dtype=torch.uint8))
+             for r in records]
+    assert len(reader._runs(spans, list(range(len(spans) - 1)))) > (run_bytes < 1 << 20)
+    out = reader.read_shard(0, str(tmp_path / "s.h5"), records, size, block=4096, threads=3)
+    for k, t in tensors.items():
+        assert torch.equal(out[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+def test_a_flipped_byte_in_a_run_names_the_tensor_and_its_block(tmp_path):
+    tensors = small_tensors()
+    w = shard.ShardWriter(str(tmp_path / "s.h5"), tensors, {"tree": "{}"}, alignment=1 << 20,
+                          block=4096)
+    w.write(tensors, block=4096, threads=3)
+    records, size = w.records, w.seal()
+    rec = next(r for r in records if r.name == "t250")  # 9,254 floats: 10 blocks
+    with open(tmp_path / "s.h5", "r+b") as f:
+        f.seek(rec.offset + 7 * 4096 + 11)
+        b = f.read(1)
+        f.seek(rec.offset + 7 * 4096 + 11)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ShardError, match=r"rank 2: .*s\.h5: tensor 't250': checksum mismatch "
+                                         r"in block 7"):
+        reader.read_shard(2, str(tmp_path / "s.h5"), records, size, block=4096)
+    empty = next(r for r in records if r.name == "empty")
+    fresh = shard.ShardWriter(str(tmp_path / "e.h5"), {"empty": torch.empty(0)}, {"tree": "{}"},
+                              alignment=1 << 20, block=4096)
+    fresh.write({"empty": torch.empty(0)}, block=4096)
+    [lying], esize = fresh.records, fresh.seal()
+    lying.checksums = ["0" * len(empty.checksums[0])]  # an empty block's checksum is checked
+    with pytest.raises(ShardError, match=r"tensor 'empty': checksum mismatch in block 0"):
+        reader.read_shard(0, str(tmp_path / "e.h5"), [lying], esize, block=4096)
+
+
 def test_received_spans_are_verified_where_they_landed(tmp_path, tensors):
     """verify_spans (a lost node's bytes, received over MPI): blocks 2..5 of 'big' as read are
     intact; one flipped bit names the file they came from, the sender, the tensor and the

@@ -37,6 +37,9 @@ def align(n: int, a: int = ALIGN) -> int:
 
 
 
+RUN_BYTES = 8 << 20  # the most a run of small records read at once spans (read_spans)
+
+
 def kept_buffer(local: threading.local, name: str, n: int, usual: int = 0) -> mmap.mmap:
     """This thread's buffer ``name`` in ``local``, of at least ``n`` bytes (``usual`` when it is
     first made), kept for the thread's next call: an anonymous map, whose pages are faulted in
@@ -123,7 +126,7 @@ class BlockFile:
     def __init__(self, rank: int, path: str, file_bytes: int, block: int, *,
                  direct: bool = False) -> None:
         self.rank, self.path, self.block = rank, path, block
-        self._scratch = threading.local()  # each reading thread's buffers for compressed chunks
+        self._scratch = threading.local()  # each reading thread's buffers: compressed chunks, runs
         self.fd = open_shard(rank, path, file_bytes)
         self.dfd = -1
         if direct:
@@ -181,13 +184,27 @@ class BlockFile:
                 got += k
             digest = h.hexdigest()
         if digest != r.checksums[n]:
-            raise ShardError(
-                self.rank, self.path,
-                f"checksum mismatch in block {n} (bytes {where}..{where + size}): "
-                "the data is corrupt",
-                tensor=r.name,
-            )
+            raise self._corrupt(r, n, where, size)
         return size
+
+    def _corrupt(self, r: TensorRecord, n: int, where: int, size: int) -> ShardError:
+        return ShardError(self.rank, self.path, f"checksum mismatch in block {n} (bytes {where}.."
+                          f"{where + size}): the data is corrupt", tensor=r.name)
+
+    def read_run(self, lo: int, hi: int, name: str) -> memoryview:
+        """Bytes ``lo..hi`` of the file, through the page cache, in this thread's scratch
+        buffer (valid until its next run); ``name``: the first tensor they hold, named by the
+        :class:`ShardError` at the end of the file."""
+        buf = self._buffer("run", hi - lo, RUN_BYTES)
+        if _pread_all(self.fd, buf, lo) < hi - lo:
+            raise ShardError(self.rank, self.path, "unexpected end of file", tensor=name)
+        return buf
+
+    def check_block(self, r: TensorRecord, n: int, data: memoryview) -> None:
+        """Verify ``data``, block ``n`` of uncompressed record ``r`` whole, read by
+        :meth:`read_run`; :class:`ShardError` on a checksum mismatch."""
+        if checksum.digest(data) != r.checksums[n]:
+            raise self._corrupt(r, n, r.offset + n * self.block, len(data))
 
     def _buffer(self, name: str, n: int, usual: int) -> memoryview:
         """``n`` bytes of this thread's buffer ``name`` for this file (:func:`kept_buffer`: a

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ShardError
 from . import checksum, dtypes, pages
-from .blocks import BlockFile, align
+from .blocks import RUN_BYTES, BlockFile, align
 from .iothreads import Batch, run_tasks, start_tasks
 from .records import TensorRecord, check_file, check_records, open_shard
 from .shard import byte_view
@@ -106,13 +106,34 @@ def read_spans(
         host = [s.dest.device.type == "cpu" for s in spans]
         if bounce is None and not all(host):
             raise ValueError("spans into GPU memory need a page-locked buffer to come through")
-        views = [byte_view(s.dest) if h else None for s, h in zip(spans, host, strict=True)]
-        largest_first = sorted(range(len(spans)), key=lambda i: -spans[i].nbytes)
+        small = [i for i, s in enumerate(spans)
+                 if host[i] and s.record.codec is None and s.nbytes <= SMALL_SPAN]
+        runs = _runs(spans, small)
+        alone = set(range(len(spans))).difference(small)
+        largest_first = sorted(alone, key=lambda i: -spans[i].nbytes)
         tasks = [(i, b) for i in largest_first
                  for b in range(checksum.block_count(spans[i].nbytes, block))]
+        tasks += [(k, RUN) for k in range(len(runs))]
+
+        def read_run(k: int) -> None:
+            first, end, members = runs[k]
+            data = f.read_run(first, end, spans[members[0]].record.name)
+            for i in members:
+                s = spans[i]
+                view, start = byte_view(s.dest), s.record.offset + s.lo - first
+                for at in range(0, max(s.nbytes, 1), block):  # (an empty record: one block)
+                    n = min(block, s.nbytes - at)
+                    f.check_block(s.record, (s.lo + at) // block, data[start + at:start + at + n])
+                    view[at:at + n] = data[start + at:start + at + n]
+                    if on_block is not None:
+                        on_block()
 
         def task(i: int, b: int) -> None:
-            s, at, view = spans[i], b * block, views[i]
+            if b == RUN:
+                read_run(i)
+                return
+            s, at = spans[i], b * block
+            view = byte_view(s.dest) if host[i] else None
             if view is not None:
                 f.read_block(s.record, (s.lo + at) // block, view[at : at + block])
             else:  # verified in the page-locked buffer, then copied (and waited for)
@@ -124,6 +145,28 @@ def read_spans(
                 on_block()
 
         run_tasks(tasks, task, threads)
+
+
+SMALL_SPAN = 64 << 10  # spans of this many bytes or fewer are read in runs (_runs)
+RUN = -1  # a task's block number that makes it a run's (read_spans)
+GAP = 64 << 10  # the most bytes between two spans of one run
+
+
+def _runs(spans: list[Span], small: list[int]) -> list[tuple[int, int, list[int]]]:
+    """The ``small`` spans (indices) by where their bytes lie in the file, in runs: (first
+    byte, end, the spans in it), each run at most RUN_BYTES and without a gap of more than GAP
+    bytes. One read of a run and a check of each block in memory replace a read per block:
+    8,000 spans of a kilobyte took 0.37 s to read one by one on this project's VM."""
+    out: list[tuple[int, int, list[int]]] = []
+    for i in sorted(small, key=lambda i: spans[i].record.offset + spans[i].lo):
+        lo = spans[i].record.offset + spans[i].lo
+        hi = lo + spans[i].nbytes
+        if out and lo >= out[-1][1] and lo - out[-1][1] <= GAP and hi - out[-1][0] <= RUN_BYTES:
+            out[-1][2].append(i)
+            out[-1] = (out[-1][0], hi, out[-1][2])
+        else:
+            out.append((lo, hi, [i]))
+    return out
 
 
 POPULATE_PIECE = 8 << 20
