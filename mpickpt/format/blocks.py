@@ -5,8 +5,9 @@
 buffer the caller gives, computes its xxh3-64 and compares it with the record's, raising
 :class:`ShardError` naming rank, file, tensor, block and byte range at a mismatch. The caller
 chooses the threads (several may read blocks of one file at once) and the buffers: restore reads
-each block straight into its place in the tensor (no copy), verification streams a block of any
-size through a small reused buffer.
+each block straight into its place in the tensor (no copy), or small tensors' blocks a run at a
+time (:meth:`BlockFile.read_run`, each checked by :meth:`BlockFile.check_block`), verification
+streams a block of any size through a small reused buffer.
 
 With ``direct``, the part of a transfer whose buffer address, file offset and length are aligned
 to :data:`DIRECT_ALIGN` bypasses the page cache (``O_DIRECT``), the rest goes through it.

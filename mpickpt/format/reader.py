@@ -2,8 +2,9 @@
 positional reads, checked against the real file size first, so a hostile file cannot make the
 reader allocate more than it holds. Each checksum block is read and verified straight into its
 place in the tensor by :class:`mpickpt.format.blocks.BlockFile`, the reader the operator's tools
-share; a whole shard (:func:`read_shard`) or byte spans of its tensors (:func:`read_spans`, for
-resharding) on a few threads.
+share, but for small tensors' blocks, read a run of them at a time and verified in memory
+before they are copied into place; a whole shard (:func:`read_shard`) or byte spans of its
+tensors (:func:`read_spans`, for resharding) on a few threads.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def read_spans(
 ) -> None:
     """Read bytes ``lo..hi`` of each span's record (``lo`` on a checksum block boundary, ``hi``
     on one or at the record's end) into its ``dest``, verifying every block
-    (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place);
+    (:meth:`mpickpt.format.blocks.BlockFile.read_block`, straight into place; spans of
+    :data:`SMALL_SPAN` bytes or fewer in host memory a run at a time, :func:`_runs`);
     :class:`ShardError` naming the file, tensor and block at the first mismatch. A ``dest``
     in GPU memory takes each block, once verified, from ``with bounce() as buf``: a
     page-locked host buffer of at least a block, the block's while it is read and copied.
