@@ -92,6 +92,8 @@ class Target:
         None otherwise."""
         if tuple(rec.shape) != shape:
             return None
+        if shape == self.shape and off == self.offsets:  # the whole target (most often)
+            return 0
         # contiguous in the target: full in every dimension after the last one where it is not,
         # and of size 1 in every dimension before that one
         partial = [d for d, (b, n) in enumerate(zip(shape, self.shape, strict=True)) if b != n]
@@ -129,7 +131,8 @@ def _elements(rec: TensorRecord, off: tuple[int, ...], shape: tuple[int, ...]
               ) -> tuple[int, int]:
     """The element range [first, end) of stored record ``rec`` that holds the box at global
     ``off`` of ``shape``."""
-    rel = tuple(o - s for o, s in zip(off, rec.offsets or [0] * len(off), strict=True))
+    rel = off if rec.offsets is None else tuple(
+        o - s for o, s in zip(off, rec.offsets, strict=True))
     return sharding.flat_span(tuple(rec.shape), rel, shape)
 
 
@@ -371,9 +374,10 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
         if room is not None:  # the GPU memory it set aside: back now (the caller never gets it)
             room.close()
         raise
-    out = {n: (base[n] if n in gpu else buf)[at: at + p.targets[n].nbytes]
+    flat = {n: ((base[n] if n in gpu else buf), at) for n, at in (offsets | at_gpu).items()}
+    out = {n: b[at: at + p.targets[n].nbytes]
            .view(dtypes.torch_dtype(p.targets[n].dtype)).view(p.targets[n].shape)
-           for n, at in (offsets | at_gpu).items()}
+           for n, (b, at) in flat.items()}
     direct: dict[RecordKey, int] = {}
     for t in p.targets.values():
         for src in t.sources:
@@ -391,9 +395,9 @@ def stage(p: Plan, buffer: Callable[[int, bool], torch.Tensor],
                 continue
             spans: list[Span] = []
             for r in p.spans[key]:
-                if key in direct:
-                    at = direct[key]
-                    dest = out[n].reshape(-1).view(torch.uint8)[at + r.lo: at + r.hi]
+                if key in direct:  # (a slice of the bytes under out[n]: one op, not three)
+                    b, at = flat[n][0], flat[n][1] + direct[key]
+                    dest = b[at + r.lo: at + r.hi]
                 else:
                     dest = torch.empty(r.nbytes, dtype=torch.uint8)
                 spans.append(Span(src.record, r.lo, r.hi, dest))
