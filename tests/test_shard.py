@@ -495,6 +495,9 @@ def test_attributes_are_what_h5py_writes(tmp_path):
 
 
 @pytest.mark.quick
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="a fake tensor on cuda:1 initializes that device where CUDA is real: "
+                           "it needs no GPU, or two")
 def test_a_tensor_the_state_lacks_goes_onto_the_gpu_it_was_saved_from_if_the_state_uses_it():
     """A restarted job's fresh optimizer has no tensors to say where its state goes: each
     one saved from a GPU goes onto that GPU where the state has tensors on it, else onto the
