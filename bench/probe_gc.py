@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from small_layers import small_layers
 
 import mpickpt
 import mpickpt.save.rootstore as rootstore
@@ -104,12 +105,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("mpickpt").setLevel(logging.WARNING)
-    model = torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width) for _ in range(a.layers)])
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, a.width)).sum().backward()
-    opt.step()
+    model, opt, tensors = small_layers(a.layers, a.width)
     state = {"model": model, "optim": opt}
-    tensors = len(model.state_dict()) + sum(len(s) for s in opt.state_dict()["state"].values())
     resident = [{"r": [i]} for i in range(a.resident)]
     tmp = tempfile.mkdtemp(prefix="probe-gc-")
     try:

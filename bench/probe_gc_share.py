@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import tempfile
 import time
 from typing import Any
 
-import torch
-
 os.environ.setdefault("MPICKPT_LOG", "WARNING")  # (a line per commit otherwise)
+from small_layers import small_layers, write_rows
+
 import mpickpt
 
 
@@ -63,16 +62,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="bench/results/gc-share.json")
     a = ap.parse_args()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(a.layers)])
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 16)).sum().backward()
-    opt.step()
+    model, opt, tensors = small_layers(a.layers)
 
     def state() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": opt.state_dict()}
 
-    tensors = len(state()["model"]) + sum(len(s) for s in state()["optim"]["state"].values())
     root = tempfile.mkdtemp(prefix="mpickpt-gc-share-")
     rows: list[dict[str, Any]] = []
     try:
@@ -94,10 +88,7 @@ def main() -> None:
         print(f"{x['round']:>5} {'on' if x['gc'] else 'off':>9} {x['s_per_save']:>7.3f} "
               f"{x['cpu_s_per_save']:>10.3f} {x['full_gcs']:>8} {x['full_gc_s']:>7.2f} "
               f"{x['gc_s']:>8.2f} {x['tracked']:>8,}")
-    with open(a.out, "w") as f:
-        json.dump({"args": vars(a), "tensors": tensors, "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)
-    print(f"wrote {a.out}")
+    write_rows(a.out, a, tensors, rows)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ filters the whole state dict once per module, so it grows with layers times tens
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 
 os.environ.setdefault("MPICKPT_LOG", "WARNING")  # (a line per restore otherwise)
+from small_layers import small_layers, write_rows
+
 import mpickpt
 
 
@@ -33,12 +34,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="bench/results/restore-many.json")
     a = ap.parse_args()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(a.layers)])
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 16)).sum().backward()
-    opt.step()
-    tensors = len(model.state_dict()) + sum(len(s) for s in opt.state_dict()["state"].values())
+    model, opt, tensors = small_layers(a.layers)
     in_module = [0.0]
     plain = torch.nn.Module.load_state_dict
 
@@ -92,11 +88,7 @@ def main() -> None:
         summary[name] = statistics.median(s)
         print(f"{name:<16} {statistics.median(s):>8.3f} {min(s):>6.3f} {max(s):>6.3f} {m:>29.3f}")
     print(f"mpickpt / torch.load: {summary['mpickpt restore'] / summary['torch.load']:.2f}x")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"args": vars(a), "tensors": tensors, "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)
-    print(f"wrote {a.out}")
+    write_rows(a.out, a, tensors, rows)
 
 
 if __name__ == "__main__":
