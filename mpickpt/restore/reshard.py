@@ -92,8 +92,6 @@ class Target:
         None otherwise."""
         if tuple(rec.shape) != shape:
             return None
-        if shape == self.shape and off == self.offsets:  # the whole target (most often)
-            return 0
         # contiguous in the target: full in every dimension after the last one where it is not,
         # and of size 1 in every dimension before that one
         partial = [d for d, (b, n) in enumerate(zip(shape, self.shape, strict=True)) if b != n]
