@@ -222,11 +222,11 @@ def flat_span(piece: Sequence[int], box_off: Sequence[int], box_shape: Sequence[
               ) -> tuple[int, int]:
     """The element range [first, end) of a row-major piece of shape ``piece`` that holds the box
     at ``box_off`` (relative to the piece) of shape ``box_shape``."""
-    n = math.prod(box_shape)
-    if n == 0:
+    count = math.prod(box_shape)
+    if count == 0:
         return 0, 0
     if tuple(box_shape) == tuple(piece) and not any(box_off):  # the whole piece (most often)
-        return 0, n
+        return 0, count
     strides = [math.prod(piece[d + 1:]) for d in range(len(piece))]
     first = sum(o * s for o, s in zip(box_off, strides, strict=True))
     last = sum((o + n - 1) * s for o, n, s in zip(box_off, box_shape, strides, strict=True))

@@ -201,7 +201,7 @@ class Manifest:
             manifest = _parse(d, directory, known)
         except Bad as e:
             raise ManifestError(f"the manifest of step {step}: {e}") from None
-        manifest._texts = [t for t, _ in texts]
+        manifest._texts = [t for t, _, _ in texts]
         memo.keep(entries, texts, manifest)
         return manifest
 
@@ -318,24 +318,23 @@ class Memo:
     Entries with index parts or of version 3 are always parsed."""
 
     def __init__(self) -> None:
-        self._keys: list[bytes | None] = []  # by rank, those of the entries texts() was given
         # by rank: (the entry as sent, its text, its tree's text, the parsed entry, its tree's
         # tree_key or None)
         self._last: dict[int, tuple[Any, str, str | None, RankEntry, bytes | None]] = {}
 
     def texts(self, entries: list[Any], use: bool = True
-              ) -> tuple[list[tuple[str, str | None]], dict[int, RankEntry]]:
-        """Each entry's canonical JSON and that of its tree (:func:`entry_text`), and the
-        parsed entries (by rank) of those sent alike last time; with ``use`` False, none."""
-        texts, known, self._keys = [], {}, []
+              ) -> tuple[list[tuple[str, str | None, bytes | None]], dict[int, RankEntry]]:
+        """Each entry's canonical JSON, that of its tree (:func:`entry_text`) and its tree's
+        :func:`tree_key`, and the parsed entries (by rank) of those sent alike last time; with
+        ``use`` False, none."""
+        texts, known = [], {}
         for i, e in enumerate(entries):
             hit = self._last.get(i) if use else None
             has_tree = isinstance(e, dict) and isinstance(e.get("tree"), dict)
             key = tree_key(e["tree"]) if has_tree else None
-            self._keys.append(key)
             same = hit is not None and key is not None and hit[4] == key
             if hit is not None and hit[0] == e and (same or not has_tree):
-                texts.append(hit[1:3])
+                texts.append((hit[1], hit[2], key))
                 known[i] = hit[3]
                 continue
             tree = None
@@ -343,15 +342,15 @@ class Memo:
                 tree = hit[2] if same and hit is not None and hit[2] is not None \
                     else tree_text(e["tree"])
             texts.append((entry_text(e, tree) if isinstance(e, dict)
-                          else _canonical(e, allow_nan=False), tree))
+                          else _canonical(e, allow_nan=False), tree, key))
         return texts, known
 
-    def keep(self, entries: list[Any], texts: list[tuple[str, str | None]],
+    def keep(self, entries: list[Any], texts: list[tuple[str, str | None, bytes | None]],
              manifest: Manifest) -> None:
         """Keep what :meth:`texts` was given and made (and ``manifest``, parsed from them)."""
         self._last = {} if manifest.split or manifest.extended else {
-            i: (e, t, tree, parsed, key) for i, (e, (t, tree), parsed, key) in enumerate(
-                zip(entries, texts, manifest.ranks, self._keys, strict=True))}
+            i: (e, t, tree, parsed, key) for i, (e, (t, tree, key), parsed) in enumerate(
+                zip(entries, texts, manifest.ranks, strict=True))}
 
 
 def _parse(d: Any, directory: str | None = None, known: dict[int, RankEntry] | None = None

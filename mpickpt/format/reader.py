@@ -124,9 +124,9 @@ def read_spans(
                 s = spans[i]
                 view, start = byte_view(s.dest), s.record.offset + s.lo - first
                 for at in range(0, max(s.nbytes, 1), block):  # (an empty record: one block)
-                    n = min(block, s.nbytes - at)
-                    f.check_block(s.record, (s.lo + at) // block, data[start + at:start + at + n])
-                    view[at:at + n] = data[start + at:start + at + n]
+                    piece = data[start + at:start + min(at + block, s.nbytes)]
+                    f.check_block(s.record, (s.lo + at) // block, piece)
+                    view[at:at + len(piece)] = piece
                     if on_block is not None:
                         on_block()
 
@@ -135,9 +135,8 @@ def read_spans(
                 read_run(i)
                 return
             s, at = spans[i], b * block
-            view = byte_view(s.dest) if host[i] else None
-            if view is not None:
-                f.read_block(s.record, (s.lo + at) // block, view[at : at + block])
+            if host[i]:
+                f.read_block(s.record, (s.lo + at) // block, byte_view(s.dest)[at : at + block])
             else:  # verified in the page-locked buffer, then copied (and waited for)
                 assert bounce is not None
                 with bounce() as buf:
