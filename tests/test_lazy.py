@@ -260,6 +260,7 @@ def test_the_owners_of_a_states_tensors_are_found_where_the_state_holds_them():
     inside a module), each optimizer's parameters and state, each module's buffers (not its
     parameters: an optimizer not in the state may change those before the next forward pass);
     only an optimizer's CPU tensors may be copied lazily, by their size."""
+    from mpickpt.format.state_tree import flatten_placed
     from mpickpt.save import owners
 
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -267,7 +268,7 @@ def test_the_owners_of_a_states_tensors_are_found_where_the_state_holds_them():
     m(torch.randn(3, 4)).sum().backward()
     opt.step()
     found: list = []
-    owners.collect({"a": [m, {"o": opt}], "sd": m.state_dict(), "n": 3}, found)
+    flatten_placed({"a": [m, {"o": opt}], "sd": m.state_dict(), "n": 3}, owners=found)
     assert found == [m, opt]
     owned: dict[int, int] = {}
     guarded: set[int] = set()
@@ -280,3 +281,35 @@ def test_the_owners_of_a_states_tensors_are_found_where_the_state_holds_them():
     assert {bn.running_mean.data_ptr(), bn.running_var.data_ptr()} <= buffers
     assert not buffers & {p.data_ptr() for p in m.parameters()}
     assert not {bn.running_mean.data_ptr()} & guarded  # a forward changes it, not the step
+
+
+def test_many_small_tensors_an_optimizer_owns_are_not_copied_on_the_spot(tmp_path, slow_copy):
+    """Below LAZY_MIN bytes but of LAZY_COUNT tensors or more, the copy costs its tensors'
+    count, not their bytes: an optimizer's are copied on the snapshot thread all the same, the
+    step waits for them, and the checkpoint holds the values of save()."""
+    delay, finished = slow_copy
+    torch.manual_seed(0)
+    layers = snapshot.LAZY_COUNT // 8 + 1  # a weight, a bias and their Adam state: 8 tensors
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 2)).sum().backward()
+    opt.step()
+    saved = values(model, opt)
+    assert sum(t.nbytes for t in saved.values()) < snapshot.LAZY_MIN
+    with mpickpt.Checkpointer(tmp_path) as ck:
+        t0 = time.perf_counter()
+        handle = ck.save(1, {"model": model, "optim": opt})
+        assert time.perf_counter() - t0 < delay[0] / 2, "save() waited for the copy"
+        assert ck._capture.snapshotter._reading is not None and not finished
+        model(torch.randn(3, 2)).sum().backward()
+        opt.step()  # its pre-hook waits for the copy
+        assert finished
+        assert handle.wait().committed
+        delay[0] = 0.0
+        fresh = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(layers)])
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
+    got = values(fresh, fresh_opt)
+    assert got.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k

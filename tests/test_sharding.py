@@ -80,6 +80,21 @@ def test_a_share_gives_a_small_group_to_its_fewest_highest_holders():
     assert set(many.values()) == set(range(99_990, 100_000))
 
 
+def test_the_writers_of_the_same_pieces_are_kept_and_other_pieces_get_their_own():
+    """A training loop saves the same pieces every time: their writers are worked out once
+    (the same answer, not sorted again); a piece of another size is a new question."""
+    t = {f"w{i}": torch.zeros(10 + i) for i in range(6)}
+    placements = {n: sharding.whole(tuple(x.shape), 4) for n, x in t.items()}
+    first = sharding.writers_of(t, placements)
+    assert sharding.writers_of(dict(t), dict(placements)) is first
+    assert first == sharding.writers((n, x.nbytes, range(4)) for n, x in t.items())
+    t["w0"] = torch.zeros(1000)
+    placements["w0"] = sharding.whole((1000,), 4)
+    other = sharding.writers_of(t, placements)
+    assert other == sharding.writers((n, x.nbytes, range(4)) for n, x in t.items())
+    assert other != first  # the largest piece goes first, to rank 0
+
+
 def test_writers_pick_as_the_plain_rule_does_and_a_world_of_holders_is_a_range():
     """The heap gives what "each piece, largest first, to the holder with the fewest bytes,
     the lowest rank among equals" gives, for any holders; replicated tensors of a world of

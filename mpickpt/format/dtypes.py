@@ -30,6 +30,11 @@ for _n, (_, _s) in DTYPES.items():
 _BY_DTYPE = {dt: name for name, (dt, _) in _TABLE.items()}
 
 
+def supported() -> frozenset[torch.dtype]:
+    """The torch dtypes a shard can hold."""
+    return frozenset(_BY_DTYPE)
+
+
 def name_of(dtype: torch.dtype) -> str:
     """The stable name of a torch dtype, or ValueError if shards cannot hold it."""
     try:

@@ -26,6 +26,8 @@ from ..sharding import Piece, Placement
 from ..stateful import py_state
 from . import dtypes
 
+_STRIDED = torch.strided
+_DTYPES = dtypes.supported()
 MAX_DEPTH = 64  # levels of nesting in a state (its JSON tree takes about 3 per level: the
 # manifest refuses trees deeper than 256)
 
@@ -55,13 +57,16 @@ def _path_str(path: tuple[Any, ...]) -> str:
 
 
 class _Flattener:
-    def __init__(self, replicated: tuple[str, ...] = (), world: int = 1) -> None:
+    def __init__(self, replicated: tuple[str, ...] = (), world: int = 1,
+                 owners: list[Any] | None = None) -> None:
         self.arrays: dict[str, torch.Tensor] = {}
+        self.owners = owners  # where the optimizers and modules met go, if anywhere
         self.placements: dict[str, Placement] = {}
         self.replicated, self._under = frozenset(replicated), tuple(f"{p}/" for p in replicated)
         self.unmatched = set(replicated)  # replicated key paths not met in the state yet
         self.world = world
         self._devices: dict[torch.device, str] = {}  # str() of a device, once per device
+        self._whole: dict[torch.Size, Placement] = {}  # a replicated shape's, once per shape
 
     def is_replicated(self, where: str) -> bool:
         """Whether the key path ``where`` (:func:`_path_str`) is under a replicated one."""
@@ -86,6 +91,27 @@ class _Flattener:
         name = self.name(where)
         self.arrays[name] = t.detach()  # (its own shape: the user's may change after save())
         return name
+
+    def plain(self, t: torch.Tensor, where: str) -> dict[str, Any]:
+        """:meth:`global_tensor` for a plain tensor or parameter (the most common leaf, at
+        every save: a few function calls less a tensor); anything unusual goes the long way."""
+        if (t.dtype not in _DTYPES or t.layout is not _STRIDED or t.is_nested or t.is_quantized
+                or t.is_meta):
+            return self.global_tensor(t, where)  # (it raises what it cannot save)
+        name = where if where not in self.arrays else self.name(where)
+        self.arrays[name] = t.detach()  # (its own shape: the user's may change after save())
+        dev = t.device
+        device = self._devices.get(dev)
+        if device is None:
+            device = self._devices[dev] = str(dev)
+        if where in self.replicated or where.startswith(self._under):
+            shape = t.shape
+            placement = self._whole.get(shape)
+            if placement is None:
+                placement = self._whole[shape] = sharding.whole(tuple(shape), self.world)
+            self.placements[name] = placement
+            return {"type": "tensor", "name": name, "device": device, "sharded": True}
+        return {"type": "tensor", "name": name, "device": device}
 
     def global_tensor(self, x: Any, where: str) -> dict[str, Any]:
         """A tensor node; for a sharded or replicated one (DTensor, :class:`Piece`, declared
@@ -115,7 +141,7 @@ class _Flattener:
                                  f"than {MAX_DEPTH} levels deep; a restore would refuse its tree")
         kind = type(x)  # the most common first, by their exact type (a state_dict(): OrderedDict)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
-            return self.global_tensor(x, where)
+            return self.plain(x, where)
         if kind is dict or kind is OrderedDict or kind is list or kind is tuple:
             return self.container(x, depth, where)
         if kind is float:  # (an optimizer's hyperparameters: exact types, no conversion)
@@ -166,6 +192,9 @@ class _Flattener:
             return self.container(x, depth, where)
         if callable(getattr(x, "state_dict", None)) and callable(
                 getattr(x, "load_state_dict", None)):
+            if self.owners is not None and isinstance(x, (torch.optim.Optimizer,
+                                                          torch.nn.Module)):
+                self.owners.append(x)
             return {"type": "stateful", "class": f"{kind.__module__}.{kind.__qualname__}",
                     "state": self.node(x.state_dict(), depth, where)}
         raise StateTreeError(
@@ -216,13 +245,15 @@ def flatten(state: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def flatten_placed(state: Any, replicated: tuple[str, ...] = (), world: int = 1, *,
-                   strict: bool = True
+                   strict: bool = True, owners: list[Any] | None = None
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Placement]]:
     """:func:`flatten`, plus the placement of every sharded or replicated tensor by name.
     ``replicated``: key paths ("model", "optim/state") whose plain tensors every one of the
     ``world`` ranks holds alike; ``strict``: one that matches no tensor is an error (a typo, at
-    a save; a restore may build those tensors from the checkpoint)."""
-    f = _Flattener(replicated, world)
+    a save; a restore may build those tensors from the checkpoint); ``owners``: a list the
+    optimizers and modules of the state are appended to, as they are met (what a snapshot
+    guards: :meth:`mpickpt.save.snapshot.Snapshotter.guard`)."""
+    f = _Flattener(replicated, world, owners)
     tree = f.node(state, 0)
     if f.unmatched and strict:
         keys = ", ".join(repr(k) for k in state) if isinstance(state, Mapping) else "none"

@@ -51,12 +51,14 @@ class Capture:
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate now the buffers a snapshot of ``state`` will need."""
-        self.snapshotter.prepare(self._flatten(state)[1])
+        self.snapshotter.prepare(self._flatten(state, [])[1])
 
-    def _flatten(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        """(tree, the tensors this rank writes, placements) of ``state``."""
-        tree, tensors, placements = state_tree.flatten_placed(state, self.replicated,
-                                                              self.world_size)
+    def _flatten(self, state: dict[str, Any], owners: list[Any]
+                 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(tree, the tensors this rank writes, placements) of ``state``; its optimizers and
+        modules appended to ``owners``."""
+        tree, tensors, placements = state_tree.flatten_placed(
+            state, self.replicated, self.world_size, owners=owners)
         keep_mine(tensors, placements, self.rank, self.share)
         return tree, tensors, placements
 
@@ -82,12 +84,13 @@ class Capture:
         try:
             faults.hit("before-snapshot", self.rank, step)
             request.metadata = user_metadata.check(metadata)
-            request.tree, tensors, request.placements = self._flatten(state)
+            found: list[Any] = []
+            request.tree, tensors, request.placements = self._flatten(state, found)
             if self.tracker is not None:
                 request.elided = self.tracker.elide(tensors, request.placements)
                 for name in request.elided:
                     del tensors[name]
-            maps = self.snapshotter.guard(state)
+            maps = self.snapshotter.guard(found)
             waits = self.pool.in_flight() >= self.pool.slots
             if waits and self.skip:  # every rank skips it: see Pipeline._skipped
                 request.busy = True

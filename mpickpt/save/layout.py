@@ -10,42 +10,67 @@ at the last save gets the views it had then.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from ..format.blocks import align
+from ..format.blocks import ALIGN, align
 from ..format.dtypes import name_of
 
 V = TypeVar("V")
 
 
-def place(tensors: Mapping[str, torch.Tensor]) -> tuple[
-        dict[torch.device, list[str]], list[torch.device], dict[str, int],
-        dict[torch.device, tuple[int, int]], int]:
+# a tensor of fewer bytes than a page starts on a cache line instead of a page of its own: the
+# 8,000 tensors of a thousand small layers and their Adam state took 32.8 MB of buffer for
+# 3.4 MB of bytes, and a page each to copy into (its offset in a shard is HDF5's, never aligned
+# for O_DIRECT, so nothing is lost)
+SMALL_ALIGN = 64
+
+
+class Placed(NamedTuple):
+    """Where each tensor of a snapshot goes in its buffer (:func:`place`)."""
+
+    by_device: dict[torch.device, list[str]]  # names by device
+    order: list[torch.device]  # the devices in the buffer's order (CPU last)
+    offsets: dict[str, int]
+    ranges: dict[torch.device, tuple[int, int]]  # each device's range, page-aligned
+    total: int  # bytes
+    key: tuple[Any, ...]  # what the views of a buffer with this layout depend on (Views.get)
+
+
+def place(tensors: Mapping[str, torch.Tensor]) -> Placed:
     """Where each tensor goes in a snapshot's buffer: each device's tensors form one contiguous
-    range, CPU last. (names by device, devices in order, offsets, ranges, total bytes)"""
-    by_device: dict[torch.device, list[str]] = {}
+    range, CPU last; a tensor of a page or more starts on a page, a smaller one on a cache
+    line. One pass over the tensors: this is paid on the training thread at every save.
+
+    The key is of strings and integers alone, which Python's collector stops tracking (a
+    ``torch.dtype`` or a ``torch.Size`` in it kept two objects a tensor tracked for as long as
+    the key is kept)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
-        by_device.setdefault(t.device, []).append(name)
+        dev = t.device
+        group = by_device.get(dev)
+        if group is None:
+            group = by_device[dev] = []
+        group.append((name, t))
     order = sorted(by_device, key=lambda d: (d.type == "cpu", str(d)))
     offsets: dict[str, int] = {}
     ranges: dict[torch.device, tuple[int, int]] = {}
+    key: list[tuple[str, int, str, tuple[int, ...]]] = []
     pos = 0
     for dev in order:
         start = pos
-        for name in by_device[dev]:
+        for name, t in by_device[dev]:
+            n = t.nbytes
+            a = ALIGN if n >= ALIGN else SMALL_ALIGN
+            pos = -(-pos // a) * a
             offsets[name] = pos
-            pos = align(pos + nbytes(tensors[name]))
+            key.append((name, pos, name_of(t.dtype), tuple(t.shape)))
+            pos += n
+        pos = align(pos)
         ranges[dev] = (start, pos)
-    return by_device, order, offsets, ranges, pos
-
-
-def key(tensors: Mapping[str, torch.Tensor], offsets: Mapping[str, int]) -> tuple[Any, ...]:
-    """What the views of a buffer for ``tensors`` at ``offsets`` depend on: of strings and
-    integers alone, which Python's collector stops tracking (a ``torch.dtype`` or a
-    ``torch.Size`` in it kept two objects a tensor tracked for as long as the key is kept)."""
-    return tuple((n, offsets[n], name_of(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+    return Placed({d: [n for n, _ in g] for d, g in by_device.items()}, order, offsets, ranges,
+                  pos, tuple(key))
 
 
 def nbytes(t: torch.Tensor) -> int:

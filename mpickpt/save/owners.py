@@ -11,18 +11,6 @@ import torch
 from ..sharding import local_tensor
 
 
-def collect(x: Any, out: list[Any]) -> None:
-    """The optimizers and modules in a state (not inside modules)."""
-    if isinstance(x, (torch.optim.Optimizer, torch.nn.Module)):
-        out.append(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            collect(v, out)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            collect(v, out)
-
-
 def owned_by(opt: torch.optim.Optimizer, out: dict[int, int], guarded: set[int]) -> None:
     """The tensors that ``opt.step()`` changes, its parameters and its state: the CPU ones into
     ``out`` (data pointer -> bytes), every one's data pointer into ``guarded``."""

@@ -64,6 +64,9 @@ CLONE_MAX = 16 << 20
 # below this many bytes (lazy copies and a buffer to allocate together) the snapshot thread is
 # not worth waking: everything is done on the spot
 LAZY_MIN = 8 << 20
+# nor below this many CPU tensors: many small ones cost their copy 0.5-1 µs each, whatever
+# their bytes (8,000: about 6 ms on this project's VM)
+LAZY_COUNT = 2048
 
 # what guard() knows of the optimizers and modules in a state, worked out when first asked for:
 # (CPU data pointer -> bytes only an optimizer changes, the data pointers the hooks guard)
@@ -176,22 +179,23 @@ class Snapshotter:
         pool.dropped.append(self._views.forget)
 
     def take(self, tensors: Mapping[str, torch.Tensor], maps: Maps | None = None) -> Snapshot:
-        """Snapshot ``tensors``; from 8 MB on, those of CPU whose data pointer the first of
-        ``maps()`` maps to at least their size (an optimizer's, see :meth:`guard`) are copied on
-        the snapshot thread. Unless every CUDA tensor's data pointer is in the second, the
-        current streams wait for the copies from now on (:meth:`fence`)."""
+        """Snapshot ``tensors``; from 8 MB or 2,048 CPU tensors on, those of CPU whose data
+        pointer the first of ``maps()`` maps to at least their size (an optimizer's, see
+        :meth:`guard`) are copied on the snapshot thread. Unless every CUDA tensor's data
+        pointer is in the second, the current streams wait for the copies from now on
+        (:meth:`fence`)."""
         t0 = time.perf_counter()
         maps = maps or _no_maps
-        by_device, order, offsets, ranges, pos = layout.place(tensors)
-        key = layout.key(tensors, offsets)
+        by_device, order, offsets, ranges, pos, key = layout.place(tensors)
         cpu = by_device.get(torch.device("cpu"), [])
-        later = []
-        if pos >= LAZY_MIN and cpu:
-            lazy = maps()[0]
-            later = [n for n in cpu
-                     if lazy.get(tensors[n].data_ptr(), -1) >= layout.nbytes(tensors[n])]
-        later_set = set(later)
-        now = [n for n in cpu if n not in later_set]
+        later: list[str] = []
+        lazy = maps()[0] if (pos >= LAZY_MIN or len(cpu) >= LAZY_COUNT) and cpu else None
+        if lazy:
+            later = [n for n in cpu if lazy.get(tensors[n].data_ptr(), -1) >= tensors[n].nbytes]
+            later_set = set(later)
+            now = [n for n in cpu if n not in later_set]
+        else:
+            now = cpu
         if self._last is not None:  # its staging buffers must be emptied before reuse
             self._last.staging_free.wait()
         staging = {dev: self._staging_buffer(dev, hi - lo) for dev, (lo, hi) in ranges.items()
@@ -242,7 +246,7 @@ class Snapshotter:
         and the device staging buffers. Page-locking gigabytes holds the CUDA driver for
         seconds (the training thread would wait behind it from whichever thread it ran); a
         page-locked buffer takes the staging buffer's bytes straight, without the ring."""
-        _, _, _, ranges, pos = layout.place(tensors)
+        _, _, _, ranges, pos, _ = layout.place(tensors)
         if self._last is not None:
             self._last.staging_free.wait()
         for dev, (lo, hi) in ranges.items():
@@ -369,17 +373,15 @@ class Snapshotter:
         snap.staging_free.set()
         self.pool.release(snap.lease)
 
-    def guard(self, state: Any) -> Maps:
-        """Make the optimizers (and, with CUDA, the modules) in ``state`` wait for the snapshot
-        before they change the tensors it copies: an optimizer step pre-hook and a forward
+    def guard(self, found: list[Any]) -> Maps:
+        """Make the optimizers (and, with CUDA, the modules) ``found`` in a state (by
+        :func:`mpickpt.format.state_tree.flatten_placed`) wait for the snapshot before they
+        change the tensors it copies: an optimizer step pre-hook and a forward
         pre-hook, registered once per object. Returns what :meth:`take` asks for only when it
         needs them (lazy copies, CUDA tensors): the CPU tensors only those optimizers change
         (data pointer -> bytes: their parameters and state, which :meth:`take` copies lazily),
         and the data pointers of every tensor those hooks guard (the optimizers' parameters
         and state, the modules' buffers)."""
-        found: list[Any] = []
-        owners.collect(state, found)
-
         @functools.cache
         def maps() -> tuple[dict[int, int], set[int]]:
             owned: dict[int, int] = {}
