@@ -46,13 +46,13 @@ def place(tensors: Mapping[str, torch.Tensor]) -> Placed:
     The key is of strings and integers alone, which Python's collector stops tracking (a
     ``torch.dtype`` or a ``torch.Size`` in it kept two objects a tensor tracked for as long as
     the key is kept)."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    by_device: dict[torch.device, list[str]] = {}
     for name, t in tensors.items():
         dev = t.device
         group = by_device.get(dev)
         if group is None:
             group = by_device[dev] = []
-        group.append((name, t))
+        group.append(name)
     order = sorted(by_device, key=lambda d: (d.type == "cpu", str(d)))
     offsets: dict[str, int] = {}
     ranges: dict[torch.device, tuple[int, int]] = {}
@@ -60,7 +60,8 @@ def place(tensors: Mapping[str, torch.Tensor]) -> Placed:
     pos = 0
     for dev in order:
         start = pos
-        for name, t in by_device[dev]:
+        for name in by_device[dev]:
+            t = tensors[name]
             n = t.nbytes
             a = ALIGN if n >= ALIGN else SMALL_ALIGN
             pos = -(-pos // a) * a
@@ -69,8 +70,7 @@ def place(tensors: Mapping[str, torch.Tensor]) -> Placed:
             pos += n
         pos = align(pos)
         ranges[dev] = (start, pos)
-    return Placed({d: [n for n, _ in g] for d, g in by_device.items()}, order, offsets, ranges,
-                  pos, tuple(key))
+    return Placed(by_device, order, offsets, ranges, pos, tuple(key))
 
 
 def nbytes(t: torch.Tensor) -> int:
